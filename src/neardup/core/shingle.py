@@ -1,0 +1,143 @@
+"""Shingles of a batch of documents, hashed to 64 bits without per-shingle strings.
+
+A document's shingles are its word n-grams over Unicode word tokens (``\\w+``) or its
+character n-grams. Tokens are hashed once each with xxh3-64 (character shingles use the
+code points); an n-gram's hash is the order-sensitive ``combine`` of its n token hashes,
+computed with n - 1 vectorised passes over the whole batch. A document with fewer than n
+tokens gives one shingle of all its tokens; a document with no token gives none (callers
+reject it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import xxhash
+
+from neardup.core.hashing import combine, mix64
+
+_WORD = re.compile(r"\w+")
+
+
+@dataclass(frozen=True)
+class Shingling:
+    """How a normalised text is cut into shingles: word or character n-grams.
+
+    Attributes:
+        kind: ``"word"`` (n consecutive Unicode word tokens) or ``"char"`` (n consecutive
+            characters, white space included).
+        n: the n-gram length, at least 1.
+    """
+
+    kind: Literal["word", "char"] = "word"
+    n: int = 5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("word", "char"):
+            raise ValueError(f"shingling kind must be 'word' or 'char', not {self.kind!r}")
+        if self.n < 1:
+            raise ValueError(f"shingle length must be at least 1, not {self.n}")
+
+    @classmethod
+    def parse(cls, spec: str) -> Shingling:
+        """Parse ``"word:5"``, ``"char:5"`` or a bare ``"5"`` (word n-grams).
+
+        Raises:
+            ValueError: the spec has another form.
+        """
+        kind, _, n = spec.strip().rpartition(":")
+        try:
+            return cls(kind=kind or "word", n=int(n))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(
+                f"bad shingling {spec!r}: expected 'word:N' or 'char:N' ({exc})"
+            ) from None
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.n}"
+
+
+@dataclass(frozen=True)
+class ShingleBatch:
+    """The shingle hashes of a batch of documents.
+
+    Attributes:
+        hashes: uint64, shape (total_shingles,): document after document; a document's
+            shingles in text order, repeats kept.
+        offsets: int64, shape (n_docs + 1,): document ``d`` owns
+            ``hashes[offsets[d]:offsets[d + 1]]``.
+    """
+
+    hashes: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def counts(self) -> np.ndarray:
+        """int64, shape (n_docs,): the number of shingles of each document."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def _token_hashes(texts: Sequence[str], shingling: Shingling) -> tuple[np.ndarray, np.ndarray]:
+    """Token hashes (uint64, shape (n_tokens,)) and per-document token offsets."""
+    if shingling.kind == "word":
+        tokens = [_WORD.findall(t) for t in texts]
+        counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(texts))
+        joined = " ".join(" ".join(ts) for ts in tokens if ts).encode("utf-8")
+        total = int(counts.sum())
+        pieces = joined.split(b" ") if total else []
+        hashes = np.fromiter(
+            map(xxhash.xxh3_64_intdigest, pieces), dtype=np.uint64, count=total
+        )
+    else:
+        counts = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        codepoints = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
+        hashes = mix64(codepoints.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019))
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return hashes, offsets
+
+
+def shingle_batch(texts: Sequence[str], shingling: Shingling = Shingling()) -> ShingleBatch:
+    """Hash the shingles of normalised ``texts`` in one vectorised pass.
+
+    Args:
+        texts: normalised documents (see ``neardup.core.normalize``).
+        shingling: word or character n-grams.
+
+    Returns:
+        A ``ShingleBatch``; a text without any token has zero shingles.
+    """
+    tokens, toff = _token_hashes(texts, shingling)
+    n = shingling.n
+    m = np.diff(toff)  # tokens per document
+    n_shingles = np.where(m >= n, m - n + 1, np.minimum(m, 1))
+    short = np.flatnonzero((m > 0) & (m < n))
+    short_hashes = np.empty(len(short), dtype=np.uint64)
+    ones = short[m[short] == 1]
+    short_hashes[np.searchsorted(short, ones)] = tokens[toff[ones]]
+
+    acc = tokens
+    for k in range(1, n):
+        width = max(len(tokens) - k, 0)  # n-grams of length k + 1 start at 0 .. width - 1
+        acc = combine(acc[:width], tokens[k : k + width])
+        done = short[m[short] == k + 1]
+        if len(done):
+            short_hashes[np.searchsorted(short, done)] = acc[toff[done]]
+
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(n_shingles, out=offsets[1:])
+    total = int(offsets[-1])
+    doc_of_slot = np.repeat(np.arange(len(texts)), n_shingles)
+    source = np.arange(total, dtype=np.int64) - offsets[doc_of_slot] + toff[doc_of_slot]
+    out = np.empty(total, dtype=np.uint64)
+    full = m[doc_of_slot] >= n
+    out[full] = acc[source[full]]
+    out[offsets[short]] = short_hashes
+    return ShingleBatch(hashes=out, offsets=offsets)

@@ -1,0 +1,62 @@
+"""Value types passed between the detector and its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One record to deduplicate: its external ``id`` and raw ``text``."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The outcome for one document.
+
+    Attributes:
+        id: the document's external id.
+        seq: its arrival sequence number in the store (0, 1, 2, ...).
+        verdict: ``"unique"`` (no earlier near-duplicate) or ``"duplicate"``.
+        cluster: external id of the cluster's canonical (earliest) document; the
+            document's own id when it starts a cluster.
+        match: external id of the most similar accepted candidate, or None.
+        similarity: estimated Jaccard similarity to ``match`` (0.0 when unique).
+        candidates: number of distinct earlier documents checked (bucket collisions).
+        rejected: candidates whose estimated similarity fell below the threshold.
+    """
+
+    id: str
+    seq: int
+    verdict: Literal["unique", "duplicate"]
+    cluster: str
+    match: str | None
+    similarity: float
+    candidates: int
+    rejected: int
+
+    @property
+    def is_duplicate(self) -> bool:
+        return self.verdict == "duplicate"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "verdict": self.verdict,
+            "cluster": self.cluster,
+            "match": self.match,
+            "similarity": round(self.similarity, 6),
+            "candidates": self.candidates,
+            "rejected_candidates": self.rejected,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A record that could not be processed, with the reason (e.g. empty text)."""
+
+    id: str
+    reason: str
