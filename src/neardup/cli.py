@@ -1,0 +1,179 @@
+"""The ``neardup`` command: parsing and wiring only.
+
+Subcommands: ``dedup`` (JSONL files, the embedded mode), ``params`` (the LSH banding for
+a threshold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from neardup import __version__
+from neardup.config import Settings, load_settings
+from neardup.core.lsh import LshParams, false_negative_area, false_positive_area, optimal_params
+from neardup.state.base import StateError
+
+log = logging.getLogger("neardup")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (stored with the state: shingle, normalisation, num-perm, seed, bands, rows)")
+    g.add_argument("--shingle", help="word:N or char:N shingles (default word:5)")
+    g.add_argument("--num-perm", type=int, help="MinHash permutations (default 128)")
+    g.add_argument("--seed", type=int, help="MinHash seed (default 1)")
+    g.add_argument("--threshold", type=float, help="Jaccard similarity of a duplicate (default 0.8)")
+    g.add_argument("--bands", type=int, help="LSH bands (default: optimal for the threshold)")
+    g.add_argument("--rows", type=int, help="LSH rows per band (with --bands)")
+    g.add_argument("--nfkc", action=argparse.BooleanOptionalAction, default=None, help="Unicode NFKC (default on)")
+    g.add_argument("--casefold", action=argparse.BooleanOptionalAction, default=None, help="case folding (default on)")
+    g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help="delete punctuation (default off)")
+    g.add_argument("--max-bucket-size", type=int, help="documents kept per band bucket (default 256)")
+
+
+def _record_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("records")
+    g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (default text)")
+    g.add_argument("--id-field", help="JSON field holding the document id (default id)")
+    g.add_argument("--batch-size", type=int, help="documents per batch (default 1000)")
+    g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML settings file (flags and NEARDUP_* variables win)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neardup",
+        description="Streaming near-duplicate detection for text: MinHash, LSH and union-find over RocksDB.",
+    )
+    parser.add_argument("--version", action="version", version=f"neardup {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dedup = sub.add_parser("dedup", help="deduplicate JSONL files (embedded mode, no Kafka)")
+    dedup.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
+    dedup.add_argument("--out-dir", type=Path, default=Path("neardup-out"), help="where unique.jsonl, duplicates.jsonl and rejects.jsonl go (default ./neardup-out)")
+    dedup.add_argument("--append", action="store_true", help="append to the output files instead of replacing them")
+    dedup.add_argument("--summary-json", type=Path, help="also write the summary as JSON here")
+    dedup.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
+    _engine_flags(dedup)
+    _record_flags(dedup)
+    _common_flags(dedup)
+
+    params = sub.add_parser("params", help="print the LSH banding for a threshold")
+    params.add_argument("--threshold", type=float, default=0.8)
+    params.add_argument("--num-perm", type=int, default=128)
+    params.add_argument("--bands", type=int)
+    params.add_argument("--rows", type=int)
+    params.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "progress", "config", "json"}
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS}
+    return load_settings(overrides, args.config)
+
+
+def _setup_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    if (args.bands is None) != (args.rows is None):
+        raise ValueError("give both --bands and --rows, or neither")
+    lsh = LshParams(args.bands, args.rows) if args.bands else optimal_params(args.threshold, args.num_perm)
+    if lsh.bands * lsh.rows > args.num_perm:
+        raise ValueError(f"{lsh.bands} x {lsh.rows} exceeds num_perm {args.num_perm}")
+    grid = np.round(np.arange(0.5, 1.0001, 0.05), 2)
+    table = {f"{s:.2f}": round(float(lsh.probability(s)), 6) for s in grid}
+    fp, fn = false_positive_area(args.threshold, lsh), false_negative_area(args.threshold, lsh)
+    if args.json:
+        print(json.dumps({"threshold": args.threshold, "num_perm": args.num_perm, "bands": lsh.bands,
+                          "rows": lsh.rows, "false_positive_area": fp, "false_negative_area": fn,
+                          "probability": table}))
+        return 0
+    print(f"threshold {args.threshold}  num_perm {args.num_perm}")
+    print(f"bands {lsh.bands}  rows {lsh.rows}  (uses {lsh.bands * lsh.rows} of {args.num_perm} slots)")
+    print(f"false-positive area {fp:.5f}  false-negative area {fn:.5f}")
+    print("similarity  P(candidate)")
+    for s, p in table.items():
+        print(f"{s:>10}  {p:.4f}")
+    return 0
+
+
+def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
+    from neardup.embedded import dedup_files
+
+    summary = dedup_files(
+        args.inputs,
+        settings.engine(),
+        out_dir=args.out_dir,
+        text_fields=settings.text_field,
+        id_field=settings.id_field,
+        state_dir=settings.state_dir,
+        batch_size=settings.batch_size,
+        append=args.append,
+        progress=args.progress,
+    )
+    print(summary.render())
+    print(f"outputs in {args.out_dir}/: unique.jsonl, duplicates.jsonl, rejects.jsonl")
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "params":
+            return cmd_params(args)
+        settings = _settings(args)
+        settings.engine()  # validate early
+        _setup_logging(settings)
+        if args.command == "dedup":
+            return cmd_dedup(args, settings)
+    except (ValueError, ValidationError, FileNotFoundError, StateError) as exc:
+        print(f"neardup: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Typed settings: command-line flags win over ``NEARDUP_*`` environment variables, which
+win over a TOML file (``--config``), which wins over the defaults.
+
+The TOML file holds the same names as the flags (underscores for dashes) at top level,
+and librdkafka settings in a ``[kafka]`` table::
+
+    threshold = 0.85
+    shingle = "char:5"
+    input_topics = ["wire"]
+    [kafka]
+    "security.protocol" = "SASL_SSL"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    NoDecode,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from neardup.core.lsh import LshParams
+from neardup.core.normalize import TextNorm
+from neardup.core.settings import EngineSettings
+from neardup.core.shingle import Shingling
+
+DEFAULT_METRICS_PORT = 9464
+
+
+class Settings(BaseSettings):
+    """Every setting of the ``neardup`` commands, with its default."""
+
+    model_config = SettingsConfigDict(env_prefix="NEARDUP_", extra="forbid")
+
+    # engine
+    shingle: str = "word:5"
+    num_perm: int = Field(128, ge=1)
+    seed: int = 1
+    threshold: float = Field(0.8, gt=0.0, le=1.0)
+    bands: int | None = Field(None, ge=1)
+    rows: int | None = Field(None, ge=1)
+    nfkc: bool = True
+    casefold: bool = True
+    strip_punctuation: bool = False
+    max_bucket_size: int = Field(256, ge=1)
+    # records
+    text_field: Annotated[list[str], NoDecode] = ["text"]
+    id_field: str | None = "id"
+    batch_size: int = Field(1000, ge=1)
+    state_dir: Path | None = None
+    # Kafka
+    bootstrap_servers: str | None = None
+    input_topics: Annotated[list[str], NoDecode] = []
+    group_id: str = "neardup"
+    unique_topic: str | None = None
+    duplicate_topic: str | None = None
+    dlq_topic: str | None = None
+    batch_max_ms: int = Field(200, ge=1)
+    max_message_bytes: int = Field(1 << 20, ge=1)
+    from_beginning: bool = False
+    transactional_id: str | None = None
+    kafka: dict[str, str] = {}
+    # operations
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
+    log_format: Literal["text", "json"] = "text"
+    log_level: str = "INFO"
+
+    @field_validator("text_field", "input_topics", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("shingle")
+    @classmethod
+    def _valid_shingle(cls, value: str) -> str:
+        return str(Shingling.parse(value))
+
+    @field_validator("kafka", mode="before")
+    @classmethod
+    def _stringify(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {
+                str(k): (str(v).lower() if isinstance(v, bool) else str(v))
+                for k, v in value.items()
+            }
+        return value
+
+    def engine(self) -> EngineSettings:
+        """The engine settings these settings describe.
+
+        Raises:
+            ValueError: only one of bands and rows given, or they exceed num_perm.
+        """
+        if (self.bands is None) != (self.rows is None):
+            raise ValueError("give both --bands and --rows, or neither")
+        lsh = LshParams(self.bands, self.rows) if self.bands and self.rows else None
+        return EngineSettings(
+            norm=TextNorm(
+                nfkc=self.nfkc,
+                casefold=self.casefold,
+                strip_punctuation=self.strip_punctuation,
+            ),
+            shingling=Shingling.parse(self.shingle),
+            num_perm=self.num_perm,
+            seed=self.seed,
+            threshold=self.threshold,
+            lsh=lsh,
+            max_bucket_size=self.max_bucket_size,
+        )
+
+
+def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:
+    """Settings from ``overrides`` (flags; None values ignored), the environment and
+    ``toml_file``.
+
+    Raises:
+        FileNotFoundError: ``toml_file`` does not exist.
+        pydantic.ValidationError: a value is invalid (the message names it).
+    """
+    if toml_file is not None and not Path(toml_file).is_file():
+        raise FileNotFoundError(f"config file not found: {toml_file}")
+
+    class _FromFile(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+            if toml_file is not None:
+                sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+            return sources
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return _FromFile(**given)

@@ -1,0 +1,58 @@
+"""Text and id of a JSON record, by dotted field paths; shared by the file and Kafka
+adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class RecordError(ValueError):
+    """A record that cannot be deduplicated; ``str(error)`` is the reason."""
+
+
+_MISSING = object()
+
+
+def lookup(record: Any, path: str) -> Any:
+    """The value at dotted ``path`` (``"a.b.c"``) in nested dicts, or a sentinel if absent."""
+    value = record
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def record_text(record: Any, text_fields: Sequence[str]) -> str:
+    """The record's text: the given fields that are present, joined by newlines.
+
+    Raises:
+        RecordError: the record is not a JSON object, none of the fields is present, or a
+            present field is not a string.
+    """
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
+    parts = []
+    for path in text_fields:
+        value = lookup(record, path)
+        if value is _MISSING or value is None:
+            continue
+        if not isinstance(value, str):
+            raise RecordError(f"field {path!r} is a {type(value).__name__}, not a string")
+        parts.append(value)
+    if not parts:
+        raise RecordError(f"missing field {' or '.join(map(repr, text_fields))}")
+    return "\n".join(parts)
+
+
+def record_id(record: Any, id_field: str | None) -> str | None:
+    """The record's id as a string (numbers converted), None if the field is absent."""
+    if id_field is None or not isinstance(record, dict):
+        return None
+    value = lookup(record, id_field)
+    if value is _MISSING or value is None:
+        return None
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    raise RecordError(f"id field {id_field!r} is a {type(value).__name__}, not a string or integer")
