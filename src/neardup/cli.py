@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from neardup import __version__
-from neardup.config import Settings, load_settings
+from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings
 from neardup.core.lsh import LshParams, false_negative_area, false_positive_area, optimal_params
 from neardup.state.base import StateError
 
@@ -40,10 +40,23 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _record_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("records")
-    g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (default text)")
-    g.add_argument("--id-field", help="JSON field holding the document id (default id)")
+    g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (dedup default: text; run default: the whole message value)")
+    g.add_argument("--id-field", help="JSON field holding the document id (dedup default: id, else the line number; run default: the message key, else topic/partition/offset)")
     g.add_argument("--batch-size", type=int, help="documents per batch (default 1000)")
     g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
+
+
+def _metrics_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}; 0 turns it off)")
+    g.add_argument("--metrics-host", help="address to serve metrics on (default 0.0.0.0)")
+
+
+def _kafka_setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -70,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     _record_flags(dedup)
     _common_flags(dedup)
 
+    run = sub.add_parser("run", help="consume Kafka topics, produce each message to a unique or duplicate topic (exactly once)")
+    k = run.add_argument_group("Kafka")
+    k.add_argument("--bootstrap-servers", help="host:port[,host:port...]")
+    k.add_argument("--input-topic", dest="input_topics", action="append", help="topic to consume; repeat for several; ^regex for a pattern")
+    k.add_argument("--group-id", help="consumer group (default neardup)")
+    k.add_argument("--unique-topic", help="topic for unique messages (default <input>.unique)")
+    k.add_argument("--duplicate-topic", help="topic for duplicates (default <input>.duplicates)")
+    k.add_argument("--dlq-topic", help="dead-letter topic for malformed messages (default <input>.dlq)")
+    k.add_argument("--batch-max-ms", type=int, help="longest wait to fill a batch, ms (default 200)")
+    k.add_argument("--max-message-bytes", type=int, help="larger values go to the dead-letter topic (default 1048576)")
+    k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help="a new group starts at the earliest offset (default: latest)")
+    k.add_argument("--transactional-id", help="one per instance, stable across restarts (default neardup-<group-id>)")
+    k.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer (SASL, TLS, ...); repeatable")
+    _engine_flags(run)
+    _record_flags(run)
+    _metrics_flags(run)
+    _common_flags(run)
+
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
     params.add_argument("--threshold", type=float, default=0.8)
     params.add_argument("--num-perm", type=int, default=128)
@@ -84,7 +115,13 @@ _NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "prog
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS}
-    return load_settings(overrides, args.config)
+    if overrides.get("kafka"):
+        overrides["kafka"] = dict(overrides["kafka"])
+    settings = load_settings(overrides, args.config)
+    if overrides.get("kafka") is not None:  # -X adds to the [kafka] table, not replaces it
+        file_settings = load_settings({}, args.config)
+        settings = settings.model_copy(update={"kafka": {**file_settings.kafka, **overrides["kafka"]}})
+    return settings
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -141,8 +178,8 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
         args.inputs,
         settings.engine(),
         out_dir=args.out_dir,
-        text_fields=settings.text_field,
-        id_field=settings.id_field,
+        text_fields=settings.text_field or ["text"],
+        id_field=settings.id_field or "id",
         state_dir=settings.state_dir,
         batch_size=settings.batch_size,
         append=args.append,
@@ -152,6 +189,19 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
     print(f"outputs in {args.out_dir}/: unique.jsonl, duplicates.jsonl, rejects.jsonl")
     if args.summary_json:
         args.summary_json.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+    return 0
+
+
+def cmd_run(settings: Settings) -> int:
+    from neardup.detector import Detector
+    from neardup.io.kafka import KafkaDeduplicator
+    from neardup.state.rocksdb import RocksDBStateStore
+
+    engine = settings.engine()
+    state_dir = settings.state_dir or Path("neardup-state")
+    with RocksDBStateStore(state_dir, engine.state_shape()) as store:
+        consumer = KafkaDeduplicator(settings, Detector(engine, store))
+        consumer.run()
     return 0
 
 
@@ -166,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(settings)
         if args.command == "dedup":
             return cmd_dedup(args, settings)
+        if args.command == "run":
+            return cmd_run(settings)
     except (ValueError, ValidationError, FileNotFoundError, StateError) as exc:
         print(f"neardup: error: {exc}", file=sys.stderr)
         return 2

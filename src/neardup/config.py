@@ -50,8 +50,8 @@ class Settings(BaseSettings):
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
     # records
-    text_field: Annotated[list[str], NoDecode] = ["text"]
-    id_field: str | None = "id"
+    text_field: Annotated[list[str], NoDecode] | None = None  # dedup: ["text"]; run: whole value
+    id_field: str | None = None  # dedup: "id"; run: the message key
     batch_size: int = Field(1000, ge=1)
     state_dir: Path | None = None
     # Kafka

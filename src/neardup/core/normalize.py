@@ -48,8 +48,10 @@ def _punctuation_table() -> dict[int, None]:
 def normalize(text: str, norm: TextNorm = TextNorm()) -> str:
     """Return ``text`` normalised by ``norm``.
 
-    The steps run in a fixed order: NFKC, casefold, punctuation removal, white-space
-    collapsing. The result may be empty; callers treat that as an invalid record.
+    The steps run in a fixed order: NFKC, casefold, punctuation removal, NFKC again
+    (casefolding and removals can leave composable sequences, e.g. "ß" + U+0301 ->
+    "ss" + U+0301; without it the function is not idempotent), white-space collapsing. The
+    result may be empty; callers treat that as an invalid record.
     """
     if norm.nfkc:
         text = unicodedata.normalize("NFKC", text)
@@ -57,6 +59,8 @@ def normalize(text: str, norm: TextNorm = TextNorm()) -> str:
         text = text.casefold()
     if norm.strip_punctuation:
         text = text.translate(_punctuation_table())
+    if norm.nfkc and (norm.casefold or norm.strip_punctuation):
+        text = unicodedata.normalize("NFKC", text)
     if norm.collapse_whitespace:
         text = _WHITESPACE.sub(" ", text).strip()
     return text

@@ -1,0 +1,423 @@
+"""Exactly-once streaming deduplication: Kafka consumer -> detector -> transactional producer.
+
+Each batch is one Kafka transaction and one RocksDB ``WriteBatch``. The steps, in order:
+
+1. ``consume`` up to ``batch_size`` messages (or what arrives in ``batch_max_ms``) from the
+   assigned partitions, reading committed data only (``isolation.level=read_committed``).
+2. For each message, in partition order: if its offset lies below the partition's input
+   position stored in RocksDB, the message was processed before a crash, and its stored
+   outcome (target topic and added headers) is taken as it is (a *replay*). Otherwise it
+   is decoded; a bad one gets a dead-letter outcome with the reason, the good ones go
+   through the detector together.
+3. ``begin_transaction``; every message is produced to its target topic (unique,
+   duplicate or dead-letter) with its key, value and headers, plus neardup's headers.
+4. RocksDB commit, atomically: the detector's state changes, each partition's new input
+   position (last new offset + 1), the outcome of every new message, and the deletion of
+   the outcomes of the previous batch (committed to Kafka in its step 5, so never needed
+   again).
+5. ``send_offsets_to_transaction`` (next offset per partition, with the consumer group's
+   metadata) and ``commit_transaction``.
+
+What a crash leaves, and how a restart (same ``transactional.id``, same state directory)
+repairs it:
+
+- before step 4 completes: RocksDB is unchanged; the open Kafka transaction is aborted
+  when the restarted producer calls ``init_transactions`` (it fences the old one). The
+  consumer group resumes at the last committed offsets and the batch is processed anew
+  against the same state, so it gets the same verdicts.
+- after step 4, before step 5 completes: RocksDB holds the batch, Kafka does not. The
+  batch's messages are consumed again; their offsets lie below the stored positions, so
+  their stored outcomes are produced again, identical, and the detector never sees a
+  document twice (no document is ever a duplicate of itself).
+- after step 5: both agree; nothing to repair.
+
+An error that is not fatal (broker gone, transaction timed out, abortable error) aborts
+the transaction, rewinds the batch's partitions to its first offsets and retries with
+exponential backoff; the replay rule of step 2 makes the retry exact. A fatal error (the
+producer fenced by a newer instance) stops the consumer with an exception.
+
+Rebalances happen only inside ``consume`` (step 1), when no transaction is open, so a
+revoked partition never leaves anything half-done. Verdicts equal those of an
+uninterrupted run when the input order is the same, i.e. per partition; with several
+partitions the interleaving (and so which copy is the canonical) follows arrival order.
+
+SIGTERM or SIGINT: the batch in progress is finished and committed, the consumer leaves
+its group, and ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
+
+from neardup.config import Settings
+from neardup.core.types import Document, Rejected, Verdict
+from neardup.detector import Detector
+from neardup.io.messages import (
+    MessageError,
+    Outcome,
+    source_name,
+    to_document,
+    verdict_key,
+)
+from neardup.state.base import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def _retriable(exc: BaseException) -> bool:
+    if isinstance(exc, KafkaException):
+        err = exc.args[0]
+        return isinstance(err, KafkaError) and err.retriable() and not err.fatal()
+    return False
+
+
+@dataclass
+class BatchStats:
+    """What one batch did (for logs and metrics)."""
+
+    messages: int = 0
+    replayed: int = 0
+    unique: int = 0
+    duplicate: int = 0
+    dead_letter: dict[str, int] = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)
+    timestamps_ms: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Item:
+    message: Message
+    outcome: Outcome | None = None
+    replay: bool = False
+
+
+class KafkaDeduplicator:
+    """The ``neardup run`` consumer.
+
+    Args:
+        settings: Kafka, record and batch settings (``bootstrap_servers`` and
+            ``input_topics`` required; a topic starting with ``^`` is a regex).
+        detector: the engine, over a persistent state store.
+        on_batch: called after every committed batch with its ``BatchStats``.
+        on_assignment: called with the assigned partitions after every rebalance.
+
+    Raises:
+        ValueError: no bootstrap servers or no input topic.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        detector: Detector,
+        on_batch: Callable[[BatchStats], None] | None = None,
+        on_assignment: Callable[[list[TopicPartition]], None] | None = None,
+    ) -> None:
+        if not settings.bootstrap_servers:
+            raise ValueError("--bootstrap-servers is required")
+        if not settings.input_topics:
+            raise ValueError("at least one --input-topic is required")
+        self.settings = settings
+        self.detector = detector
+        self.store: StateStore = detector.store
+        self.on_batch = on_batch
+        self.on_assignment = on_assignment
+        self.transactional_id = settings.transactional_id or f"neardup-{settings.group_id}"
+        self._stop = threading.Event()
+        self._positions: dict[tuple[str, int], int] = {}
+        self._committed_keys: list[bytes] = []
+        self._delivery_errors: list[str] = []
+        self.assignment: list[TopicPartition] = []
+        self.consumer: Consumer | None = None
+        self.producer: Producer | None = None
+
+    # --- topics ---------------------------------------------------------------------
+    def target_topic(self, input_topic: str, target: str) -> str:
+        s = self.settings
+        explicit = {"unique": s.unique_topic, "duplicate": s.duplicate_topic, "dlq": s.dlq_topic}
+        suffix = {"unique": "unique", "duplicate": "duplicates", "dlq": "dlq"}
+        return explicit[target] or f"{input_topic}.{suffix[target]}"
+
+    def _is_output_topic(self, topic: str) -> bool:
+        """True for a topic this consumer writes (a regex subscription may match it)."""
+        s = self.settings
+        if topic in {s.unique_topic, s.duplicate_topic, s.dlq_topic}:
+            return True
+        return topic.endswith((".unique", ".duplicates", ".dlq"))
+
+    # --- lifecycle ------------------------------------------------------------------
+    def stop(self, *_: Any) -> None:
+        """Ask the loop to finish the current batch and return."""
+        self._stop.set()
+
+    def _connect(self) -> None:
+        s = self.settings
+        common = {"bootstrap.servers": s.bootstrap_servers, **s.kafka}
+        self.consumer = Consumer(
+            {
+                "group.id": s.group_id,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest" if s.from_beginning else "latest",
+                **common,
+            }
+        )
+        self.producer = Producer(
+            {
+                "transactional.id": self.transactional_id,
+                "linger.ms": 5,
+                **common,
+            }
+        )
+        for attempt in Retrying(
+            retry=retry_if_exception(_retriable),
+            wait=wait_exponential(multiplier=0.5, max=30),
+            stop=stop_never,
+            before_sleep=lambda rs: log.warning(
+                "broker not reachable yet (%s); retrying", rs.outcome.exception()
+            ),
+        ):
+            with attempt:
+                if self._stop.is_set():
+                    raise InterruptedError("stopped before the broker answered")
+                self.producer.init_transactions(10.0)
+        log.info("transactional producer %s ready", self.transactional_id)
+        topics = list(s.input_topics)
+        self.consumer.subscribe(
+            topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
+        )
+        log.info("subscribed to %s as group %s", ", ".join(topics), s.group_id)
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.assignment = list(partitions)
+        log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
+        if self.on_assignment:
+            self.on_assignment(self.assignment)
+
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        gone = {(p.topic, p.partition) for p in partitions}
+        self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
+        for tp in gone:
+            self._positions.pop(tp, None)
+        log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(gone)) or "nothing")
+        if self.on_assignment:
+            self.on_assignment(self.assignment)
+
+    def run(self, install_signal_handlers: bool = True) -> None:
+        """Consume until ``stop()`` (or SIGTERM/SIGINT), then commit and leave the group.
+
+        Raises:
+            KafkaException: a fatal Kafka error (e.g. this producer was fenced).
+        """
+        if install_signal_handlers:
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        try:
+            self._connect()
+        except InterruptedError:
+            return
+        assert self.consumer is not None
+        backoff = 0.5
+        try:
+            while not self._stop.is_set():
+                messages = self.consumer.consume(
+                    self.settings.batch_size, timeout=self.settings.batch_max_ms / 1000
+                )
+                messages = self._usable(messages)
+                if not messages:
+                    continue
+                try:
+                    self._process(messages)
+                    backoff = 0.5
+                except KafkaException as exc:
+                    if not _recoverable(exc):
+                        raise
+                    log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
+                    self._abort_and_rewind(messages)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
+        if self.producer is not None:
+            self.producer.flush(10)
+            self.producer = None
+        log.info("consumer closed")
+
+    # --- one batch ----------------------------------------------------------------------
+    def _usable(self, messages: list[Message]) -> list[Message]:
+        out = []
+        for m in messages:
+            err = m.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consume error: %s", err)
+                    if err.fatal():
+                        raise KafkaException(err)
+                continue
+            if self._is_output_topic(m.topic()):
+                continue
+            out.append(m)
+        return out
+
+    def _position(self, topic: str, partition: int) -> int:
+        tp = (topic, partition)
+        if tp not in self._positions:
+            self._positions[tp] = self.store.get_position(source_name(topic, partition)) or 0
+        return self._positions[tp]
+
+    def _process(self, messages: list[Message]) -> BatchStats:
+        started = time.perf_counter()
+        s = self.settings
+        stats = BatchStats(messages=len(messages))
+        items = [_Item(m) for m in messages]
+
+        replays = [it for it in items if it.message.offset() < self._position(it.message.topic(), it.message.partition())]
+        stored = self.store.get_verdicts(
+            [verdict_key(it.message.topic(), it.message.partition(), it.message.offset()) for it in replays]
+        )
+        for it, raw in zip(replays, stored):
+            it.replay = True
+            if raw is None:  # produced and committed in an earlier transaction
+                log.warning("skipping %s[%d]@%d: already delivered", it.message.topic(), it.message.partition(), it.message.offset())
+            else:
+                it.outcome = Outcome.from_bytes(raw)
+        stats.replayed = len(replays)
+
+        fresh: list[_Item] = []
+        documents: list[Document] = []
+        for it in items:
+            if it.replay:
+                continue
+            m = it.message
+            try:
+                documents.append(
+                    to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
+                                s.text_field, s.id_field, s.max_message_bytes)
+                )
+                fresh.append(it)
+            except MessageError as exc:
+                it.outcome = Outcome.of_error(exc.kind, str(exc), m.topic(), m.partition(), m.offset())
+        result = self.detector.detect(documents)
+        for it, res in zip(fresh, result.results):
+            m = it.message
+            if isinstance(res, Rejected):
+                it.outcome = Outcome.of_error("empty_text", res.reason, m.topic(), m.partition(), m.offset())
+            else:
+                it.outcome = Outcome.of_verdict(res)
+                stats.verdicts.append(res)
+
+        assert self.producer is not None and self.consumer is not None
+        self._delivery_errors.clear()
+        self.producer.begin_transaction()
+        next_offsets: dict[tuple[str, int], int] = {}
+        update = result.update
+        for it in items:
+            m = it.message
+            tp = (m.topic(), m.partition())
+            next_offsets[tp] = max(next_offsets.get(tp, 0), m.offset() + 1)
+            if it.outcome is None:
+                continue
+            if not it.replay:
+                update.verdicts[verdict_key(*tp, m.offset())] = it.outcome.to_bytes()
+                update.positions[source_name(*tp)] = m.offset() + 1
+            self._produce(m, it.outcome)
+            if it.outcome.target == "dlq":
+                kind = it.outcome.error_kind or "unknown"
+                stats.dead_letter[kind] = stats.dead_letter.get(kind, 0) + 1
+            elif it.outcome.target == "duplicate":
+                stats.duplicate += 1
+            else:
+                stats.unique += 1
+            ts_type, ts = m.timestamp()
+            if ts_type != 0:
+                stats.timestamps_ms.append(ts)
+        update.verdict_deletes = self._committed_keys
+        self.store.commit(update)
+        for source, position in update.positions.items():
+            _, topic, partition = source.rsplit(":", 2)
+            self._positions[(topic, int(partition))] = position
+
+        offsets = [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()]
+        self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 30.0)
+        self._commit_transaction()
+        if self._delivery_errors:
+            log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
+        self._committed_keys = [
+            verdict_key(m.topic(), m.partition(), m.offset()) for m in messages
+        ]
+        stats.seconds = time.perf_counter() - started
+        if self.on_batch:
+            self.on_batch(stats)
+        return stats
+
+    def _produce(self, message: Message, outcome: Outcome) -> None:
+        assert self.producer is not None
+        headers = list(message.headers() or []) + outcome.headers
+        topic = self.target_topic(message.topic(), outcome.target)
+        while True:
+            try:
+                self.producer.produce(topic, value=message.value(), key=message.key(),
+                                      headers=headers, on_delivery=self._delivered)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def _delivered(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self._delivery_errors.append(f"{msg.topic()}: {err}")
+
+    def _commit_transaction(self) -> None:
+        assert self.producer is not None
+        for attempt in Retrying(
+            retry=retry_if_exception(_retriable),
+            wait=wait_exponential(multiplier=0.2, max=10),
+            stop=stop_never,
+            before_sleep=lambda rs: log.warning("commit_transaction: %s; retrying", rs.outcome.exception()),
+        ):
+            with attempt:
+                self.producer.commit_transaction(30.0)
+
+    def _abort_and_rewind(self, messages: list[Message]) -> None:
+        assert self.producer is not None and self.consumer is not None
+        for attempt in Retrying(
+            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and _recoverable(e)),
+            wait=wait_exponential(multiplier=0.5, max=30),
+            stop=stop_never,
+            before_sleep=lambda rs: log.warning("abort_transaction: %s; retrying", rs.outcome.exception()),
+        ):
+            with attempt:
+                try:
+                    self.producer.abort_transaction(30.0)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError._STATE:  # _STATE: none open
+                        raise
+        first: dict[tuple[str, int], int] = {}
+        for m in messages:
+            tp = (m.topic(), m.partition())
+            first[tp] = min(first.get(tp, m.offset()), m.offset())
+        assigned = {(p.topic, p.partition) for p in self.assignment}
+        for (topic, partition), offset in first.items():
+            if (topic, partition) in assigned:
+                self.consumer.seek(TopicPartition(topic, partition, offset))
+
+
+def _recoverable(exc: KafkaException) -> bool:
+    err = exc.args[0]
+    if not isinstance(err, KafkaError):
+        return False
+    return not err.fatal()
