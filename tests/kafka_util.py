@@ -1,0 +1,121 @@
+"""Helpers for tests against the real broker: produce, read back, run `neardup run`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXCERPT = REPO_ROOT / "tests" / "data" / "reuters_excerpt.jsonl.gz"
+# Short sessions so that a restarted consumer gets the partitions of a killed one fast.
+FAST_GROUP = ["-X", "session.timeout.ms=3000", "-X", "heartbeat.interval.ms=500"]
+
+
+def excerpt(limit: int | None = None) -> list[dict]:
+    with gzip.open(EXCERPT, "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return records[:limit]
+
+
+def produce(bootstrap: str, topic: str, messages: Iterable[tuple[bytes | None, bytes | None]],
+            headers: list[tuple[str, bytes]] | None = None) -> int:
+    """Produce (key, value) pairs in order; returns how many."""
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                         "linger.ms": 20})
+    n = 0
+    for key, value in messages:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, headers=headers)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        n += 1
+    assert producer.flush(60) == 0, "not every message was delivered"
+    return n
+
+
+@dataclass(frozen=True)
+class Out:
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes]
+
+
+def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
+             idle_s: float = 3.0, timeout_s: float = 120.0) -> list[Out]:
+    """Every committed message of ``topics`` (read_committed), in per-partition order.
+
+    Stops after ``expected`` messages (if given) and then ``idle_s`` without more, or
+    after ``idle_s`` without any message, or at ``timeout_s``.
+    """
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap, "group.id": f"reader-{time.time_ns()}",
+        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+    })
+    consumer.subscribe(topics)
+    out: list[Out] = []
+    deadline = time.monotonic() + timeout_s
+    last = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            batch = consumer.consume(1000, timeout=0.5)
+            got = [m for m in batch if m.error() is None]
+            if got:
+                last = time.monotonic()
+                out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or [])) for m in got]
+            elif time.monotonic() - last > idle_s and (expected is None or len(out) >= expected):
+                break
+    finally:
+        consumer.close()
+    return out
+
+
+def committed_offset(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
+    """The consumer group's committed offset of one partition (-1001 when none)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                         "enable.auto.commit": False})
+    try:
+        return consumer.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
+    finally:
+        consumer.close()
+
+
+def start_run(bootstrap: str, topic: str, group: str, state_dir: Path, *extra: str,
+              log: Path | None = None) -> subprocess.Popen:
+    """Start `neardup run` as a real process."""
+    cmd = [sys.executable, "-m", "neardup.cli", "run", "--bootstrap-servers", bootstrap,
+           "--input-topic", topic, "--group-id", group, "--state-dir", str(state_dir),
+           "--from-beginning", "--metrics-port", "0", *FAST_GROUP, *extra]
+    stream = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=stream, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_committed(bootstrap: str, group: str, topic: str, target: int, proc: subprocess.Popen,
+                   timeout_s: float = 300.0) -> None:
+    """Wait until the group has committed ``target`` on partition 0 of ``topic``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if committed_offset(bootstrap, group, topic) >= target:
+            return
+        assert proc.poll() is None, f"neardup run exited early with {proc.returncode}"
+        time.sleep(0.5)
+    raise TimeoutError(f"{group} did not reach offset {target} of {topic}")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    proc.send_signal(sig)
+    return proc.wait(timeout=timeout_s)

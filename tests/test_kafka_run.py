@@ -1,0 +1,244 @@
+"""`neardup run` against a real Apache Kafka broker: verdicts, exactly once, dead letters."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kafka_util import (
+    committed_offset,
+    excerpt,
+    produce,
+    read_all,
+    start_run,
+    stop,
+    wait_committed,
+)
+
+from neardup.core.settings import EngineSettings
+from neardup.core.types import Document, Verdict
+from neardup.detector import Detector
+from neardup.embedded import dedup_files
+from neardup.state.memory import MemoryStateStore
+
+JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
+
+
+def _json_messages(records: list[dict]) -> list[tuple[bytes, bytes]]:
+    return [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
+
+
+def _verdict_of(out) -> tuple:
+    h = out.headers
+    return (h["neardup-verdict"].decode(), h["neardup-cluster"].decode(),
+            h["neardup-match"].decode(), h["neardup-similarity"].decode())
+
+
+def _expected(records: list[dict]) -> dict[str, tuple]:
+    """Verdicts of an uninterrupted in-process run over the same documents, same order."""
+    settings = EngineSettings()
+    detector = Detector(settings, MemoryStateStore(settings.state_shape()))
+    out: dict[str, tuple] = {}
+    for i in range(0, len(records), 1000):
+        docs = [Document(str(r["id"]), r["text"]) for r in records[i:i + 1000]]
+        for v in detector.process(docs):
+            assert isinstance(v, Verdict)
+            out[v.id] = (v.verdict, v.cluster, v.match or "", f"{v.similarity:.6f}")
+    return out
+
+
+def _outputs(kafka_bootstrap: str, topic: str, expected: int):
+    outs = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                    expected=expected)
+    return outs
+
+
+def test_run_gives_the_verdicts_of_dedup(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    records = excerpt(2000)
+    topic = kafka_topic_factory("wire")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+
+    summary = dedup_files(
+        [str(_write_jsonl(tmp_path / "in.jsonl", records))], EngineSettings(),
+        out_dir=tmp_path / "out", text_fields=["text"], id_field="id", progress=False,
+    )
+    by_dedup = {}
+    for name in ("unique", "duplicates"):
+        for line in (tmp_path / "out" / f"{name}.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            v = rec["neardup"]
+            by_dedup[str(rec["id"])] = (v["verdict"], v["cluster"], v["match"] or "",
+                                        f"{v['similarity']:.6f}")
+
+    proc = start_run(kafka_bootstrap, topic, "g-same", tmp_path / "state", *JSON_FIELDS)
+    try:
+        wait_committed(kafka_bootstrap, "g-same", topic, len(records), proc)
+    finally:
+        assert stop(proc) == 0
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+
+    by_run = {o.key.decode(): _verdict_of(o) for o in outs}
+    assert len(outs) == len(records) == len(by_run)
+    assert summary.duplicates > 20
+    assert by_run == by_dedup
+    # headers and values pass through unchanged, and the topic matches the verdict
+    for o in outs:
+        assert json.loads(o.value)["id"] == int(o.key)
+        assert o.topic == f"{topic}.{'duplicates' if o.headers['neardup-verdict'] == b'duplicate' else 'unique'}"
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _edited_copies(records: list[dict], rounds: int, seed: int = 7) -> list[dict]:
+    """``records`` replayed ``rounds`` times; each replay lightly edited, as wire copy is."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(rounds):
+        for rec in records:
+            words = rec["text"].split()
+            if r and words:
+                edit = rng.randrange(3)
+                if edit == 0:  # a typo fixed
+                    i = rng.randrange(len(words))
+                    words[i] = words[i][::-1]
+                elif edit == 1:  # a new footer
+                    words += ["(Updated", "with", "closing", "prices)"]
+                else:  # a word dropped
+                    del words[rng.randrange(len(words))]
+            out.append({"id": f"{rec['id']}-r{r}", "text": " ".join(words)})
+    return out
+
+
+def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    records = _edited_copies(excerpt(), rounds=5)  # 20,000 messages
+    assert len(records) >= 20_000
+    topic = kafka_topic_factory("crash")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    expected = _expected(records)
+
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    rng = random.Random(2026)
+    progress = []
+    for _ in range(4):
+        proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, "--batch-size", "500", log=log)
+        time.sleep(rng.uniform(2.0, 7.0))
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        progress.append(committed_offset(kafka_bootstrap, "g-crash", topic))
+    print("committed offsets after each SIGKILL:", progress)
+    assert progress[-1] < len(records), "every kill should land before the end of the input"
+    proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, log=log)
+    try:
+        wait_committed(kafka_bootstrap, "g-crash", topic, len(records), proc, timeout_s=600)
+    finally:
+        assert stop(proc) == 0
+
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)), "a message was produced twice"
+    assert set(keys) == set(expected), "a message is missing"
+    got = {o.key.decode(): _verdict_of(o) for o in outs}
+    assert got == expected
+    dups = [k for k, v in got.items() if v[0] == "duplicate"]
+    assert len(dups) > 10_000  # the replays are found
+    assert all(got[k][2] != k for k in dups), "a document matched itself"
+
+
+def test_bad_input_goes_to_the_dead_letter_topic(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    good = excerpt(40)
+    bad = [
+        (b"bad-utf8", b"\xff\xfe not utf-8"),
+        (b"bad-json", b"{not json"),
+        (b"no-field", json.dumps({"id": "no-field", "body": "x"}).encode()),
+        (b"empty", json.dumps({"id": "empty", "text": "  \n\t "}).encode()),
+        (b"too-big", json.dumps({"id": "too-big", "text": "word " * 4000}).encode()),
+        (b"tomb", None),
+    ]
+    goods = _json_messages(good)
+    messages: list[tuple[bytes | None, bytes | None]] = list(goods)
+    for i, (key, value) in enumerate(bad):  # spread among the good ones
+        messages.insert(3 + 7 * i, (key, value))
+    topic = kafka_topic_factory("dirty")
+    produce(kafka_bootstrap, topic, messages, headers=[("origin", b"test")])
+    proc = start_run(kafka_bootstrap, topic, "g-dirty", tmp_path / "state", *JSON_FIELDS,
+                     "--max-message-bytes", "16384")
+    try:
+        wait_committed(kafka_bootstrap, "g-dirty", topic, len(messages), proc)
+    finally:
+        assert stop(proc) == 0
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    dlq = {o.key.decode(): o for o in outs if o.topic == f"{topic}.dlq"}
+    processed = {o.key.decode() for o in outs if o.topic != f"{topic}.dlq"}
+    assert processed == {k.decode() for k, _ in goods}
+    assert set(dlq) == {"bad-utf8", "bad-json", "no-field", "empty", "too-big", "tomb"}
+    reasons = {
+        "bad-utf8": "invalid UTF-8", "bad-json": "invalid JSON", "no-field": "missing field",
+        "empty": "empty text after normalisation", "too-big": "exceeds the limit of 16384 bytes",
+        "tomb": "null value (tombstone)",
+    }
+    for key, reason in reasons.items():
+        o = dlq[key]
+        assert reason in o.headers["neardup-error"].decode()
+        assert o.headers["neardup-source-topic"].decode() == topic
+        assert o.headers["neardup-source-partition"] == b"0"
+        assert int(o.headers["neardup-source-offset"]) >= 0
+        assert o.headers["origin"] == b"test"  # original headers kept
+    assert dlq["tomb"].value is None
+    assert dlq["bad-utf8"].value == b"\xff\xfe not utf-8"
+
+
+def test_sigterm_then_restart_has_no_gap_and_no_repeat(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    records = excerpt(1200)
+    first, second = records[:600], records[600:]
+    topic = kafka_topic_factory("term")
+    produce(kafka_bootstrap, topic, _json_messages(first))
+    proc = start_run(kafka_bootstrap, topic, "g-term", tmp_path / "state", *JSON_FIELDS)
+    wait_committed(kafka_bootstrap, "g-term", topic, len(first), proc)
+    assert stop(proc, signal.SIGTERM) == 0
+    produce(kafka_bootstrap, topic, _json_messages(second))
+    proc = start_run(kafka_bootstrap, topic, "g-term", tmp_path / "state", *JSON_FIELDS)
+    try:
+        wait_committed(kafka_bootstrap, "g-term", topic, len(records), proc)
+    finally:
+        assert stop(proc, signal.SIGINT) == 0
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert sorted(keys) == sorted(str(r["id"]) for r in records)
+    assert {k: v for k, v in ((o.key.decode(), _verdict_of(o)) for o in outs)} == _expected(records)
+
+
+@pytest.mark.parametrize("step", ["before_state_commit", "after_state_commit", "after_kafka_commit"])
+def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """A crash between any two steps of a batch: after restart, exactly once, same verdicts."""
+    records = _edited_copies(excerpt(300), rounds=2)  # 600 messages, 6 batches of 100
+    topic = kafka_topic_factory("step")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    group, state = f"g-{step}", tmp_path / "state"
+    crashed = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "crash_run.py"), step, "3",
+         kafka_bootstrap, topic, group, str(state)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert crashed.returncode == 9, crashed.stderr[-2000:]
+    before = committed_offset(kafka_bootstrap, group, topic)
+    assert before == (300 if step == "after_kafka_commit" else 200)
+
+    proc = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS)
+    try:
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc)
+    finally:
+        assert stop(proc) == 0
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)) == len(records)
+    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
