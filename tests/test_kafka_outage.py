@@ -1,0 +1,90 @@
+"""Broker outages: the real broker process is frozen (SIGSTOP) and thawed (SIGCONT).
+
+A frozen broker answers nothing, as one behind a network partition or in a long pause:
+requests time out, the open transaction outlives its timeout and is aborted by the
+broker, the consumer group's session expires. The consumer must retry with backoff and
+resume with nothing lost and nothing repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from kafka_util import committed_offset, excerpt, produce, read_all, start_run, stop, wait_committed
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
+SHORT_TXN = ["-X", "transaction.timeout.ms=8000", "--batch-size", "200"]
+
+
+def _broker_pid() -> int:
+    home = Path(os.environ.get("NEARDUP_KAFKA_HOME", REPO_ROOT / ".cache" / "kafka"))
+    pid_file = home / "run" / "kafka.pid"
+    assert pid_file.is_file(), (
+        f"these tests freeze the local broker and need its pid file {pid_file} "
+        "(the broker of deploy/local/kafka.sh)"
+    )
+    return int(pid_file.read_text().strip())
+
+
+@contextmanager
+def frozen_broker():
+    pid = _broker_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _messages(records):
+    return [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
+
+
+def _check_exactly_once(bootstrap, topic, records):
+    outs = read_all(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                    expected=len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)), "a message was produced twice"
+    assert set(keys) == {str(r["id"]) for r in records}, "a message is missing"
+
+
+def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    records = excerpt(3000)
+    topic = kafka_topic_factory("outage")
+    produce(kafka_bootstrap, topic, _messages(records))
+    log = tmp_path / "run.log"
+    proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
+                     *SHORT_TXN, log=log)
+    try:
+        wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc)
+        with frozen_broker():
+            time.sleep(15)  # longer than the transaction and session timeouts
+            assert proc.poll() is None, "the consumer must survive an outage"
+        wait_committed(kafka_bootstrap, "g-outage", topic, len(records), proc, timeout_s=240)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    _check_exactly_once(kafka_bootstrap, topic, records)
+
+
+def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    records = excerpt(500)
+    topic = kafka_topic_factory("late")
+    produce(kafka_bootstrap, topic, _messages(records))
+    log = tmp_path / "run.log"
+    with frozen_broker():
+        proc = start_run(kafka_bootstrap, topic, "g-late", tmp_path / "state", *JSON_FIELDS, log=log)
+        time.sleep(12)
+        assert proc.poll() is None, "the consumer must wait for the broker, not exit"
+    try:
+        wait_committed(kafka_bootstrap, "g-late", topic, len(records), proc, timeout_s=240)
+    finally:
+        assert stop(proc) == 0
+    assert committed_offset(kafka_bootstrap, "g-late", topic) == len(records)
+    _check_exactly_once(kafka_bootstrap, topic, records)
+    assert "retrying" in log.read_text()
