@@ -1,0 +1,105 @@
+"""The state-store protocol and the update a batch writes atomically."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from neardup.core.unionfind import Node
+
+
+class StateError(Exception):
+    """The state store cannot be used (corrupt, locked, or incompatible)."""
+
+
+class SettingsMismatchError(StateError):
+    """The store was built with other state-shaping settings than the ones given."""
+
+    def __init__(self, differences: dict[str, tuple[Any, Any]]) -> None:
+        self.differences = differences
+        detail = "; ".join(
+            f"{name}: stored {stored!r}, requested {requested!r}"
+            for name, (stored, requested) in sorted(differences.items())
+        )
+        super().__init__(
+            f"the state was built with other settings ({detail}); use the stored "
+            "settings or another state directory"
+        )
+
+
+@dataclass
+class StateUpdate:
+    """Everything one batch changes, written in one atomic write.
+
+    Attributes:
+        first_seq: sequence number of ``signatures[0]``.
+        signatures: uint64, shape (n_new, num_perm): the new documents' signatures.
+        ids: external ids of the new documents, in sequence order.
+        buckets: band-bucket key -> the bucket's complete new member list (uint64 seqs).
+        nodes: union-find entries that changed.
+        positions: input source -> next position to read (line, offset, ...).
+        verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
+        verdict_deletes: keys of ``verdicts`` records no longer needed.
+    """
+
+    first_seq: int
+    signatures: np.ndarray
+    ids: list[str]
+    buckets: dict[bytes, np.ndarray] = field(default_factory=dict)
+    nodes: dict[int, Node] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    verdicts: dict[bytes, bytes] = field(default_factory=dict)
+    verdict_deletes: list[bytes] = field(default_factory=list)
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + len(self.ids)
+
+
+class StateStore(Protocol):
+    """What the detector needs from its state. Reads see only committed writes."""
+
+    def next_seq(self) -> int:
+        """Sequence number the next document will get (the number of documents stored)."""
+        ...
+
+    def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
+        """Members (uint64 seqs, arrival order) of each band bucket; empty when new."""
+        ...
+
+    def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:
+        """uint64, shape (len(seqs), num_perm). Raises KeyError for an unknown seq."""
+        ...
+
+    def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:
+        """Union-find entries; None for a document never linked (a singleton)."""
+        ...
+
+    def get_ids(self, seqs: Sequence[int]) -> list[str]:
+        """External ids. Raises KeyError for an unknown seq."""
+        ...
+
+    def get_position(self, source: str) -> int | None:
+        """The next position to read from ``source``, None if never read."""
+        ...
+
+    def get_verdicts(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Stored per-input records (see ``StateUpdate.verdicts``)."""
+        ...
+
+    def commit(self, update: StateUpdate) -> None:
+        """Apply ``update`` atomically: all of it or, after a crash, none of it.
+
+        Raises:
+            StateError: ``update.first_seq`` is not ``next_seq()``.
+        """
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Sizes: documents, keys per family, bytes on disk, the largest bucket seen."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,116 @@
+"""Byte layouts of every stored key and value, in one place.
+
+Column families and their records (all integers unsigned):
+
+========== ========================================= ==================================
+family     key                                       value
+========== ========================================= ==================================
+default    b"settings"                               JSON of the state-shaping settings
+default    b"next_seq"                               u64 LE: documents stored
+default    b"max_bucket"                             u64 LE: largest bucket length seen
+buckets    band u16 BE + bucket hash u64 BE (10 B)   member seqs, u64 LE each
+signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B)
+nodes      seq u64 BE                                parent, size, canonical: 3 x u64 LE
+documents  seq u64 BE                                external id, UTF-8
+positions  source name, UTF-8                        next position, u64 LE
+verdicts   caller-defined bytes                      caller-defined bytes
+========== ========================================= ==================================
+
+Big-endian keys sort numerically, so a scan of ``signatures`` runs in arrival order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from neardup.core.unionfind import Node
+
+FAMILIES = ("buckets", "signatures", "nodes", "documents", "positions", "verdicts")
+SETTINGS_KEY = b"settings"
+NEXT_SEQ_KEY = b"next_seq"
+MAX_BUCKET_KEY = b"max_bucket"
+
+_SEQ = struct.Struct(">Q")
+_U64 = struct.Struct("<Q")
+_NODE = struct.Struct("<3Q")
+_BUCKET_KEYS = np.dtype([("band", ">u2"), ("bucket", ">u8")])
+
+
+def seq_key(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+def seq_keys(seqs: np.ndarray | list[int]) -> list[bytes]:
+    raw = np.asarray(seqs, dtype=">u8").tobytes()
+    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+
+
+def bucket_keys(band_hashes: np.ndarray) -> list[list[bytes]]:
+    """Keys of the buckets of each document in each band.
+
+    Args:
+        band_hashes: uint64, shape (n_docs, bands), from ``neardup.core.lsh.band_hashes``.
+
+    Returns:
+        ``keys[d][j]``: the 10-byte key of document d's bucket in band j.
+    """
+    n_docs, bands = band_hashes.shape
+    packed = np.empty((n_docs, bands), dtype=_BUCKET_KEYS)
+    packed["band"] = np.arange(bands, dtype=np.uint16)[None, :]
+    packed["bucket"] = band_hashes
+    raw = packed.tobytes()
+    width = _BUCKET_KEYS.itemsize
+    row = width * bands
+    return [
+        [raw[d * row + j * width : d * row + (j + 1) * width] for j in range(bands)]
+        for d in range(n_docs)
+    ]
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(raw: bytes) -> int:
+    return _U64.unpack(raw)[0]
+
+
+def encode_seqs(seqs: np.ndarray) -> bytes:
+    return np.asarray(seqs, dtype="<u8").tobytes()
+
+
+def decode_seqs(raw: bytes | None) -> np.ndarray:
+    if raw is None:
+        return np.empty(0, dtype=np.uint64)
+    return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+
+
+def encode_signature(signature: np.ndarray) -> bytes:
+    return np.asarray(signature, dtype="<u8").tobytes()
+
+
+def decode_signatures(raws: list[bytes], num_perm: int) -> np.ndarray:
+    """uint64, shape (len(raws), num_perm)."""
+    if not raws:
+        return np.empty((0, num_perm), dtype=np.uint64)
+    return np.frombuffer(b"".join(raws), dtype="<u8").astype(np.uint64).reshape(-1, num_perm)
+
+
+def encode_node(node: Node) -> bytes:
+    return _NODE.pack(*node)
+
+
+def decode_node(raw: bytes | None) -> Node | None:
+    return None if raw is None else Node(*_NODE.unpack(raw))
+
+
+def encode_settings(settings: dict[str, Any]) -> bytes:
+    return json.dumps(settings, sort_keys=True).encode("utf-8")
+
+
+def decode_settings(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw)

@@ -1,0 +1,136 @@
+"""The state store over any ordered key-value backend with atomic multi-family writes.
+
+Backends implement three primitives (multi-get, atomic write, close); this class turns
+them into the ``StateStore`` protocol with the layouts of ``neardup.state.codec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from neardup.core.unionfind import Node
+from neardup.state import codec
+from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
+
+Put = tuple[str, bytes, bytes]  # (family, key, value)
+Delete = tuple[str, bytes]  # (family, key)
+
+
+class KeyValueStateStore:
+    """``StateStore`` logic shared by the backends. Subclasses call ``_open_settings``."""
+
+    num_perm: int
+    settings: dict[str, Any]
+
+    # --- backend primitives -------------------------------------------------------
+    def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
+        """Apply ``deletes`` then ``puts`` atomically."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    # --- shared logic --------------------------------------------------------------
+    def _get(self, family: str, key: bytes) -> bytes | None:
+        return self._get_many(family, [key])[0]
+
+    def _open_settings(self, requested: dict[str, Any]) -> None:
+        raw = self._get("default", codec.SETTINGS_KEY)
+        if raw is None:
+            self._write(
+                [
+                    ("default", codec.SETTINGS_KEY, codec.encode_settings(requested)),
+                    ("default", codec.NEXT_SEQ_KEY, codec.encode_u64(0)),
+                ]
+            )
+            stored = requested
+        else:
+            stored = codec.decode_settings(raw)
+            differences = {
+                name: (stored.get(name), requested.get(name))
+                for name in set(stored) | set(requested)
+                if stored.get(name) != requested.get(name)
+            }
+            if differences:
+                self.close()
+                raise SettingsMismatchError(differences)
+        self.settings = stored
+        self.num_perm = int(stored["num_perm"])
+        self._next_seq = codec.decode_u64(self._get("default", codec.NEXT_SEQ_KEY) or b"\0" * 8)
+        max_bucket = self._get("default", codec.MAX_BUCKET_KEY)
+        self._max_bucket = codec.decode_u64(max_bucket) if max_bucket else 0
+
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def max_bucket_size(self) -> int:
+        """Length of the largest band bucket ever written."""
+        return self._max_bucket
+
+    def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
+        return [codec.decode_seqs(raw) for raw in self._get_many("buckets", keys)]
+
+    def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:
+        raws = self._get_many("signatures", codec.seq_keys(list(seqs)))
+        missing = [s for s, raw in zip(seqs, raws) if raw is None]
+        if missing:
+            raise KeyError(f"no signature stored for documents {missing[:5]}")
+        return codec.decode_signatures(raws, self.num_perm)  # type: ignore[arg-type]
+
+    def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:
+        return [codec.decode_node(r) for r in self._get_many("nodes", codec.seq_keys(list(seqs)))]
+
+    def get_ids(self, seqs: Sequence[int]) -> list[str]:
+        raws = self._get_many("documents", codec.seq_keys(list(seqs)))
+        if any(raw is None for raw in raws):
+            raise KeyError("unknown document sequence number")
+        return [raw.decode("utf-8") for raw in raws]  # type: ignore[union-attr]
+
+    def get_position(self, source: str) -> int | None:
+        raw = self._get("positions", source.encode("utf-8"))
+        return None if raw is None else codec.decode_u64(raw)
+
+    def get_verdicts(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._get_many("verdicts", keys)
+
+    def commit(self, update: StateUpdate) -> None:
+        if update.first_seq != self._next_seq:
+            raise StateError(
+                f"update starts at document {update.first_seq}, the store at {self._next_seq}"
+            )
+        if update.signatures.shape != (len(update.ids), self.num_perm):
+            raise StateError(
+                f"signatures of shape {update.signatures.shape} for {len(update.ids)} "
+                f"documents of {self.num_perm} permutations"
+            )
+        keys = codec.seq_keys(np.arange(update.first_seq, update.next_seq))
+        sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
+        width = 8 * self.num_perm
+        puts: list[Put] = []
+        for i, key in enumerate(keys):
+            puts.append(("signatures", key, sig_bytes[i * width : (i + 1) * width]))
+            puts.append(("documents", key, update.ids[i].encode("utf-8")))
+        max_bucket = self._max_bucket
+        for key, members in update.buckets.items():
+            puts.append(("buckets", key, codec.encode_seqs(members)))
+            max_bucket = max(max_bucket, len(members))
+        for seq, node in update.nodes.items():
+            puts.append(("nodes", codec.seq_key(seq), codec.encode_node(node)))
+        for source, position in update.positions.items():
+            puts.append(("positions", source.encode("utf-8"), codec.encode_u64(position)))
+        for key, value in update.verdicts.items():
+            puts.append(("verdicts", key, value))
+        puts.append(("default", codec.NEXT_SEQ_KEY, codec.encode_u64(update.next_seq)))
+        puts.append(("default", codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket)))
+        self._write(puts, [("verdicts", key) for key in update.verdict_deletes])
+        self._next_seq = update.next_seq
+        self._max_bucket = max_bucket

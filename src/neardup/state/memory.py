@@ -1,0 +1,39 @@
+"""An in-memory state store (dicts), for evaluation runs and as a reference backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from neardup.state import codec
+from neardup.state.kv import Delete, KeyValueStateStore, Put
+
+
+class MemoryStateStore(KeyValueStateStore):
+    """State held in Python dicts; lost when the process ends."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._data: dict[str, dict[bytes, bytes]] = {
+            name: {} for name in ("default", *codec.FAMILIES)
+        }
+        self._open_settings(settings)
+
+    def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        table = self._data[family]
+        return [table.get(key) for key in keys]
+
+    def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
+        for family, key in deletes:
+            self._data[family].pop(key, None)
+        for family, key, value in puts:
+            self._data[family][key] = value
+
+    def stats(self) -> dict[str, int]:
+        out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket}
+        for name, table in self._data.items():
+            out[f"keys_{name}"] = len(table)
+        out["bytes"] = sum(len(k) + len(v) for t in self._data.values() for k, v in t.items())
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,265 @@
+"""The detector: golden cases, batch-size invariance and quality on a Reuters excerpt."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from neardup.core.normalize import TextNorm, normalize
+from neardup.core.settings import EngineSettings
+from neardup.core.shingle import shingle_batch
+from neardup.core.types import Document, Rejected, Verdict
+from neardup.detector import EMPTY_TEXT, NO_TOKENS, Detector
+from neardup.state.memory import MemoryStateStore
+from neardup.state.rocksdb import RocksDBStateStore
+
+DATA = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
+SETTINGS = EngineSettings()
+
+BASE = (
+    "The central bank said on Tuesday it would keep its key lending rate unchanged at "
+    "six per cent for the third month in a row, citing steady inflation, firm demand for "
+    "credit from manufacturers and a recovery in exports that analysts had not expected "
+    "until the second half of the year. The governor told reporters that the board saw "
+    "no reason to move before the budget is presented to parliament next month, and that "
+    "the currency had been stable against a basket of trading partners since January.\n"
+    "Economists polled last week had been split, with nine of sixteen forecasting a cut "
+    "of a quarter point to support construction, which shrank for a fifth straight "
+    "quarter. Bond yields rose four basis points after the announcement while the main "
+    "share index closed little changed, led by gains in shipping and mining stocks. "
+    "The bank repeated that it stood ready to act if oil prices pushed consumer prices "
+    "above its target range, and said money supply growth had slowed to an annual rate "
+    "of seven per cent in the latest month from eight and a half per cent a year ago.\n"
+    "Separately, the finance ministry said tax revenue in the first quarter was ahead of "
+    "plan, helped by one-off receipts from the sale of a state telephone company stake, "
+    "and that it would publish revised borrowing figures together with the budget."
+)
+STORY = BASE + "\n(Reporting by John Smith; Editing by Jane Doe)"
+# Same story, another footer: exact word-5 Jaccard 0.94 with STORY.
+REFILED = BASE + "\n(Reporting by Peter Brown in London; Editing by Mary Major)"
+UNRELATED = (
+    "Heavy rain flooded parts of the northern coast overnight, closing two ports and the "
+    "main rail line to the capital. Officials said about four thousand people had left "
+    "their homes and that emergency shelters had been opened in schools and churches, "
+    "while farmers warned that the sugar cane harvest could be delayed by several weeks."
+)
+
+
+def _jaccard(a: str, b: str) -> float:
+    sa, sb = (set(shingle_batch([normalize(t)]).hashes.tolist()) for t in (a, b))
+    return len(sa & sb) / len(sa | sb)
+
+
+def _run(
+    docs: Sequence[Document],
+    batch_size: int,
+    store=None,
+    settings: EngineSettings = SETTINGS,
+) -> list[Verdict | Rejected]:
+    store = store if store is not None else MemoryStateStore(settings.state_shape())
+    detector = Detector(settings, store)
+    out: list[Verdict | Rejected] = []
+    for start in range(0, len(docs), batch_size):
+        out += detector.process(docs[start : start + batch_size])
+    return out
+
+
+def _verdict(result: Verdict | Rejected) -> Verdict:
+    assert isinstance(result, Verdict), result
+    return result
+
+
+# --- golden cases -----------------------------------------------------------------------
+
+
+def test_exact_duplicate() -> None:
+    first, copy = map(_verdict, _run([Document("a", STORY), Document("b", STORY)], 1))
+    assert (first.verdict, first.cluster, first.match) == ("unique", "a", None)
+    assert first.similarity == 0.0
+    assert (copy.verdict, copy.cluster, copy.match, copy.similarity) == ("duplicate", "a", "a", 1.0)
+    assert copy.is_duplicate and not first.is_duplicate
+    assert (copy.candidates, copy.rejected) == (1, 0)
+
+
+def test_near_duplicate_with_changed_footer() -> None:
+    assert 0.9 < _jaccard(STORY, REFILED) < 1.0
+    _, near = map(_verdict, _run([Document("a", STORY), Document("b", REFILED)], 1))
+    assert (near.verdict, near.match, near.cluster) == ("duplicate", "a", "a")
+    assert 0.8 <= near.similarity < 1.0
+
+
+def test_unrelated_text_is_unique() -> None:
+    out = _run([Document("a", STORY), Document("u", UNRELATED)], 1)
+    unrelated = _verdict(out[1])
+    assert (unrelated.verdict, unrelated.cluster, unrelated.match) == ("unique", "u", None)
+    assert unrelated.similarity == 0.0 and unrelated.candidates == 0
+
+
+def test_invalid_texts_are_rejected_without_a_sequence_number() -> None:
+    store = MemoryStateStore(SETTINGS.state_shape())
+    docs = [
+        Document("a", STORY),
+        Document("empty", ""),
+        Document("blank", " \t\n\u00a0\u3000 "),
+        Document("punct", "!!! ... --- ?"),
+        Document("u", UNRELATED),
+    ]
+    out = _run(docs, len(docs), store)
+    assert [r.id for r in out] == [d.id for d in docs]
+    assert out[1] == Rejected("empty", EMPTY_TEXT)
+    assert out[2] == Rejected("blank", EMPTY_TEXT)
+    assert out[3] == Rejected("punct", NO_TOKENS)
+    assert (_verdict(out[0]).seq, _verdict(out[4]).seq) == (0, 1)
+    assert store.next_seq() == 2
+    # An all-rejected batch still commits (its positions), without a document.
+    detector = Detector(SETTINGS, store)
+    assert detector.process([Document("e", "   ")], positions={"in": 7}) == [
+        Rejected("e", EMPTY_TEXT)
+    ]
+    assert store.next_seq() == 2 and store.get_position("in") == 7
+    # With punctuation stripped, punctuation-only text is empty.
+    stripping = EngineSettings(norm=TextNorm(strip_punctuation=True))
+    assert _run([Document("p", "¿¡...!?")], 1, settings=stripping) == [Rejected("p", EMPTY_TEXT)]
+
+
+def test_duplicates_inside_one_batch() -> None:
+    docs = [Document("a", STORY), Document("u", UNRELATED), Document("b", REFILED),
+            Document("c", STORY)]
+    out = list(map(_verdict, _run(docs, len(docs))))
+    assert [v.verdict for v in out] == ["unique", "unique", "duplicate", "duplicate"]
+    assert [v.cluster for v in out] == ["a", "u", "a", "a"]
+    assert (out[2].match, out[3].match, out[3].similarity) == ("a", "a", 1.0)
+    assert out[3].candidates == 2  # both earlier members of the cluster, stored or not
+
+
+def test_best_match_is_most_similar_and_cluster_is_earliest() -> None:
+    store = MemoryStateStore(SETTINGS.state_shape())
+    _run([Document("a", STORY), Document("u", UNRELATED)], 2, store)
+    _run([Document("b", REFILED)], 1, store)
+    copy_of_b = _verdict(_run([Document("c", REFILED)], 1, store)[0])
+    assert copy_of_b.match == "b" and copy_of_b.similarity == 1.0  # not "a" (~0.94)
+    assert copy_of_b.cluster == "a"  # the cluster's earliest document
+    assert (copy_of_b.candidates, copy_of_b.rejected) == (2, 0)
+
+
+def test_verdicts_in_arrival_order() -> None:
+    docs = [Document(f"d{i}", text) for i, text in
+            enumerate([UNRELATED, STORY, "", REFILED, UNRELATED, "Short note.", STORY])]
+    out = _run(docs, 3)
+    assert [r.id for r in out] == [d.id for d in docs]
+    seqs = [r.seq for r in out if isinstance(r, Verdict)]
+    assert seqs == list(range(len(seqs))) == list(range(6))
+
+
+def test_detect_does_not_write() -> None:
+    store = MemoryStateStore(SETTINGS.state_shape())
+    detector = Detector(SETTINGS, store)
+    docs = [Document("a", STORY), Document("b", REFILED)]
+    first = detector.detect(docs)
+    assert store.next_seq() == 0 and store.get_buckets(list(first.update.buckets)[:1])[0].size == 0
+    second = detector.detect(docs)
+    assert first.results == second.results
+    assert first.update.ids == ["a", "b"] and first.update.first_seq == 0
+    store.commit(first.update)
+    assert _verdict(detector.process([Document("c", STORY)])[0]).cluster == "a"
+
+
+def test_full_buckets_still_compare() -> None:
+    settings = EngineSettings(max_bucket_size=2)
+    store = MemoryStateStore(settings.state_shape())
+    copies = [Document(f"c{i}", STORY) for i in range(6)]
+    out = list(map(_verdict, _run(copies, 2, store, settings)))
+    assert [v.verdict for v in out] == ["unique"] + ["duplicate"] * 5
+    assert {v.cluster for v in out} == {"c0"}
+    assert max(v.candidates for v in out) == 2
+    assert store.max_bucket_size() == 2
+
+
+# --- the Reuters excerpt ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reuters() -> list[Document]:
+    with gzip.open(DATA, "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 4000
+    return [Document(str(r["id"]), r["text"]) for r in records]
+
+
+@pytest.fixture(scope="module")
+def exact_jaccard(reuters: list[Document]) -> sp.csr_matrix:
+    """Exact word-5 Jaccard of every pair sharing a shingle (CSR, zero elsewhere)."""
+    batch = shingle_batch([normalize(d.text, SETTINGS.norm) for d in reuters], SETTINGS.shingling)
+    rows, cols = [], []
+    for d in range(len(reuters)):
+        unique = np.unique(batch.hashes[batch.offsets[d] : batch.offsets[d + 1]])
+        rows.append(np.full(len(unique), d))
+        cols.append(unique)
+    _, col_ids = np.unique(np.concatenate(cols), return_inverse=True)
+    row_ids = np.concatenate(rows)
+    m = sp.csr_matrix(
+        (np.ones(len(row_ids), dtype=np.int32), (row_ids, col_ids)),
+        shape=(len(reuters), int(col_ids.max()) + 1),
+    )
+    inter = (m @ m.T).tocoo()
+    sizes = np.asarray(m.sum(axis=1)).ravel()
+    jac = inter.data / (sizes[inter.row] + sizes[inter.col] - inter.data)
+    return sp.csr_matrix((jac, (inter.row, inter.col)), shape=inter.shape)
+
+
+@pytest.fixture(scope="module")
+def rocksdb_verdicts(
+    reuters: list[Document], tmp_path_factory: pytest.TempPathFactory
+) -> list[Verdict | Rejected]:
+    """Default settings, batches of 500, on RocksDB."""
+    path = tmp_path_factory.mktemp("reuters") / "state"
+    with RocksDBStateStore(path, SETTINGS.state_shape()) as store:
+        out = _run(reuters, 500, store)
+        assert store.next_seq() == sum(isinstance(r, Verdict) for r in out)
+    return out
+
+
+def test_batch_size_does_not_change_verdicts(
+    reuters: list[Document], rocksdb_verdicts: list[Verdict | Rejected]
+) -> None:
+    by_size = {size: _run(reuters, size) for size in (1, 7, 1000)}
+    assert by_size[1] == by_size[7] == by_size[1000] == rocksdb_verdicts
+    assert sum(isinstance(r, Verdict) and r.is_duplicate for r in by_size[1]) > 50
+
+
+def test_quality_on_reuters_excerpt(
+    reuters: list[Document],
+    exact_jaccard: sp.csr_matrix,
+    rocksdb_verdicts: list[Verdict | Rejected],
+) -> None:
+    """Recall >= 95% at exact Jaccard >= 0.8; every reported match has Jaccard >= 0.6."""
+    index = {d.id: i for i, d in enumerate(reuters)}
+    earlier = sp.tril(exact_jaccard, k=-1).tocoo()
+    should = set(earlier.row[earlier.data >= 0.8].tolist())
+    assert len(should) == 112  # as documented in tests/data/README.md
+
+    verdicts = [r for r in rocksdb_verdicts if isinstance(r, Verdict)]
+    assert len(verdicts) == len(reuters)
+    flagged = {index[v.id]: index[v.match] for v in verdicts if v.is_duplicate and v.match}
+    assert len(flagged) == sum(v.is_duplicate for v in verdicts)
+    match_jaccard = {d: float(exact_jaccard[d, m]) for d, m in flagged.items()}
+    assert all(m < d for d, m in flagged.items())
+
+    found = len(should & flagged.keys())
+    recall = found / len(should)
+    precision_06 = np.mean([j >= 0.6 for j in match_jaccard.values()])
+    precision_08 = np.mean([j >= 0.8 for j in match_jaccard.values()])
+    print(
+        f"\nreuters excerpt: {len(should)} documents with an earlier partner at J >= 0.8; "
+        f"{found} flagged, recall {recall:.4f}; {len(flagged)} flagged in all; "
+        f"match J >= 0.6: {precision_06:.4f}, match J >= 0.8: {precision_08:.4f}; "
+        f"lowest match J {min(match_jaccard.values()):.3f}"
+    )
+    assert recall >= 0.95
+    assert precision_06 == 1.0, sorted(match_jaccard.items(), key=lambda kv: kv[1])[:5]
