@@ -2,10 +2,13 @@
 
 Classic MinHash (Broder, "On the resemblance and containment of documents", 1997) with
 ``num_perm`` hash functions from the universal family h_i(x) = (a_i * x + b_i) mod p,
-p = 2^61 - 1 (Carter and Wegman 1979), the family datasketch uses. Unlike a plain uint64
-numpy product, the products here are computed exactly modulo p (the 61-bit operands are
-split into 31- and 30-bit limbs), so a signature depends only on the shingle hashes,
-``num_perm`` and ``seed``: the same on every process and machine.
+p = 2^61 - 1 (Carter and Wegman 1979), the family of datasketch's MinHash before its
+2.0 ("legacy" scheme there). Unlike datasketch's uint64 numpy product, which wraps
+around 2^64, the products here are computed exactly modulo p (the 61-bit operands are
+split into 31- and 30-bit limbs), and the values keep all 61 bits instead of being cut
+to 32. A signature depends only on the shingle hashes, ``num_perm`` and ``seed``: the
+same on every process and machine. The inputs are 64-bit xxh3 / SplitMix64 shingle
+hashes, already well mixed, as a 2-universal family needs.
 
 For two sets A and B, P[min h_i(A) == min h_i(B)] ~= J(A, B), so the share of equal slots
 of two signatures is an unbiased estimate of their Jaccard similarity with standard error
