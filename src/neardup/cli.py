@@ -1,7 +1,7 @@
 """The ``neardup`` command: parsing and wiring only.
 
-Subcommands: ``dedup`` (JSONL files, the embedded mode), ``params`` (the LSH banding for
-a threshold).
+Subcommands: ``dedup`` (JSONL files, the embedded mode), ``run`` (the Kafka consumer),
+``produce`` (replay JSONL into a topic), ``params`` (the LSH banding for a threshold).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from neardup import __version__
 from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings
 from neardup.core.lsh import LshParams, false_negative_area, false_positive_area, optimal_params
+from neardup.server import ServerError
 from neardup.state.base import StateError
 
 log = logging.getLogger("neardup")
@@ -48,7 +49,7 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
 
 def _metrics_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
-    g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}; 0 turns it off)")
+    g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}, dedup default off; 0 turns it off)")
     g.add_argument("--metrics-host", help="address to serve metrics on (default 0.0.0.0)")
 
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     dedup.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     _engine_flags(dedup)
     _record_flags(dedup)
+    _metrics_flags(dedup)
     _common_flags(dedup)
 
     run = sub.add_parser("run", help="consume Kafka topics, produce each message to a unique or duplicate topic (exactly once)")
@@ -100,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     _record_flags(run)
     _metrics_flags(run)
     _common_flags(run)
+
+    produce = sub.add_parser("produce", help="replay JSONL files into a Kafka topic, one message per line")
+    produce.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
+    produce.add_argument("--topic", required=True, help="topic to produce to")
+    produce.add_argument("--bootstrap-servers", required=True, help="host:port[,host:port...]")
+    produce.add_argument("--id-field", default="id", help="JSON field whose value is the message key (default id; empty: no key)")
+    produce.add_argument("--limit", type=int, help="stop after this many messages")
+    produce.add_argument("--rate", type=float, help="at most this many messages per second (default: as fast as possible)")
+    produce.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka producer setting; repeatable")
+    produce.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    produce.add_argument("--log-format", choices=["text", "json"], default="text", help="log lines as text or JSON")
 
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
     params.add_argument("--threshold", type=float, default=0.8)
@@ -171,20 +184,38 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_server(settings: Settings, port: int, ready: Any = None) -> tuple[Any, Any]:
+    """(Metrics, started MetricsServer or None when ``port`` is 0)."""
+    from neardup.metrics import Metrics
+    from neardup.server import MetricsServer, always_ready
+
+    metrics = Metrics()
+    metrics.set_build_info(settings.engine())
+    if not port:
+        return metrics, None
+    return metrics, MetricsServer(metrics, settings.metrics_host, port, ready or always_ready).start()
+
+
 def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
     from neardup.embedded import dedup_files
 
-    summary = dedup_files(
-        args.inputs,
-        settings.engine(),
-        out_dir=args.out_dir,
-        text_fields=settings.text_field or ["text"],
-        id_field=settings.id_field or "id",
-        state_dir=settings.state_dir,
-        batch_size=settings.batch_size,
-        append=args.append,
-        progress=args.progress,
-    )
+    metrics, server = _metrics_server(settings, settings.metrics_port or 0)
+    try:
+        summary = dedup_files(
+            args.inputs,
+            settings.engine(),
+            out_dir=args.out_dir,
+            text_fields=settings.text_field or ["text"],
+            id_field=settings.id_field or "id",
+            state_dir=settings.state_dir,
+            batch_size=settings.batch_size,
+            append=args.append,
+            progress=args.progress,
+            on_batch=metrics.observe_results if server else None,
+        )
+    finally:
+        if server:
+            server.close()
     print(summary.render())
     print(f"outputs in {args.out_dir}/: unique.jsonl, duplicates.jsonl, rejects.jsonl")
     if args.summary_json:
@@ -195,13 +226,56 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_run(settings: Settings) -> int:
     from neardup.detector import Detector
     from neardup.io.kafka import KafkaDeduplicator
+    from neardup.server import Readiness
     from neardup.state.rocksdb import RocksDBStateStore
 
     engine = settings.engine()
     state_dir = settings.state_dir or Path("neardup-state")
-    with RocksDBStateStore(state_dir, engine.state_shape()) as store:
-        consumer = KafkaDeduplicator(settings, Detector(engine, store))
-        consumer.run()
+    readiness = Readiness()
+    port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
+    metrics, server = _metrics_server(settings, port, readiness.check)
+    try:
+        with RocksDBStateStore(state_dir, engine.state_shape()) as store:
+            metrics.refresh_state(store, force=True)
+
+            def on_batch(stats: Any) -> None:  # counters last: they tell a scrape the batch is in
+                metrics.set_lag(consumer.lag())
+                metrics.refresh_state(store)
+                metrics.observe_batch(stats)
+
+            def on_assignment(partitions: list[Any]) -> None:
+                readiness.set_assignment(partitions)
+                metrics.set_assignment(partitions)
+
+            def on_broker() -> None:  # also every statistics interval when idle
+                readiness.broker_answered()
+                metrics.set_lag(consumer.lag())
+                metrics.refresh_state(store)
+
+            consumer = KafkaDeduplicator(
+                settings, Detector(engine, store), on_batch=on_batch, on_assignment=on_assignment,
+                on_abort=metrics.transaction_aborted, on_broker=on_broker,
+            )
+            consumer.run()
+    finally:
+        if server:
+            server.close()
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from neardup.io.produce import ProduceError, produce_files
+
+    _setup_logging(Settings(log_level=args.log_level, log_format=args.log_format))
+    try:
+        summary = produce_files(
+            args.inputs, args.topic, args.bootstrap_servers, id_field=args.id_field or None,
+            kafka=dict(args.kafka or []), limit=args.limit, rate=args.rate,
+        )
+    except ProduceError as exc:
+        print(f"neardup: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"produced {summary.messages} messages ({summary.bytes} bytes) to {args.topic} in {summary.seconds:.2f} s")
     return 0
 
 
@@ -211,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "params":
             return cmd_params(args)
+        if args.command == "produce":
+            return cmd_produce(args)
         settings = _settings(args)
         settings.engine()  # validate early
         _setup_logging(settings)
@@ -218,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_dedup(args, settings)
         if args.command == "run":
             return cmd_run(settings)
-    except (ValueError, ValidationError, FileNotFoundError, StateError) as exc:
+    except (ValueError, ValidationError, FileNotFoundError, StateError, ServerError) as exc:
         print(f"neardup: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

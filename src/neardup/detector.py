@@ -135,7 +135,8 @@ class Detector:
                 match, best = int(candidates[j]), float(similarity[j])
                 for other in candidates[accepted].tolist():
                     union(nodes, other, seq)
-            canonical = root_node(nodes, seq).canonical if match >= 0 else seq
+            root = root_node(nodes, seq) if match >= 0 else None
+            canonical = root.canonical if root is not None else seq
             for k in doc_keys:
                 if len(members[k]) < s.max_bucket_size:
                     members[k].append(seq)
@@ -150,6 +151,7 @@ class Detector:
                     similarity=best,
                     candidates=len(candidates),
                     rejected=int(len(candidates) - accepted.sum()),
+                    cluster_size=root.size if root is not None else 1,
                 )
             )
 
@@ -199,6 +201,7 @@ class Detector:
                     similarity=v.similarity,
                     candidates=v.candidates,
                     rejected=v.rejected,
+                    cluster_size=v.cluster_size,
                 )
             )
         return out

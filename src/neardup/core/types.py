@@ -28,6 +28,8 @@ class Verdict:
         similarity: estimated Jaccard similarity to ``match`` (0.0 when unique).
         candidates: number of distinct earlier documents checked (bucket collisions).
         rejected: candidates whose estimated similarity fell below the threshold.
+        cluster_size: documents in the cluster once this one has joined it (the
+            union-find root's size); 1 for a unique document.
     """
 
     id: str
@@ -38,6 +40,7 @@ class Verdict:
     similarity: float
     candidates: int
     rejected: int
+    cluster_size: int = 1
 
     @property
     def is_duplicate(self) -> bool:

@@ -47,6 +47,7 @@ its group, and ``run`` returns.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -110,6 +111,10 @@ class KafkaDeduplicator:
         detector: the engine, over a persistent state store.
         on_batch: called after every committed batch with its ``BatchStats``.
         on_assignment: called with the assigned partitions after every rebalance.
+        on_abort: called with the error after a failed batch's transaction was aborted.
+        on_broker: called whenever the broker was heard from: transactions initialised,
+            a batch committed, or librdkafka statistics (every ``statistics.interval.ms``,
+            default 5000 here) showing a broker connection up. Readiness checks use it.
 
     Raises:
         ValueError: no bootstrap servers or no input topic.
@@ -121,6 +126,8 @@ class KafkaDeduplicator:
         detector: Detector,
         on_batch: Callable[[BatchStats], None] | None = None,
         on_assignment: Callable[[list[TopicPartition]], None] | None = None,
+        on_abort: Callable[[KafkaException], None] | None = None,
+        on_broker: Callable[[], None] | None = None,
     ) -> None:
         if not settings.bootstrap_servers:
             raise ValueError("--bootstrap-servers is required")
@@ -131,6 +138,8 @@ class KafkaDeduplicator:
         self.store: StateStore = detector.store
         self.on_batch = on_batch
         self.on_assignment = on_assignment
+        self.on_abort = on_abort
+        self.on_broker = on_broker
         self.transactional_id = settings.transactional_id or f"neardup-{settings.group_id}"
         self._stop = threading.Event()
         self._positions: dict[tuple[str, int], int] = {}
@@ -169,6 +178,8 @@ class KafkaDeduplicator:
                 "enable.auto.offset.store": False,
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest" if s.from_beginning else "latest",
+                "statistics.interval.ms": 5000,
+                "stats_cb": self._statistics,
                 **common,
             }
         )
@@ -192,6 +203,7 @@ class KafkaDeduplicator:
                     raise InterruptedError("stopped before the broker answered")
                 self.producer.init_transactions(10.0)
         log.info("transactional producer %s ready", self.transactional_id)
+        self._broker_answered()
         topics = list(s.input_topics)
         self.consumer.subscribe(
             topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
@@ -244,6 +256,8 @@ class KafkaDeduplicator:
                         raise
                     log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
                     self._abort_and_rewind(messages)
+                    if self.on_abort:
+                        self.on_abort(exc)
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
@@ -257,6 +271,37 @@ class KafkaDeduplicator:
             self.producer.flush(10)
             self.producer = None
         log.info("consumer closed")
+
+    def _broker_answered(self) -> None:
+        if self.on_broker:
+            self.on_broker()
+
+    def _statistics(self, stats_json: str) -> None:
+        """librdkafka statistics callback (consumer thread): a broker connection is up."""
+        try:
+            brokers = json.loads(stats_json).get("brokers", {})
+        except ValueError:
+            return
+        if any(b.get("nodeid", -1) >= 0 and b.get("state") == "UP" for b in brokers.values()):
+            self._broker_answered()
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Messages behind per assigned partition: cached high watermark minus position.
+
+        Uses the watermarks of the last fetch responses (no broker request); partitions
+        whose watermark or position is not known yet are left out. Call it from the
+        consumer's thread (e.g. in ``on_batch``).
+        """
+        if self.consumer is None or not self.assignment:
+            return {}
+        out: dict[tuple[str, int], int] = {}
+        for tp in self.consumer.position(self.assignment):
+            if tp.offset < 0:
+                continue
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            if high >= 0:
+                out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
+        return out
 
     # --- one batch ----------------------------------------------------------------------
     def _usable(self, messages: list[Message]) -> list[Message]:
@@ -361,6 +406,7 @@ class KafkaDeduplicator:
             verdict_key(m.topic(), m.partition(), m.offset()) for m in messages
         ]
         stats.seconds = time.perf_counter() - started
+        self._broker_answered()
         if self.on_batch:
             self.on_batch(stats)
         return stats

@@ -1,0 +1,220 @@
+"""Prometheus metrics of a neardup process, on a registry of its own.
+
+Nothing is created at import time and the default registry is never touched: each
+``Metrics`` owns a ``CollectorRegistry``, so several can live in one process (tests).
+Names follow the Prometheus conventions: a ``neardup_`` prefix, base units (seconds,
+bytes), ``_total`` on counters, ``_info`` on the build information.
+
+Feeding it:
+
+- ``observe_batch(stats)`` after every committed Kafka batch (``KafkaDeduplicator``'s
+  ``on_batch``); ``observe_results(results, seconds)`` after every batch of the embedded
+  mode (``dedup_files``' ``on_batch``).
+- ``set_lag(lag)`` with ``KafkaDeduplicator.lag()``; ``set_assignment(partitions)`` on
+  rebalances (drops the lag of partitions no longer assigned).
+- ``transaction_aborted()`` from ``on_abort``.
+- ``refresh_state(store)`` after batches: reads ``store.stats()`` at most every
+  ``state_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from neardup import __version__
+from neardup.core.types import Rejected, Verdict
+
+if TYPE_CHECKING:
+    from neardup.core.settings import EngineSettings
+    from neardup.io.kafka import BatchStats
+
+VERDICTS = ("unique", "duplicate")
+DEAD_LETTER_REASONS = ("tombstone", "too_large", "invalid_utf8", "invalid_json", "missing_field", "empty_text")
+TRANSACTION_OUTCOMES = ("committed", "aborted")
+STATE_FAMILIES = ("default", "buckets", "signatures", "nodes", "documents", "positions", "verdicts")
+
+# Bucket bounds. Latency: a message's age when its batch commits, seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+CANDIDATE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0)
+CLUSTER_BUCKETS = (2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+
+class _HasStats(Protocol):
+    def stats(self) -> dict[str, int]: ...
+
+
+class Metrics:
+    """The metrics of one neardup process.
+
+    Args:
+        state_interval: least seconds between two reads of the state store's statistics
+            (RocksDB properties) by ``refresh_state``.
+    """
+
+    def __init__(self, state_interval: float = 5.0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.state_interval = state_interval
+        self._state_read_at: float | None = None
+        self._lag_labels: set[tuple[str, str]] = set()
+
+        self.documents = Counter(
+            "neardup_documents", "Messages or lines produced with a verdict, by verdict (unique|duplicate); replays included.",
+            ["verdict"], registry=r)
+        self.dead_letter = Counter(
+            "neardup_dead_letter", "Messages or lines sent to the dead-letter topic (rejects), by reason.",
+            ["reason"], registry=r)
+        self.replayed = Counter(
+            "neardup_replayed", "Messages produced again from their stored outcome after a restart.", registry=r)
+        self.batch_seconds = Histogram(
+            "neardup_batch_seconds", "Time to process and commit one batch, seconds.",
+            buckets=BATCH_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "neardup_latency_seconds", "From a message's Kafka timestamp to the commit of its output, seconds.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.candidates = Histogram(
+            "neardup_candidates", "LSH candidates (bucket collisions) checked per document.",
+            buckets=CANDIDATE_BUCKETS, registry=r)
+        self.candidates_rejected = Counter(
+            "neardup_candidates_rejected", "Candidates whose estimated Jaccard similarity fell below the threshold.",
+            registry=r)
+        self.match_similarity = Histogram(
+            "neardup_match_similarity", "Estimated Jaccard similarity of a duplicate to its best accepted match.",
+            buckets=SIMILARITY_BUCKETS, registry=r)
+        self.cluster_size = Histogram(
+            "neardup_cluster_size", "Size of the cluster a duplicate joins, itself included.",
+            buckets=CLUSTER_BUCKETS, registry=r)
+        self.consumer_lag = Gauge(
+            "neardup_consumer_lag", "Messages behind: high watermark minus consumer position, after the last batch.",
+            ["topic", "partition"], registry=r)
+        self.assigned_partitions = Gauge(
+            "neardup_assigned_partitions", "Input partitions assigned to this consumer.", registry=r)
+        self.transactions = Counter(
+            "neardup_transactions", "Kafka transactions, by outcome (committed|aborted).", ["outcome"], registry=r)
+        self.state_keys = Gauge(
+            "neardup_state_keys", "Estimated keys per column family of the state store.", ["family"], registry=r)
+        self.state_bytes = Gauge(
+            "neardup_state_bytes", "Bytes of the state store, by kind (sst|memtable).", ["kind"], registry=r)
+        self.state_documents = Gauge(
+            "neardup_state_documents", "Documents stored in the state.", registry=r)
+        self.largest_bucket = Gauge(
+            "neardup_largest_bucket_size", "Members of the largest LSH band bucket ever written.", registry=r)
+        self.build = Info(
+            "neardup_build", "Version and engine settings of this process.", registry=r)
+
+        # Every label value known in advance exists from the start, at 0.
+        for v in VERDICTS:
+            self.documents.labels(v)
+        for reason in DEAD_LETTER_REASONS:
+            self.dead_letter.labels(reason)
+        for outcome in TRANSACTION_OUTCOMES:
+            self.transactions.labels(outcome)
+
+    # --- build -------------------------------------------------------------------------
+    def set_build_info(self, engine: EngineSettings) -> None:
+        """Publish the version and the engine settings as ``neardup_build_info``."""
+        self.build.info(
+            {
+                "version": __version__,
+                "num_perm": str(engine.num_perm),
+                "bands": str(engine.bands.bands),
+                "rows": str(engine.bands.rows),
+                "threshold": str(engine.threshold),
+                "shingling": str(engine.shingling),
+            }
+        )
+
+    # --- batches -----------------------------------------------------------------------
+    def observe_verdicts(self, verdicts: Iterable[Verdict]) -> None:
+        """Per-document engine metrics (candidates, rejected, similarity, cluster size)."""
+        rejected = 0
+        for v in verdicts:
+            self.candidates.observe(v.candidates)
+            rejected += v.rejected
+            if v.is_duplicate:
+                self.match_similarity.observe(v.similarity)
+                self.cluster_size.observe(v.cluster_size)
+        if rejected:
+            self.candidates_rejected.inc(rejected)
+
+    def observe_batch(self, stats: BatchStats, now: float | None = None) -> None:
+        """One committed Kafka batch (``KafkaDeduplicator``'s ``on_batch``).
+
+        Args:
+            stats: the batch; ``timestamps_ms`` are Kafka message timestamps, ms since
+                the epoch.
+            now: the commit time, seconds since the epoch (default: now).
+        """
+        now = time.time() if now is None else now
+        self.documents.labels("unique").inc(stats.unique)
+        self.documents.labels("duplicate").inc(stats.duplicate)
+        for reason, count in stats.dead_letter.items():
+            self.dead_letter.labels(reason).inc(count)
+        if stats.replayed:
+            self.replayed.inc(stats.replayed)
+        self.batch_seconds.observe(stats.seconds)
+        for ts_ms in stats.timestamps_ms:
+            self.latency.observe(max(0.0, now - ts_ms / 1000.0))
+        self.observe_verdicts(stats.verdicts)
+        self.transactions.labels("committed").inc()
+
+    def observe_results(self, results: Sequence[Verdict | Rejected], seconds: float) -> None:
+        """One batch of the embedded mode (``dedup_files``' ``on_batch``)."""
+        verdicts = [r for r in results if isinstance(r, Verdict)]
+        duplicates = sum(v.is_duplicate for v in verdicts)
+        self.documents.labels("unique").inc(len(verdicts) - duplicates)
+        self.documents.labels("duplicate").inc(duplicates)
+        rejected = len(results) - len(verdicts)
+        if rejected:
+            self.dead_letter.labels("empty_text").inc(rejected)
+        self.batch_seconds.observe(seconds)
+        self.observe_verdicts(verdicts)
+
+    def transaction_aborted(self, *_: Any) -> None:
+        """A batch's transaction was aborted (``KafkaDeduplicator``'s ``on_abort``)."""
+        self.transactions.labels("aborted").inc()
+
+    # --- consumer ----------------------------------------------------------------------
+    def set_assignment(self, partitions: Sequence[Any]) -> None:
+        """The assigned partitions (objects with ``topic`` and ``partition``)."""
+        self.assigned_partitions.set(len(partitions))
+        keep = {(p.topic, str(p.partition)) for p in partitions}
+        for labels in self._lag_labels - keep:
+            self.consumer_lag.remove(*labels)
+        self._lag_labels &= keep
+
+    def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
+        """Messages behind per (topic, partition)."""
+        for (topic, partition), value in lag.items():
+            labels = (topic, str(partition))
+            self.consumer_lag.labels(*labels).set(value)
+            self._lag_labels.add(labels)
+
+    # --- state -------------------------------------------------------------------------
+    def refresh_state(self, store: _HasStats, force: bool = False) -> bool:
+        """Read ``store.stats()`` into the state gauges, unless read less than
+        ``state_interval`` seconds ago. Returns whether it read them."""
+        now = time.monotonic()
+        if not force and self._state_read_at is not None and now - self._state_read_at < self.state_interval:
+            return False
+        self._state_read_at = now
+        stats = store.stats()
+        for family in STATE_FAMILIES:
+            if f"keys_{family}" in stats:
+                self.state_keys.labels(family).set(stats[f"keys_{family}"])
+        self.state_bytes.labels("sst").set(stats.get("sst_bytes", 0))
+        self.state_bytes.labels("memtable").set(stats.get("memtable_bytes", 0))
+        self.state_documents.set(stats.get("documents", 0))
+        self.largest_bucket.set(stats.get("max_bucket_size", 0))
+        return True
+
+    # --- exposition --------------------------------------------------------------------
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what /metrics serves)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,353 @@
+"""The deployment files agree with the code: docker-compose.yml, deploy/Dockerfile,
+deploy/prometheus, deploy/grafana and deploy/k8s.
+
+- docker-compose.yml validates against the Compose Specification JSON schema (the copy
+  vendored by the check-jsonschema package, Apache-2.0), and every file it refers to
+  exists;
+- every ``neardup`` command line in them parses with the real CLI parser, and the
+  settings it gives (with the ConfigMap's TOML for the StatefulSet) validate;
+- every metric the Grafana dashboard queries is in a real /metrics output;
+- ports, paths and names match across the files (state dir and volumes, metrics port,
+  Prometheus target, Grafana datasource uid).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+import tomllib
+import urllib.request
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+from prometheus_client.parser import text_string_to_metric_families
+
+from neardup.cli import _settings, build_parser
+from neardup.config import DEFAULT_METRICS_PORT
+from neardup.core.settings import EngineSettings
+from neardup.core.types import Document
+from neardup.detector import Detector
+from neardup.io.kafka import BatchStats
+from neardup.metrics import Metrics
+from neardup.server import MetricsServer
+from neardup.state.rocksdb import RocksDBStateStore
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "neardup.json"
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA_PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
+STATE_DIR = "/var/lib/neardup"
+
+
+@pytest.fixture(autouse=True)
+def _no_neardup_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings come from the files under test only, not from this shell."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("NEARDUP_"):
+            monkeypatch.delenv(name)
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _neardup_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Services that run the neardup image (built from deploy/Dockerfile)."""
+    out = {}
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if isinstance(build, dict) and build.get("dockerfile") == "deploy/Dockerfile":
+            out[name] = service
+    return out
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    command = service["command"]
+    return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+
+
+def _option(argv: list[str], dest: str) -> Any:
+    """The value the CLI's own parser gives ``dest`` for the command line ``argv``."""
+    return getattr(build_parser().parse_args(argv), dest)
+
+
+def _dockerfile() -> DockerfileParser:
+    return DockerfileParser(path=str(DOCKERFILE), env_replace=False)
+
+
+def _instructions(parser: DockerfileParser, name: str) -> list[str]:
+    return [s["value"] for s in parser.structure if s["instruction"] == name]
+
+
+def _k8s_documents() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _k8s(kind: str) -> dict[str, Any]:
+    (doc,) = [d for d in _k8s_documents() if d.get("kind") == kind]
+    return doc
+
+
+# --- docker-compose.yml -----------------------------------------------------------------
+def test_compose_validates_against_the_compose_specification():
+    schema = json.loads(
+        (resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
+    )
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    errors = sorted(validator_class(schema).iter_errors(_compose()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_compose_refers_to_files_that_exist():
+    compose = _compose()
+    checked = 0
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build is not None:
+            context = ROOT / (build if isinstance(build, str) else build.get("context", "."))
+            assert context.is_dir(), f"{name}: build context {context}"
+            dockerfile = context / (build.get("dockerfile", "Dockerfile") if isinstance(build, dict) else "Dockerfile")
+            assert dockerfile.is_file(), f"{name}: {dockerfile}"
+            checked += 1
+        for volume in service.get("volumes", []):
+            if isinstance(volume, str):
+                source = volume.split(":", 1)[0]
+                is_bind = source.startswith((".", "/", "~"))
+            else:
+                source, is_bind = volume.get("source", ""), volume.get("type") == "bind"
+            if is_bind:
+                assert (ROOT / source).exists(), f"{name}: mounted {source} does not exist"
+                checked += 1
+            else:
+                assert source in (compose.get("volumes") or {}), f"{name}: undeclared volume {source}"
+        for env_file in [service["env_file"]] if isinstance(service.get("env_file"), str) else service.get("env_file", []):
+            path = env_file if isinstance(env_file, str) else env_file["path"]
+            assert (ROOT / path).is_file(), f"{name}: env_file {path}"
+    for section in ("configs", "secrets"):
+        for name, item in (compose.get(section) or {}).items():
+            if "file" in item:
+                assert (ROOT / item["file"]).exists(), f"{section}.{name}: {item['file']}"
+    assert checked >= 6  # two builds, the data file, prometheus.yml, two grafana folders
+
+
+def test_compose_neardup_commands_parse_and_validate():
+    services = _neardup_services(_compose())
+    assert {"neardup", "producer"} <= set(services)
+    for name, service in services.items():
+        assert "entrypoint" not in service, f"{name}: the image's ENTRYPOINT is neardup"
+        argv = _command(service)
+        args = build_parser().parse_args(argv)
+        if args.command in ("run", "dedup"):
+            settings = _settings(args)
+            settings.engine()
+
+    run = _command(services["neardup"])
+    assert run[0] == "run"
+    state_dir = _option(run, "state_dir")
+    assert str(state_dir) == STATE_DIR
+    mounts = [v.split(":")[1] if isinstance(v, str) else v["target"] for v in services["neardup"]["volumes"]]
+    assert STATE_DIR in mounts
+    port = _option(run, "metrics_port")
+    assert port == DEFAULT_METRICS_PORT
+    assert any(str(p).endswith(f":{port}") for p in services["neardup"]["ports"])
+
+    produce = _command(services["producer"])
+    assert produce[0] == "produce"
+    inputs = build_parser().parse_args(produce).inputs
+    targets = [v.split(":")[1] for v in services["producer"]["volumes"]]
+    assert set(inputs) <= set(targets), "the producer reads a file that is mounted"
+    run_topics = _option(run, "input_topics")
+    assert _option(produce, "topic") in run_topics
+
+
+def test_prometheus_scrapes_the_neardup_service():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    run = _command(_neardup_services(_compose())["neardup"])
+    assert f"neardup:{_option(run, 'metrics_port')}" in targets
+
+
+def test_grafana_is_provisioned_with_the_datasource_the_dashboard_uses():
+    compose = _compose()
+    mounts = {
+        v.split(":")[0].removeprefix("./"): v.split(":")[1]
+        for v in compose["services"]["grafana"]["volumes"]
+        if isinstance(v, str) and v.startswith(".")
+    }
+    datasources = [
+        d
+        for path in sorted((GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
+        for d in yaml.safe_load(path.read_text())["datasources"]
+    ]
+    prometheus = [d for d in datasources if d["type"] == "prometheus"]
+    assert prometheus and prometheus[0]["url"] == "http://prometheus:9090"
+    providers = [
+        p
+        for path in sorted((GRAFANA_PROVISIONING / "dashboards").glob("*.yml"))
+        for p in yaml.safe_load(path.read_text())["providers"]
+    ]
+    assert mounts["deploy/grafana/dashboards"] in [p["options"]["path"] for p in providers]
+    assert mounts["deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    uids = {d["uid"] for d in prometheus}
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] in uids, panel["title"]
+        assert panel["targets"], panel["title"]
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for wanted in ("verdict", "duplicate ratio", "latency", "lag", "dead-letter", "store size"):
+        assert wanted in titles
+
+
+def _real_metrics_output(tmp_path: Path) -> str:
+    """/metrics of a Metrics fed with real batches (real detector, RocksDB), over HTTP."""
+    import gzip
+
+    with gzip.open(ROOT / "tests" / "data" / "reuters_excerpt.jsonl.gz", "rt") as f:
+        records = [json.loads(line) for _, line in zip(range(400), f)]
+    engine = EngineSettings()
+    metrics = Metrics()
+    metrics.set_build_info(engine)
+    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
+        detector = Detector(engine, store)
+        for start in range(0, len(records), 100):
+            docs = [Document(str(r["id"]), r["text"]) for r in records[start:start + 100]]
+            verdicts = detector.process(docs)
+            stats = BatchStats(
+                messages=len(docs),
+                unique=sum(not v.is_duplicate for v in verdicts),
+                duplicate=sum(v.is_duplicate for v in verdicts),
+                dead_letter={"invalid_json": 1},
+                verdicts=list(verdicts),
+                timestamps_ms=[int(time.time() * 1000) - 40] * len(docs),
+                seconds=0.05,
+            )
+            metrics.observe_batch(stats)
+        metrics.set_lag({("wire", 0): 3, ("wire", 1): 0})
+        metrics.transaction_aborted()
+        metrics.refresh_state(store, force=True)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with MetricsServer(metrics, "127.0.0.1", 0) as server:
+        with opener.open(f"{server.url}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+
+def test_every_dashboard_metric_is_exposed(tmp_path):
+    exposed = {
+        sample.name
+        for family in text_string_to_metric_families(_real_metrics_output(tmp_path))
+        for sample in family.samples
+    }
+    dashboard = json.loads(DASHBOARD.read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bneardup_[a-z0-9_]+", target["expr"])
+    }
+    assert len(queried) >= 10
+    assert not queried - exposed, f"queried but not exposed: {sorted(queried - exposed)}"
+
+
+# --- deploy/Dockerfile --------------------------------------------------------------------
+def test_dockerfile():
+    parser = _dockerfile()
+    assert parser.baseimage == "python:3.11-slim"
+    users = _instructions(parser, "USER")
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert json.loads(_instructions(parser, "ENTRYPOINT")[-1]) == ["neardup"]
+    cmd = json.loads(_instructions(parser, "CMD")[-1])
+    build_parser().parse_args(cmd)
+    assert STATE_DIR in json.loads(_instructions(parser, "VOLUME")[-1])
+    assert str(DEFAULT_METRICS_PORT) in _instructions(parser, "EXPOSE")[-1].split()
+    assert any(re.search(r"\bpip install \.(\s|$)", run) for run in _instructions(parser, "RUN"))
+    assert f"NEARDUP_STATE_DIR={STATE_DIR}" in " ".join(_instructions(parser, "ENV"))
+    for copy in _instructions(parser, "COPY"):
+        *sources, _ = copy.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}"
+    ignored = [
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for needed in ("pyproject.toml", "README.md", "src"):
+        assert needed not in ignored
+
+
+# --- deploy/k8s ------------------------------------------------------------------------------
+def test_k8s_manifests_parse():
+    kinds = sorted(d["kind"] for d in _k8s_documents())
+    assert kinds == ["ConfigMap", "Kustomization", "Service", "StatefulSet"]
+    kustomization = _k8s("Kustomization")
+    assert {(K8S / r).is_file() for r in kustomization["resources"]} == {True}
+
+
+def test_k8s_statefulset_keeps_state_on_a_claim_and_probes_health(tmp_path):
+    sts = _k8s("StatefulSet")
+    spec = sts["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["image"].startswith("neardup:")]
+    assert "command" not in container
+    argv = container["args"]
+    assert argv[0] == "run"
+
+    # The state directory is a volumeClaimTemplate's mount.
+    state_dir = str(_option(argv, "state_dir"))
+    claims = {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
+    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounted.get(state_dir) in claims
+
+    # --config names the ConfigMap's key where the ConfigMap is mounted; its TOML validates.
+    config_path = Path(str(_option(argv, "config")))
+    config_volume = mounted[str(config_path.parent)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == config_volume]
+    configmap = _k8s("ConfigMap")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    toml_text = configmap["data"][config_path.name]
+    config = tomllib.loads(toml_text)
+    local = tmp_path / config_path.name
+    local.write_text(toml_text)
+    args = build_parser().parse_args([a if a != str(config_path) else str(local) for a in argv])
+    settings = _settings(args)
+    settings.engine()
+    assert settings.bootstrap_servers and settings.input_topics
+    assert str(settings.state_dir) == state_dir
+
+    # Probes and the metrics port.
+    port = config.get("metrics_port", DEFAULT_METRICS_PORT)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == port
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+    # The pod name is the stable transactional id.
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NEARDUP_TRANSACTIONAL_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+    # The service selects the pods and tells Prometheus where to scrape.
+    service = _k8s("Service")
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    annotations = service["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == port
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert service["spec"]["ports"][0]["port"] == port
