@@ -37,6 +37,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--casefold", action=argparse.BooleanOptionalAction, default=None, help="case folding (default on)")
     g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help="delete punctuation (default off)")
     g.add_argument("--max-bucket-size", type=int, help="documents kept per band bucket (default 256)")
+    g.add_argument("--measure", choices=["jaccard", "containment"], help="jaccard (default), or containment: the share of a document's shingles found in an earlier one")
+    g.add_argument("--verify", choices=["exact", "estimate"], help="decide on exact similarity of stored shingle fingerprints (default) or on the MinHash estimate (less disk)")
+    g.add_argument("--cluster-policy", choices=["canonical", "components"], help="canonical (default): join a cluster only if similar to its canonical document; components: classic union-find")
+    g.add_argument("--candidate-threshold", type=float, help="similarity the LSH banding is tuned for (default: threshold with --verify estimate, threshold-0.25 (jaccard) or -0.3 (containment) with exact)")
+    g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help="count repeated shingles (a bag) instead of a set")
 
 
 def _record_flags(p: argparse.ArgumentParser) -> None:
@@ -114,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     produce.add_argument("--log-format", choices=["text", "json"], default="text", help="log lines as text or JSON")
 
+    ev = sub.add_parser("eval", help="measure detection quality against the exact all-pairs ground truth of a corpus")
+    ev.add_argument("corpus", metavar="CORPUS", help=".jsonl or .jsonl.gz (up to about 50,000 documents)")
+    ev.add_argument("--label-field", help="JSON field with cluster labels to compare against (default: exact connected components)")
+    ev.add_argument("--report", type=Path, default=Path("neardup-eval/report.json"), help="JSON report (default neardup-eval/report.json); plots go beside it")
+    _engine_flags(ev)
+    _record_flags(ev)
+    _common_flags(ev)
+
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
     params.add_argument("--threshold", type=float, default=0.8)
     params.add_argument("--num-perm", type=int, default=128)
@@ -123,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "progress", "config", "json"}
+_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "progress", "config",
+                 "json", "corpus", "label_field", "report"}
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -279,6 +293,29 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        from neardup.evaluate import evaluate, render
+    except ImportError as exc:
+        raise ValueError(f"neardup eval needs the eval extra: pip install 'neardup[eval]' ({exc})") from None
+    from neardup.io.files import open_text, read_lines
+    from neardup.plots import write_plots
+    from neardup.records import lookup
+
+    with open_text(args.corpus) as stream:
+        lines = [line for line in read_lines(stream, settings.text_field or ["text"], settings.id_field or "id")
+                 if line.document is not None]
+    docs = [line.document for line in lines]
+    labels = [lookup(line.record, args.label_field) for line in lines] if args.label_field else None
+    report = evaluate(docs, settings.engine(), labels=labels, batch_size=settings.batch_size)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps({k: v for k, v in report.items() if k != "histogram"}, indent=2) + "\n")
+    plots = write_plots(report, args.report.parent)
+    print(render(report))
+    print(f"report {args.report}; plots {', '.join(str(p) for p in plots)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -294,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_dedup(args, settings)
         if args.command == "run":
             return cmd_run(settings)
+        if args.command == "eval":
+            return cmd_eval(args, settings)
     except (ValueError, ValidationError, FileNotFoundError, StateError, ServerError) as exc:
         print(f"neardup: error: {exc}", file=sys.stderr)
         return 2

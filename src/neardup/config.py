@@ -13,6 +13,7 @@ and librdkafka settings in a ``[kafka]`` table::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -49,6 +50,11 @@ class Settings(BaseSettings):
     casefold: bool = True
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
+    measure: Literal["jaccard", "containment"] = "jaccard"
+    verify: Literal["exact", "estimate"] = "exact"
+    cluster_policy: Literal["canonical", "components"] = "canonical"
+    candidate_threshold: float | None = Field(None, gt=0.0, lt=1.0)
+    multiset: bool = False
     # records
     text_field: Annotated[list[str], NoDecode] | None = None  # dedup: ["text"]; run: whole value
     id_field: str | None = None  # dedup: "id"; run: the message key
@@ -109,12 +115,18 @@ class Settings(BaseSettings):
                 casefold=self.casefold,
                 strip_punctuation=self.strip_punctuation,
             ),
-            shingling=Shingling.parse(self.shingle),
+            shingling=replace(Shingling.parse(self.shingle), multiset=self.multiset)
+            if self.multiset
+            else Shingling.parse(self.shingle),
             num_perm=self.num_perm,
             seed=self.seed,
             threshold=self.threshold,
             lsh=lsh,
             max_bucket_size=self.max_bucket_size,
+            measure=self.measure,
+            verify=self.verify,
+            cluster_policy=self.cluster_policy,
+            candidate_threshold=self.candidate_threshold,
         )
 
 

@@ -1,19 +1,27 @@
 """The detector: a batch of documents in, one verdict per document out, in arrival order.
 
 For each batch: normalise, shingle and MinHash every text at once (numpy), cut the
-signatures into band buckets, fetch the buckets' earlier members from the store in one
-multi-get, then walk the documents in order. A document's candidates are the members of
-its buckets, earlier documents of the same batch included; a candidate is accepted when
-the share of equal signature slots (the MinHash estimate of Jaccard) reaches the
-threshold. Accepted pairs are joined by union-find; a cluster's id is its earliest
-document (the canonical). Nothing is written until the caller commits the batch's
-``StateUpdate``, in one atomic write.
+signatures into LSH band buckets, fetch the buckets' earlier members from the store in
+one multi-get, then walk the documents in order. A document's candidates are the members
+of its buckets, earlier documents of the same batch included. A candidate is accepted
+when its similarity reaches the threshold: the exact Jaccard (or containment) of the
+stored shingle fingerprints with ``verify="exact"``, the MinHash estimate from the full
+signatures with ``verify="estimate"``.
+
+Accepted pairs form clusters through union-find; a cluster's id is its earliest document
+(the canonical). With the ``components`` policy every accepted pair is joined, so a chain
+A~B, B~C puts A and C together however unlike they are. With the ``canonical`` policy
+(default) a document joins a cluster only when it is itself similar enough to that
+cluster's canonical; otherwise it is still a duplicate of its match, but starts its own
+cluster and records the match's cluster as ``related``.
+
+Nothing is written until the caller commits the batch's ``StateUpdate``, atomically.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,7 +29,7 @@ from neardup.core.lsh import band_hashes
 from neardup.core.minhash import MinHasher
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
-from neardup.core.shingle import shingle_batch
+from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.core.unionfind import Node, root_node, union
 from neardup.state import codec
@@ -66,13 +74,85 @@ class _StoredNodes(MutableMapping[int, Node]):
         return sum(n is not None for n in self._loaded.values())
 
 
+def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarray]:
+    """Sorted distinct shingle fingerprints (low 32 bits of the hashes) of ``docs``.
+
+    Returns:
+        One uint32 array per document of ``docs`` (indices into ``shingles``).
+    """
+    counts = shingles.counts[docs]
+    starts = shingles.offsets[docs]
+    idx = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    idx += np.arange(int(counts.sum()))
+    owner = np.repeat(np.arange(len(docs), dtype=np.uint64), counts)
+    keys = np.unique((owner << np.uint64(32)) | (shingles.hashes[idx] & np.uint64(0xFFFFFFFF)))
+    bounds = np.searchsorted(keys >> np.uint64(32), np.arange(len(docs) + 1, dtype=np.uint64))
+    low = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return [low[bounds[d] : bounds[d + 1]] for d in range(len(docs))]
+
+
+class _Corpus:
+    """Signatures, set sizes and fingerprints of documents, from the batch or the store."""
+
+    def __init__(self, store: StateStore, first_seq: int, signatures: np.ndarray,
+                 sizes: np.ndarray, fingerprints: list[np.ndarray] | None) -> None:
+        self.store, self.first_seq = store, first_seq
+        self._sig = {first_seq + i: row for i, row in enumerate(signatures)}
+        self._size = {first_seq + i: int(n) for i, n in enumerate(sizes)}
+        self._fp = {} if fingerprints is None else {
+            first_seq + i: fp for i, fp in enumerate(fingerprints)
+        }
+        self.exact = fingerprints is not None
+
+    def prefetch(self, seqs: list[int]) -> None:
+        seqs = [q for q in seqs if q not in self._size]
+        if not seqs:
+            return
+        self._size.update(zip(seqs, self.store.get_sizes(seqs).tolist()))
+        if self.exact:
+            self._fp.update(zip(seqs, self.store.get_fingerprints(seqs)))
+        else:
+            self._sig.update(zip(seqs, self.store.get_signatures(seqs)))
+
+    def similarities(self, seq: int, others: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Jaccard and containment (of ``seq`` in each other) as float64 arrays."""
+        if len(others) == 0:
+            return np.empty(0), np.empty(0)
+        self.prefetch(list(others))
+        size = self._size[seq]
+        sizes = np.array([self._size[q] for q in others], dtype=np.float64)
+        if self.exact:
+            own = self._fp[seq]
+            sets = [self._fp[q] for q in others]
+            found = np.isin(np.concatenate(sets), own, assume_unique=False)
+            ends = np.cumsum([len(x) for x in sets])
+            inter = np.add.reduceat(found, np.concatenate([[0], ends[:-1]])).astype(np.float64)
+            inter[sizes == 0] = 0.0
+            jaccard = inter / (size + sizes - inter)
+        else:
+            sigs = np.stack([self._sig[q] for q in others])
+            jaccard = np.mean(sigs == self._sig[seq], axis=1)
+            # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
+            inter = jaccard * (size + sizes) / (1.0 + jaccard)
+        containment = np.minimum(inter / size, 1.0)
+        return jaccard, containment
+
+
 @dataclass
 class BatchResult:
-    """The verdicts of a batch and the state update that records them."""
+    """The verdicts of a batch and the state update that records them.
+
+    Attributes:
+        results: one Verdict or Rejected per input document, in input order.
+        update: the state changes; the caller commits it.
+        signatures: uint64, shape (n_valid, num_perm).
+        links: every accepted pair as (earlier seq, later seq, similarity).
+    """
 
     results: list[Verdict | Rejected]
     update: StateUpdate
     signatures: np.ndarray = field(repr=False)
+    links: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
 
     @property
     def verdicts(self) -> list[Verdict]:
@@ -84,7 +164,7 @@ class Detector:
 
     Args:
         settings: the engine settings; their ``state_shape()`` must be the store's.
-        store: where buckets, signatures, union-find nodes and ids live.
+        store: where buckets, signatures, fingerprints, union-find nodes and ids live.
     """
 
     def __init__(self, settings: EngineSettings, store: StateStore) -> None:
@@ -103,44 +183,45 @@ class Detector:
         shingles = shingle_batch(texts, s.shingling)
         valid = np.flatnonzero(shingles.counts > 0)
         signatures = self.hasher.signatures(shingles)[valid]
+        fingerprints = fingerprint_sets(shingles, valid)
+        sizes = np.array([len(f) for f in fingerprints], dtype=np.int64)
         keys = codec.bucket_keys(band_hashes(signatures, s.bands))
         first_seq = self.store.next_seq()
 
         unique_keys = list(dict.fromkeys(k for doc_keys in keys for k in doc_keys))
         buckets = dict(zip(unique_keys, self.store.get_buckets(unique_keys)))
         stored = np.unique(np.concatenate([np.empty(0, np.uint64), *buckets.values()]))
-        stored = stored.astype(np.int64)
-        stored_sigs = self.store.get_signatures(stored.tolist())
+        corpus = _Corpus(self.store, first_seq, signatures, sizes,
+                         fingerprints if s.verify == "exact" else None)
+        corpus.prefetch(stored.astype(np.int64).tolist())
         nodes = _StoredNodes(self.store)
-        nodes.prefetch(stored.tolist())
+        nodes.prefetch(stored.astype(np.int64).tolist())
 
         members: dict[bytes, list[int]] = {k: v.tolist() for k, v in buckets.items()}
         verdicts: list[Verdict] = []
-        matches: list[tuple[int, int]] = []  # (match seq, canonical seq) per document
+        names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
+        links: list[tuple[int, int, float]] = []
         for i, doc_keys in enumerate(keys):
             seq = first_seq + i
             candidates = np.unique(
                 np.fromiter((c for k in doc_keys for c in members[k]), dtype=np.int64)
-            )
-            old = candidates[candidates < first_seq]
-            new = candidates[candidates >= first_seq]
-            cand_sigs = np.concatenate(
-                [stored_sigs[np.searchsorted(stored, old)], signatures[new - first_seq]]
-            )
-            similarity = np.mean(cand_sigs == signatures[i], axis=1)
-            accepted = similarity >= s.threshold
-            match, best = -1, 0.0
-            if accepted.any():
-                j = int(np.argmax(np.where(accepted, similarity, -1.0)))
-                match, best = int(candidates[j]), float(similarity[j])
-                for other in candidates[accepted].tolist():
-                    union(nodes, other, seq)
-            root = root_node(nodes, seq) if match >= 0 else None
-            canonical = root.canonical if root is not None else seq
+            ).tolist()
+            jaccard, containment = corpus.similarities(seq, candidates)
+            similarity = containment if s.measure == "containment" else jaccard
+            accepted = np.flatnonzero(similarity >= s.threshold)
+            links += [(candidates[j], seq, float(similarity[j])) for j in accepted]
+            match, canonical, related, size = -1, seq, -1, 1
+            best = -1
+            if len(accepted):
+                best = int(accepted[np.argmax(similarity[accepted])])
+                match = candidates[best]
+                canonical, related, size = self._join(
+                    seq, [candidates[j] for j in accepted], match, nodes, corpus
+                )
             for k in doc_keys:
                 if len(members[k]) < s.max_bucket_size:
                     members[k].append(seq)
-            matches.append((match, canonical))
+            names.append((match, canonical, related))
             verdicts.append(
                 Verdict(
                     id="",
@@ -148,26 +229,27 @@ class Detector:
                     verdict="duplicate" if match >= 0 else "unique",
                     cluster="",
                     match=None,
-                    similarity=best,
+                    similarity=float(similarity[best]) if best >= 0 else 0.0,
                     candidates=len(candidates),
-                    rejected=int(len(candidates) - accepted.sum()),
-                    cluster_size=root.size if root is not None else 1,
+                    rejected=len(candidates) - len(accepted),
+                    cluster_size=size,
+                    jaccard=float(jaccard[best]) if best >= 0 else 0.0,
+                    containment=float(containment[best]) if best >= 0 else 0.0,
                 )
             )
 
         ids = [documents[i].id for i in valid]
-        verdicts = self._name(verdicts, matches, ids, first_seq)
-        results: list[Verdict | Rejected] = []
-        valid_iter = iter(verdicts)
-        for doc, text, count in zip(documents, texts, shingles.counts):
-            if count > 0:
-                results.append(next(valid_iter))
-            else:
-                results.append(Rejected(doc.id, EMPTY_TEXT if not text else NO_TOKENS))
+        named = iter(self._name(verdicts, names, ids, first_seq))
+        results: list[Verdict | Rejected] = [
+            next(named) if count > 0 else Rejected(doc.id, EMPTY_TEXT if not text else NO_TOKENS)
+            for doc, text, count in zip(documents, texts, shingles.counts)
+        ]
         update = StateUpdate(
             first_seq=first_seq,
             signatures=signatures,
             ids=ids,
+            sizes=sizes,
+            fingerprints=fingerprints if s.verify == "exact" else None,
             buckets={
                 k: np.asarray(v, dtype=np.uint64)
                 for k, v in members.items()
@@ -175,36 +257,48 @@ class Detector:
             },
             nodes=nodes.changed,
         )
-        return BatchResult(results=results, update=update, signatures=signatures)
+        return BatchResult(results=results, update=update, signatures=signatures, links=links)
+
+    def _join(self, seq: int, accepted: list[int], match: int,
+              nodes: _StoredNodes, corpus: _Corpus) -> tuple[int, int, int]:
+        """Put ``seq`` into a cluster; returns (canonical, related canonical or -1, size)."""
+        if self.settings.cluster_policy == "components":
+            for other in accepted:
+                union(nodes, other, seq)
+            root = root_node(nodes, seq)
+            return root.canonical, -1, root.size
+        # canonical policy: join the cluster whose canonical is most similar, if similar enough
+        canonicals = sorted({root_node(nodes, c).canonical for c in accepted})
+        jaccard, containment = corpus.similarities(seq, canonicals)
+        similarity = containment if self.settings.measure == "containment" else jaccard
+        best = int(np.argmax(similarity))
+        if similarity[best] >= self.settings.threshold:
+            union(nodes, canonicals[best], seq)
+            root = root_node(nodes, seq)
+            return root.canonical, -1, root.size
+        return seq, root_node(nodes, match).canonical, 1
 
     def _name(
         self,
         verdicts: list[Verdict],
-        matches: list[tuple[int, int]],
+        names: list[tuple[int, int, int]],
         ids: list[str],
         first_seq: int,
     ) -> list[Verdict]:
-        """Fill in external ids of each verdict's document, match and canonical."""
-        wanted = {q for pair in matches for q in pair if 0 <= q < first_seq}
-        wanted_list = sorted(wanted)
-        names = dict(zip(wanted_list, self.store.get_ids(wanted_list)))
-        names.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
-        out = []
-        for v, (match, canonical), doc_id in zip(verdicts, matches, ids):
-            out.append(
-                Verdict(
-                    id=doc_id,
-                    seq=v.seq,
-                    verdict=v.verdict,
-                    cluster=names[canonical],
-                    match=names[match] if match >= 0 else None,
-                    similarity=v.similarity,
-                    candidates=v.candidates,
-                    rejected=v.rejected,
-                    cluster_size=v.cluster_size,
-                )
+        """Fill in the external ids of each verdict's document, match, cluster, related."""
+        wanted = sorted({q for triple in names for q in triple if 0 <= q < first_seq})
+        known = dict(zip(wanted, self.store.get_ids(wanted)))
+        known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
+        return [
+            replace(
+                v,
+                id=doc_id,
+                cluster=known[canonical],
+                match=known[match] if match >= 0 else None,
+                related=known[related] if related >= 0 else None,
             )
-        return out
+            for v, (match, canonical, related), doc_id in zip(verdicts, names, ids)
+        ]
 
     def process(
         self, documents: Sequence[Document], positions: dict[str, int] | None = None

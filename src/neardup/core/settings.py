@@ -1,13 +1,23 @@
-"""The engine's settings: the ones that shape the stored state, and the threshold."""
+"""The engine's settings: the ones that shape the stored state, and the decision rules."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from neardup.core.lsh import LshParams, optimal_params
 from neardup.core.normalize import TextNorm
 from neardup.core.shingle import Shingling
+
+Measure = Literal["jaccard", "containment"]
+Verify = Literal["exact", "estimate"]
+ClusterPolicy = Literal["canonical", "components"]
+
+#: With ``verify="exact"`` candidates come from a banding tuned this far below the
+#: decision threshold: more candidates, each checked exactly, so recall rises while
+#: precision stays exact. Containment needs a wider margin: a document contained in a
+#: longer one has a Jaccard similarity well below its containment.
+EXACT_CANDIDATE_MARGIN = {"jaccard": 0.25, "containment": 0.3}
 
 
 @dataclass(frozen=True)
@@ -16,11 +26,23 @@ class EngineSettings:
 
     Attributes:
         norm: text normalisation.
-        shingling: word or character n-grams.
+        shingling: word or character n-grams, as sets or multisets.
         num_perm: MinHash signature length.
         seed: MinHash seed.
-        threshold: Jaccard similarity at or above which a candidate is a duplicate.
-        lsh: the banding; None chooses ``optimal_params(threshold, num_perm)``.
+        threshold: similarity (``measure``) at or above which a candidate is a duplicate.
+        measure: ``"jaccard"`` |A ∩ B| / |A ∪ B|, or ``"containment"`` |A ∩ B| / |A|,
+            the share of the new document's shingles found in the earlier one.
+        verify: ``"exact"`` keeps every document's shingle fingerprints in the store and
+            decides on the exact similarity; ``"estimate"`` keeps signatures only and
+            decides on the MinHash estimate (cheaper on disk, noisier).
+        cluster_policy: ``"canonical"`` lets a document join a cluster only when its
+            similarity to the cluster's canonical (earliest) document reaches the
+            threshold, so clusters cannot chain; ``"components"`` joins every verified
+            pair (classic union-find connected components).
+        candidate_threshold: the similarity the LSH banding is tuned for; None means
+            ``threshold`` with ``verify="estimate"``, and ``threshold - 0.25`` (Jaccard) or
+            ``threshold - 0.3`` (containment) with exact verification.
+        lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``.
         max_bucket_size: documents kept per band bucket; later arrivals in a full bucket
             are still compared with its documents but not added (bounds hot buckets made
             by boilerplate).
@@ -31,6 +53,10 @@ class EngineSettings:
     num_perm: int = 128
     seed: int = 1
     threshold: float = 0.8
+    measure: Measure = "jaccard"
+    verify: Verify = "exact"
+    cluster_policy: ClusterPolicy = "canonical"
+    candidate_threshold: float | None = None
     lsh: LshParams | None = None
     max_bucket_size: int = 256
     _resolved: LshParams = field(init=False, repr=False, compare=False)
@@ -38,9 +64,17 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must lie in (0, 1], not {self.threshold}")
+        if self.measure not in ("jaccard", "containment"):
+            raise ValueError(f"measure must be jaccard or containment, not {self.measure!r}")
+        if self.verify not in ("exact", "estimate"):
+            raise ValueError(f"verify must be exact or estimate, not {self.verify!r}")
+        if self.cluster_policy not in ("canonical", "components"):
+            raise ValueError(
+                f"cluster policy must be canonical or components, not {self.cluster_policy!r}"
+            )
         if self.max_bucket_size < 1:
             raise ValueError("max_bucket_size must be at least 1")
-        lsh = self.lsh or optimal_params(min(self.threshold, 0.99), self.num_perm)
+        lsh = self.lsh or optimal_params(self.banding_threshold, self.num_perm)
         if lsh.bands * lsh.rows > self.num_perm:
             raise ValueError(
                 f"{lsh.bands} bands x {lsh.rows} rows need more than num_perm={self.num_perm}"
@@ -48,8 +82,19 @@ class EngineSettings:
         object.__setattr__(self, "_resolved", lsh)
 
     @property
+    def banding_threshold(self) -> float:
+        """The similarity the banding is tuned for (see ``candidate_threshold``)."""
+        if self.candidate_threshold is not None:
+            t = self.candidate_threshold
+        elif self.verify == "exact":
+            t = self.threshold - EXACT_CANDIDATE_MARGIN[self.measure]
+        else:
+            t = self.threshold
+        return min(max(t, 0.05), 0.99)
+
+    @property
     def bands(self) -> LshParams:
-        """The banding in force (given, or optimal for the threshold)."""
+        """The banding in force (given, or optimal for ``banding_threshold``)."""
         return self._resolved
 
     def state_shape(self) -> dict[str, Any]:
@@ -61,4 +106,6 @@ class EngineSettings:
             "seed": self.seed,
             "bands": self.bands.bands,
             "rows": self.bands.rows,
+            "verify": self.verify,
+            "cluster_policy": self.cluster_policy,
         }

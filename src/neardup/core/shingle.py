@@ -31,10 +31,13 @@ class Shingling:
         kind: ``"word"`` (n consecutive Unicode word tokens) or ``"char"`` (n consecutive
             characters, white space included).
         n: the n-gram length, at least 1.
+        multiset: count shingles with repeats (a bag): the k-th repeat of a shingle is
+            a distinct element, hashed as ``combine(hash, k)``. Off: a set.
     """
 
     kind: Literal["word", "char"] = "word"
     n: int = 5
+    multiset: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("word", "char"):
@@ -44,21 +47,26 @@ class Shingling:
 
     @classmethod
     def parse(cls, spec: str) -> Shingling:
-        """Parse ``"word:5"``, ``"char:5"`` or a bare ``"5"`` (word n-grams).
+        """Parse ``"word:5"``, ``"char:5"`` or a bare ``"5"`` (word n-grams), with an
+        optional ``"+multiset"`` suffix.
 
         Raises:
             ValueError: the spec has another form.
         """
-        kind, _, n = spec.strip().rpartition(":")
+        body, plus, suffix = spec.strip().partition("+")
+        kind, _, n = body.rpartition(":")
         try:
-            return cls(kind=kind or "word", n=int(n))  # type: ignore[arg-type]
+            if plus and suffix != "multiset":
+                raise ValueError(f"unknown option {suffix!r}")
+            return cls(kind=kind or "word", n=int(n), multiset=bool(plus))  # type: ignore[arg-type]
         except ValueError as exc:
             raise ValueError(
-                f"bad shingling {spec!r}: expected 'word:N' or 'char:N' ({exc})"
+                f"bad shingling {spec!r}: expected 'word:N' or 'char:N', optionally "
+                f"followed by '+multiset' ({exc})"
             ) from None
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.n}"
+        return f"{self.kind}:{self.n}" + ("+multiset" if self.multiset else "")
 
 
 @dataclass(frozen=True)
@@ -140,4 +148,20 @@ def shingle_batch(texts: Sequence[str], shingling: Shingling = Shingling()) -> S
     full = m[doc_of_slot] >= n
     out[full] = acc[source[full]]
     out[offsets[short]] = short_hashes
+    if shingling.multiset:
+        out = _number_repeats(out, doc_of_slot)
     return ShingleBatch(hashes=out, offsets=offsets)
+
+
+def _number_repeats(hashes: np.ndarray, doc_of_slot: np.ndarray) -> np.ndarray:
+    """Make the k-th repeat (k >= 1) of a hash within its document ``combine(hash, k)``."""
+    order = np.lexsort((hashes, doc_of_slot))  # stable: text order within equal hashes
+    h, d = hashes[order], doc_of_slot[order]
+    starts = np.ones(len(h), dtype=bool)
+    starts[1:] = (h[1:] != h[:-1]) | (d[1:] != d[:-1])
+    run_start = np.maximum.accumulate(np.where(starts, np.arange(len(h)), 0))
+    repeat = (np.arange(len(h)) - run_start).astype(np.uint64)
+    numbered = np.where(repeat > 0, combine(h, repeat), h)
+    out = np.empty_like(hashes)
+    out[order] = numbered
+    return out

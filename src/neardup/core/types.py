@@ -25,9 +25,14 @@ class Verdict:
         cluster: external id of the cluster's canonical (earliest) document; the
             document's own id when it starts a cluster.
         match: external id of the most similar accepted candidate, or None.
-        similarity: estimated Jaccard similarity to ``match`` (0.0 when unique).
+        similarity: similarity to ``match`` in the configured measure (0.0 when unique):
+            exact with ``verify="exact"``, the MinHash estimate otherwise.
+        jaccard: Jaccard similarity to ``match`` (exact or estimated, as ``similarity``).
+        containment: share of this document's shingles found in ``match``.
         candidates: number of distinct earlier documents checked (bucket collisions).
-        rejected: candidates whose estimated similarity fell below the threshold.
+        rejected: candidates whose similarity fell below the threshold.
+        related: with the canonical cluster policy, the cluster of ``match`` when this
+            document did not join it (too far from its canonical); else None.
         cluster_size: documents in the cluster once this one has joined it (the
             union-find root's size); 1 for a unique document.
     """
@@ -41,6 +46,9 @@ class Verdict:
     candidates: int
     rejected: int
     cluster_size: int = 1
+    jaccard: float = 0.0
+    containment: float = 0.0
+    related: str | None = None
 
     @property
     def is_duplicate(self) -> bool:
@@ -52,6 +60,9 @@ class Verdict:
             "cluster": self.cluster,
             "match": self.match,
             "similarity": round(self.similarity, 6),
+            "jaccard": round(self.jaccard, 6),
+            "containment": round(self.containment, 6),
+            "related": self.related,
             "candidates": self.candidates,
             "rejected_candidates": self.rejected,
         }

@@ -21,6 +21,9 @@ HEADER_VERDICT = "neardup-verdict"
 HEADER_CLUSTER = "neardup-cluster"
 HEADER_MATCH = "neardup-match"
 HEADER_SIMILARITY = "neardup-similarity"
+HEADER_JACCARD = "neardup-jaccard"
+HEADER_CONTAINMENT = "neardup-containment"
+HEADER_RELATED = "neardup-related"
 HEADER_ERROR = "neardup-error"
 HEADER_SOURCE_TOPIC = "neardup-source-topic"
 HEADER_SOURCE_PARTITION = "neardup-source-partition"
@@ -67,7 +70,11 @@ class Outcome:
             (HEADER_CLUSTER, verdict.cluster.encode("utf-8")),
             (HEADER_MATCH, (verdict.match or "").encode("utf-8")),
             (HEADER_SIMILARITY, f"{verdict.similarity:.6f}".encode()),
+            (HEADER_JACCARD, f"{verdict.jaccard:.6f}".encode()),
+            (HEADER_CONTAINMENT, f"{verdict.containment:.6f}".encode()),
         ]
+        if verdict.related is not None:
+            headers.append((HEADER_RELATED, verdict.related.encode("utf-8")))
         return cls("duplicate" if verdict.is_duplicate else "unique", headers)
 
     @classmethod

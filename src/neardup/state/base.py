@@ -38,6 +38,9 @@ class StateUpdate:
         first_seq: sequence number of ``signatures[0]``.
         signatures: uint64, shape (n_new, num_perm): the new documents' signatures.
         ids: external ids of the new documents, in sequence order.
+        sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
+        fingerprints: their sorted shingle fingerprints (uint32 arrays), kept for exact
+            verification; None when the store keeps signatures only.
         buckets: band-bucket key -> the bucket's complete new member list (uint64 seqs).
         nodes: union-find entries that changed.
         positions: input source -> next position to read (line, offset, ...).
@@ -48,6 +51,8 @@ class StateUpdate:
     first_seq: int
     signatures: np.ndarray
     ids: list[str]
+    sizes: np.ndarray | None = None
+    fingerprints: list[np.ndarray] | None = None
     buckets: dict[bytes, np.ndarray] = field(default_factory=dict)
     nodes: dict[int, Node] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)
@@ -80,6 +85,15 @@ class StateStore(Protocol):
 
     def get_ids(self, seqs: Sequence[int]) -> list[str]:
         """External ids. Raises KeyError for an unknown seq."""
+        ...
+
+    def get_sizes(self, seqs: Sequence[int]) -> np.ndarray:
+        """int64, shape (len(seqs),): shingle-set sizes. Raises KeyError if unknown."""
+        ...
+
+    def get_fingerprints(self, seqs: Sequence[int]) -> list[np.ndarray]:
+        """Sorted uint32 shingle fingerprints of each document. Raises KeyError if a
+        document has none stored (unknown, or a store without exact verification)."""
         ...
 
     def get_position(self, source: str) -> int | None:

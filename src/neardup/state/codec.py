@@ -11,7 +11,9 @@ default    b"max_bucket"                             u64 LE: largest bucket leng
 buckets    band u16 BE + bucket hash u64 BE (10 B)   member seqs, u64 LE each
 signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B)
 nodes      seq u64 BE                                parent, size, canonical: 3 x u64 LE
-documents  seq u64 BE                                external id, UTF-8
+documents  seq u64 BE                                shingle-set size u32 LE + external id, UTF-8
+shingles   seq u64 BE                                sorted distinct shingle fingerprints
+                                                     (low 32 bits of the hashes), u32 LE
 positions  source name, UTF-8                        next position, u64 LE
 verdicts   caller-defined bytes                      caller-defined bytes
 ========== ========================================= ==================================
@@ -29,7 +31,7 @@ import numpy as np
 
 from neardup.core.unionfind import Node
 
-FAMILIES = ("buckets", "signatures", "nodes", "documents", "positions", "verdicts")
+FAMILIES = ("buckets", "signatures", "nodes", "documents", "shingles", "positions", "verdicts")
 SETTINGS_KEY = b"settings"
 NEXT_SEQ_KEY = b"next_seq"
 MAX_BUCKET_KEY = b"max_bucket"
@@ -106,6 +108,27 @@ def encode_node(node: Node) -> bytes:
 
 def decode_node(raw: bytes | None) -> Node | None:
     return None if raw is None else Node(*_NODE.unpack(raw))
+
+
+_SIZE = struct.Struct("<I")
+
+
+def encode_document(size: int, doc_id: str) -> bytes:
+    return _SIZE.pack(size) + doc_id.encode("utf-8")
+
+
+def decode_document(raw: bytes) -> tuple[int, str]:
+    """(shingle-set size, external id)."""
+    return _SIZE.unpack_from(raw)[0], raw[_SIZE.size :].decode("utf-8")
+
+
+def encode_fingerprints(fingerprints: np.ndarray) -> bytes:
+    return np.asarray(fingerprints, dtype="<u4").tobytes()
+
+
+def decode_fingerprints(raw: bytes) -> np.ndarray:
+    """uint32, shape (set_size,), sorted."""
+    return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
 
 
 def encode_settings(settings: dict[str, Any]) -> bytes:

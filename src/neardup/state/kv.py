@@ -89,11 +89,23 @@ class KeyValueStateStore:
     def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:
         return [codec.decode_node(r) for r in self._get_many("nodes", codec.seq_keys(list(seqs)))]
 
-    def get_ids(self, seqs: Sequence[int]) -> list[str]:
+    def _documents(self, seqs: Sequence[int]) -> list[tuple[int, str]]:
         raws = self._get_many("documents", codec.seq_keys(list(seqs)))
         if any(raw is None for raw in raws):
             raise KeyError("unknown document sequence number")
-        return [raw.decode("utf-8") for raw in raws]  # type: ignore[union-attr]
+        return [codec.decode_document(raw) for raw in raws]  # type: ignore[arg-type]
+
+    def get_ids(self, seqs: Sequence[int]) -> list[str]:
+        return [doc_id for _, doc_id in self._documents(seqs)]
+
+    def get_sizes(self, seqs: Sequence[int]) -> np.ndarray:
+        return np.array([size for size, _ in self._documents(seqs)], dtype=np.int64)
+
+    def get_fingerprints(self, seqs: Sequence[int]) -> list[np.ndarray]:
+        raws = self._get_many("shingles", codec.seq_keys(list(seqs)))
+        if any(raw is None for raw in raws):
+            raise KeyError("no shingle fingerprints stored for a document")
+        return [codec.decode_fingerprints(raw) for raw in raws]  # type: ignore[arg-type]
 
     def get_position(self, source: str) -> int | None:
         raw = self._get("positions", source.encode("utf-8"))
@@ -116,9 +128,12 @@ class KeyValueStateStore:
         sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
         width = 8 * self.num_perm
         puts: list[Put] = []
+        sizes = update.sizes if update.sizes is not None else np.zeros(len(keys), np.int64)
         for i, key in enumerate(keys):
             puts.append(("signatures", key, sig_bytes[i * width : (i + 1) * width]))
-            puts.append(("documents", key, update.ids[i].encode("utf-8")))
+            puts.append(("documents", key, codec.encode_document(int(sizes[i]), update.ids[i])))
+            if update.fingerprints is not None:
+                puts.append(("shingles", key, codec.encode_fingerprints(update.fingerprints[i])))
         max_bucket = self._max_bucket
         for key, members in update.buckets.items():
             puts.append(("buckets", key, codec.encode_seqs(members)))
