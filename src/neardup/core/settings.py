@@ -13,11 +13,17 @@ Measure = Literal["jaccard", "containment"]
 Verify = Literal["exact", "estimate"]
 ClusterPolicy = Literal["canonical", "components"]
 
-#: With ``verify="exact"`` candidates come from a banding tuned this far below the
-#: decision threshold: more candidates, each checked exactly, so recall rises while
-#: precision stays exact. Containment needs a wider margin: a document contained in a
-#: longer one has a Jaccard similarity well below its containment.
-EXACT_CANDIDATE_MARGIN = {"jaccard": 0.25, "containment": 0.3}
+#: How far below the decision threshold the LSH banding is tuned, by (measure, verify).
+#: With exact verification more candidates cost little and each is checked exactly, so
+#: recall rises while precision stays exact. Containment needs a margin in both modes:
+#: a document contained in a longer one has a Jaccard similarity (what banding sees)
+#: well below its containment.
+CANDIDATE_MARGIN = {
+    ("jaccard", "exact"): 0.25,
+    ("jaccard", "estimate"): 0.0,
+    ("containment", "exact"): 0.3,
+    ("containment", "estimate"): 0.3,
+}
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,9 @@ class EngineSettings:
             similarity to the cluster's canonical (earliest) document reaches the
             threshold, so clusters cannot chain; ``"components"`` joins every verified
             pair (classic union-find connected components).
-        candidate_threshold: the similarity the LSH banding is tuned for; None means
-            ``threshold`` with ``verify="estimate"``, and ``threshold - 0.25`` (Jaccard) or
-            ``threshold - 0.3`` (containment) with exact verification.
+        candidate_threshold: the Jaccard similarity the LSH banding is tuned for; None
+            means ``threshold`` minus ``CANDIDATE_MARGIN[(measure, verify)]``: 0.25 for
+            exact Jaccard, 0 for estimated Jaccard, 0.3 for containment.
         lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``.
         max_bucket_size: documents kept per band bucket; later arrivals in a full bucket
             are still compared with its documents but not added (bounds hot buckets made
@@ -86,10 +92,8 @@ class EngineSettings:
         """The similarity the banding is tuned for (see ``candidate_threshold``)."""
         if self.candidate_threshold is not None:
             t = self.candidate_threshold
-        elif self.verify == "exact":
-            t = self.threshold - EXACT_CANDIDATE_MARGIN[self.measure]
         else:
-            t = self.threshold
+            t = self.threshold - CANDIDATE_MARGIN[(self.measure, self.verify)]
         return min(max(t, 0.05), 0.99)
 
     @property

@@ -1,0 +1,154 @@
+"""Detection quality against exact ground truth, the chaining guard, containment, multisets.
+
+The ground truth here is computed by the test itself (Python sets of shingle hashes and
+a scipy sparse product), not by neardup's own evaluation code.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from neardup.core.normalize import normalize
+from neardup.core.settings import EngineSettings
+from neardup.core.shingle import Shingling, shingle_batch
+from neardup.core.types import Document, Verdict
+from neardup.detector import Detector
+from neardup.evaluate import evaluate
+from neardup.state.memory import MemoryStateStore
+from neardup.state.rocksdb import RocksDBStateStore
+
+EXCERPT = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
+
+
+def _excerpt() -> list[Document]:
+    with gzip.open(EXCERPT, "rt", encoding="utf-8") as f:
+        docs = [Document(str(r["id"]), r["text"]) for r in map(json.loads, f)]
+    return [d for d in docs if normalize(d.text).strip()]
+
+
+def _exact_jaccard(docs: list[Document], shingling: Shingling) -> sp.csr_matrix:
+    """Upper-triangular matrix of exact Jaccard similarities (earlier row, later column)."""
+    batch = shingle_batch([normalize(d.text) for d in docs], shingling)
+    sets = [set(batch.hashes[batch.offsets[i]:batch.offsets[i + 1]].tolist()) for i in range(len(docs))]
+    vocab: dict[int, int] = {}
+    rows, cols = [], []
+    for i, s in enumerate(sets):
+        for h in s:
+            rows.append(i)
+            cols.append(vocab.setdefault(h, len(vocab)))
+    m = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(docs), len(vocab)))
+    sizes = np.array([len(s) for s in sets], dtype=np.float64)
+    inter = sp.triu(m @ m.T, k=1).tocoo()
+    jac = inter.data / (sizes[inter.row] + sizes[inter.col] - inter.data)
+    return sp.csr_matrix((jac, (inter.row, inter.col)), shape=(len(docs), len(docs)))
+
+
+def _run(docs: list[Document], settings: EngineSettings, store=None) -> list[Verdict]:
+    detector = Detector(settings, store or MemoryStateStore(settings.state_shape()))
+    verdicts = []
+    for i in range(0, len(docs), 500):
+        verdicts += detector.process(docs[i:i + 500])
+    assert all(isinstance(v, Verdict) for v in verdicts)
+    return verdicts
+
+
+@pytest.mark.parametrize("shingle", ["word:5", "char:5"])
+def test_recall_and_precision_at_least_0995(shingle, tmp_path):
+    docs = _excerpt()
+    shingling = Shingling.parse(shingle)
+    settings = EngineSettings(shingling=shingling)
+    truth = _exact_jaccard(docs, shingling)
+    verdicts = _run(docs, settings, RocksDBStateStore(tmp_path, settings.state_shape()))
+    index = {d.id: i for i, d in enumerate(docs)}
+
+    has_partner = np.asarray((truth >= 0.8).sum(axis=0)).ravel() > 0
+    flagged = np.array([v.is_duplicate for v in verdicts])
+    recall = (flagged & has_partner).sum() / has_partner.sum()
+    match_sim = [truth[index[v.match], index[v.id]] for v in verdicts if v.is_duplicate]
+    precision = np.mean(np.asarray(match_sim) >= 0.8)
+    print(f"{shingle}: {has_partner.sum()} documents with a partner >= 0.8; "
+          f"recall {recall:.4f}, precision {precision:.4f}")
+    assert has_partner.sum() >= 100
+    assert recall >= 0.995
+    assert precision >= 0.995
+    # exact verification reports the exact similarity of the match
+    for v, s in zip([v for v in verdicts if v.is_duplicate], match_sim):
+        assert v.similarity == pytest.approx(s, abs=0.02)
+
+
+def test_evaluate_reports_the_same_figures():
+    docs = _excerpt()
+    report = evaluate(docs, EngineSettings())
+    truth = _exact_jaccard(docs, Shingling())
+    assert report["exact_pairs"] == int((truth >= 0.8).sum())
+    assert report["document_recall"] >= 0.995 and report["document_precision"] >= 0.995
+    assert report["pair_recall"] >= 0.995 and report["pair_precision"] >= 0.995
+    assert report["policies"]["components"]["adjusted_rand_index"] == pytest.approx(1.0)
+    canonical = report["policies"]["canonical"]
+    assert canonical["cluster_diameter"] >= 0.8  # no member below the threshold to its canonical
+    assert report["disk_bytes_per_document"] > 0
+
+
+def _chain() -> list[Document]:
+    """A ~ B and B ~ C (Jaccard >= 0.8) but A and C unrelated enough (< 0.8)."""
+    words = [f"w{i}" for i in range(100)]
+    a = words[:80]
+    b = words[8:88]
+    c = words[16:96]
+    return [Document("A", " ".join(a)), Document("B", " ".join(b)), Document("C", " ".join(c))]
+
+
+def test_chaining_guard():
+    docs = _chain()
+    truth = _exact_jaccard(docs, Shingling())
+    assert truth[0, 1] >= 0.8 and truth[1, 2] >= 0.8 and truth[0, 2] < 0.8
+    components = {v.id: v for v in _run(docs, EngineSettings(cluster_policy="components"))}
+    assert components["C"].cluster == "A"  # chained through B
+    canonical = {v.id: v for v in _run(docs, EngineSettings(cluster_policy="canonical"))}
+    assert canonical["B"].cluster == "A"
+    assert canonical["C"].is_duplicate and canonical["C"].match == "B"
+    assert canonical["C"].cluster == "C"  # too far from the canonical A to join its cluster
+    assert canonical["C"].related == "A"
+
+
+@pytest.mark.parametrize("verify", ["exact", "estimate"])
+def test_containment_flags_a_shortened_republication(verify):
+    story = " ".join(f"s{i}" for i in range(300))
+    shortened = " ".join(f"s{i}" for i in range(40, 250))  # lead and tail cut: 70 % of it
+    docs = [Document("story", story), Document("short", shortened)]
+    jaccard = {v.id: v for v in _run(docs, EngineSettings(verify=verify))}
+    assert not jaccard["short"].is_duplicate  # Jaccard ~0.69
+    contained = {v.id: v for v in _run(docs, EngineSettings(measure="containment", verify=verify))}
+    short = contained["short"]
+    assert short.is_duplicate and short.match == "story"
+    assert short.containment == pytest.approx(1.0, abs=0.1 if verify == "estimate" else 1e-9)
+    assert short.jaccard == pytest.approx(206 / 296, abs=0.1 if verify == "estimate" else 1e-9)
+
+
+def test_multiset_counts_repeats():
+    base = " ".join(f"t{i}" for i in range(30))
+    once = Document("once", base)
+    thrice = Document("thrice", " ".join([base] * 3))
+    as_sets = {v.id: v for v in _run([once, thrice], EngineSettings())}
+    assert as_sets["thrice"].is_duplicate  # the set of 5-grams barely changes
+    bags = {v.id: v for v in _run([once, thrice], EngineSettings(shingling=Shingling("word", 5, multiset=True)))}
+    assert not bags["thrice"].is_duplicate  # as bags the copy is three times larger
+
+
+def test_estimate_mode_keeps_no_fingerprints(tmp_path):
+    docs = _excerpt()[:300]
+    sizes = {}
+    for verify in ("exact", "estimate"):
+        settings = EngineSettings(verify=verify)
+        store = RocksDBStateStore(tmp_path / verify, settings.state_shape())
+        _run(docs, settings, store)
+        stats = store.stats()
+        sizes[verify] = stats["keys_shingles"]
+        store.close()
+    assert sizes["estimate"] == 0 and sizes["exact"] > 0
