@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from pydantic import ValidationError
 
 from neardup import __version__
 from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings
-from neardup.core.lsh import LshParams, false_negative_area, false_positive_area, optimal_params
+from neardup.core.lsh import LshParams, false_negative_area, false_positive_area
+from neardup.core.settings import EngineSettings
 from neardup.server import ServerError
 from neardup.state.base import StateError
 
@@ -132,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--num-perm", type=int, default=128)
     params.add_argument("--bands", type=int)
     params.add_argument("--rows", type=int)
+    params.add_argument("--measure", choices=["jaccard", "containment"], default="jaccard")
+    params.add_argument("--verify", choices=["exact", "estimate"], default="exact")
+    params.add_argument("--candidate-threshold", type=float)
     params.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -178,19 +183,24 @@ class _JsonFormatter(logging.Formatter):
 def cmd_params(args: argparse.Namespace) -> int:
     if (args.bands is None) != (args.rows is None):
         raise ValueError("give both --bands and --rows, or neither")
-    lsh = LshParams(args.bands, args.rows) if args.bands else optimal_params(args.threshold, args.num_perm)
-    if lsh.bands * lsh.rows > args.num_perm:
-        raise ValueError(f"{lsh.bands} x {lsh.rows} exceeds num_perm {args.num_perm}")
+    engine = EngineSettings(
+        threshold=args.threshold, num_perm=args.num_perm, measure=args.measure,
+        verify=args.verify, candidate_threshold=args.candidate_threshold,
+        lsh=LshParams(args.bands, args.rows) if args.bands else None,
+    )
+    lsh = engine.bands
     grid = np.round(np.arange(0.5, 1.0001, 0.05), 2)
     table = {f"{s:.2f}": round(float(lsh.probability(s)), 6) for s in grid}
     fp, fn = false_positive_area(args.threshold, lsh), false_negative_area(args.threshold, lsh)
     if args.json:
-        print(json.dumps({"threshold": args.threshold, "num_perm": args.num_perm, "bands": lsh.bands,
+        print(json.dumps({"threshold": args.threshold, "num_perm": args.num_perm,
+                          "banding_threshold": engine.banding_threshold, "bands": lsh.bands,
                           "rows": lsh.rows, "false_positive_area": fp, "false_negative_area": fn,
                           "probability": table}))
         return 0
     print(f"threshold {args.threshold}  num_perm {args.num_perm}")
-    print(f"bands {lsh.bands}  rows {lsh.rows}  (uses {lsh.bands * lsh.rows} of {args.num_perm} slots)")
+    print(f"bands {lsh.bands}  rows {lsh.rows}  (uses {lsh.bands * lsh.rows} of {args.num_perm} slots), "
+          f"tuned for similarity {engine.banding_threshold:.2f}")
     print(f"false-positive area {fp:.5f}  false-negative area {fn:.5f}")
     print("similarity  P(candidate)")
     for s, p in table.items():
@@ -338,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into a reader that stopped (e.g. head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     parser.error(f"unknown command {args.command}")
     return 2
 
