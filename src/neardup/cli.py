@@ -32,6 +32,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shingle", help="word:N or char:N shingles (default word:5)")
     g.add_argument("--num-perm", type=int, help="MinHash permutations (default 128)")
     g.add_argument("--seed", type=int, help="MinHash seed (default 1)")
+    g.add_argument("--minhash", choices=["oph", "classic"], help="oph: one-permutation hashing with optimal densification (default, fast); classic: num-perm hash functions")
     g.add_argument("--threshold", type=float, help="Jaccard similarity of a duplicate (default 0.8)")
     g.add_argument("--bands", type=int, help="LSH bands (default: optimal for the threshold)")
     g.add_argument("--rows", type=int, help="LSH rows per band (with --bands)")

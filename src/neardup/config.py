@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     shingle: str = "word:5"
     num_perm: int = Field(128, ge=1)
     seed: int = 1
+    minhash: Literal["oph", "classic"] = "oph"
     threshold: float = Field(0.8, gt=0.0, le=1.0)
     bands: int | None = Field(None, ge=1)
     rows: int | None = Field(None, ge=1)
@@ -120,6 +121,7 @@ class Settings(BaseSettings):
             else Shingling.parse(self.shingle),
             num_perm=self.num_perm,
             seed=self.seed,
+            minhash=self.minhash,
             threshold=self.threshold,
             lsh=lsh,
             max_bucket_size=self.max_bucket_size,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from neardup.core.lsh import band_hashes
-from neardup.core.minhash import MinHasher
+from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
@@ -170,7 +170,7 @@ class Detector:
     def __init__(self, settings: EngineSettings, store: StateStore) -> None:
         self.settings = settings
         self.store = store
-        self.hasher = MinHasher(settings.num_perm, settings.seed)
+        self.hasher = make_hasher(settings.minhash, settings.num_perm, settings.seed)
 
     def detect(self, documents: Sequence[Document]) -> BatchResult:
         """Verdicts for ``documents`` against the committed state, without writing.

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from neardup.core.oph import OnePermutationHasher
 from neardup.core.shingle import ShingleBatch
 
 MERSENNE_61 = (1 << 61) - 1
@@ -122,3 +123,16 @@ def jaccard_estimate(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
         float64, the broadcast shape without the last axis, values in [0, 1].
     """
     return np.mean(sig_a == sig_b, axis=-1)
+
+
+def make_hasher(scheme: str, num_perm: int, seed: int) -> MinHasher | OnePermutationHasher:
+    """The signature function of ``scheme``: ``"classic"`` or ``"oph"``.
+
+    Raises:
+        ValueError: another scheme.
+    """
+    if scheme == "classic":
+        return MinHasher(num_perm, seed)
+    if scheme == "oph":
+        return OnePermutationHasher(num_perm, seed)
+    raise ValueError(f"unknown MinHash scheme {scheme!r}")

@@ -12,6 +12,7 @@ from neardup.core.shingle import Shingling
 Measure = Literal["jaccard", "containment"]
 Verify = Literal["exact", "estimate"]
 ClusterPolicy = Literal["canonical", "components"]
+Scheme = Literal["oph", "classic"]
 
 #: How far below the decision threshold the LSH banding is tuned, by (measure, verify).
 #: With exact verification more candidates cost little and each is checked exactly, so
@@ -35,6 +36,9 @@ class EngineSettings:
         shingling: word or character n-grams, as sets or multisets.
         num_perm: MinHash signature length.
         seed: MinHash seed.
+        minhash: ``"oph"``, one-permutation hashing with optimal densification (one hash
+            per shingle; ``neardup.core.oph``), or ``"classic"``, ``num_perm``
+            independent hash functions (``neardup.core.minhash``).
         threshold: similarity (``measure``) at or above which a candidate is a duplicate.
         measure: ``"jaccard"`` |A ∩ B| / |A ∪ B|, or ``"containment"`` |A ∩ B| / |A|,
             the share of the new document's shingles found in the earlier one.
@@ -58,6 +62,7 @@ class EngineSettings:
     shingling: Shingling = Shingling()
     num_perm: int = 128
     seed: int = 1
+    minhash: Scheme = "oph"
     threshold: float = 0.8
     measure: Measure = "jaccard"
     verify: Verify = "exact"
@@ -70,6 +75,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must lie in (0, 1], not {self.threshold}")
+        if self.minhash not in ("oph", "classic"):
+            raise ValueError(f"minhash must be oph or classic, not {self.minhash!r}")
         if self.measure not in ("jaccard", "containment"):
             raise ValueError(f"measure must be jaccard or containment, not {self.measure!r}")
         if self.verify not in ("exact", "estimate"):
@@ -108,6 +115,7 @@ class EngineSettings:
             "shingling": str(self.shingling),
             "num_perm": self.num_perm,
             "seed": self.seed,
+            "minhash": self.minhash,
             "bands": self.bands.bands,
             "rows": self.bands.rows,
             "verify": self.verify,

@@ -1,0 +1,92 @@
+"""One-permutation hashing with optimal densification: a MinHash signature in one hash
+per shingle instead of ``num_perm``.
+
+One-permutation hashing (Li, Owen, Zhang, "One permutation hashing", NIPS 2012) hashes
+each shingle once, sends it to one of ``num_perm`` bins by the high bits of its hash, and
+keeps the minimum hash in each bin. Bins that no shingle reached are filled by optimal
+densification (Shrivastava, "Optimal densification for fast and accurate minwise
+hashing", ICML 2017): an empty bin j takes the value of bin probe(j, t) for the first
+t = 1, 2, ... whose bin was reached, where probe is a fixed seeded hash of (j, t), the
+same for every document. Two documents then agree in a slot with probability equal to
+their Jaccard similarity, and the variance is close to that of classic MinHash with as
+many permutations, at 1 / num_perm of its hashing cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neardup.core.hashing import mix64
+from neardup.core.shingle import ShingleBatch
+
+#: A slot no shingle reached; the 63-bit hash values never take it.
+EMPTY = np.uint64(np.iinfo(np.uint64).max)
+#: Probes precomputed per bin; a bin still empty after them (a document of one or two
+#: shingles, with probability about (1 - 1/num_perm)^MAX_PROBES) takes the value of the
+#: document's first reached bin.
+MAX_PROBES = 4096
+
+
+@dataclass(frozen=True)
+class OnePermutationHasher:
+    """Deterministic one-permutation MinHash with optimal densification.
+
+    Attributes:
+        num_perm: signature length (number of bins), at least 1.
+        seed: seeds the shingle hash and the densification probes.
+    """
+
+    num_perm: int = 128
+    seed: int = 1
+    _salt: np.uint64 = field(init=False, repr=False, compare=False)
+    _probes: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_perm < 1:
+            raise ValueError(f"num_perm must be at least 1, not {self.num_perm}")
+        rng = np.random.Generator(np.random.PCG64(self.seed))
+        salt = rng.integers(0, np.iinfo(np.uint64).max, dtype=np.uint64, endpoint=True)
+        keys = (np.arange(self.num_perm, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(
+            1, MAX_PROBES + 1, dtype=np.uint64
+        )[None, :]
+        probes = (mix64(keys ^ salt) % np.uint64(self.num_perm)).astype(np.int64)
+        object.__setattr__(self, "_salt", salt)
+        object.__setattr__(self, "_probes", probes)
+
+    def signatures(self, batch: ShingleBatch) -> np.ndarray:
+        """Signatures of every document of ``batch``.
+
+        Returns:
+            uint64, shape (n_docs, num_perm), values below 2^63; a document with no
+            shingle gets ``EMPTY`` in every slot.
+        """
+        k, n_docs = self.num_perm, len(batch)
+        h = mix64(batch.hashes ^ self._salt) >> np.uint64(1)
+        bins = ((h >> np.uint64(31)) * np.uint64(k)) >> np.uint64(32)  # Lemire's range map
+        docs = np.repeat(np.arange(n_docs, dtype=np.int64), batch.counts)
+        raw = np.full(n_docs * k, EMPTY, dtype=np.uint64)
+        np.minimum.at(raw, docs * k + bins.astype(np.int64), h)
+        raw = raw.reshape(n_docs, k)
+        return self._densify(raw, batch.counts > 0)
+
+    def _densify(self, raw: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
+        out = raw.copy()
+        reached = raw != EMPTY
+        rows, cols = np.nonzero(~reached & nonempty[:, None])
+        for t in range(MAX_PROBES):
+            if len(rows) == 0:
+                return out
+            src = self._probes[cols, t]
+            hit = reached[rows, src]
+            out[rows[hit], cols[hit]] = raw[rows[hit], src[hit]]
+            rows, cols = rows[~hit], cols[~hit]
+        first = np.argmax(reached[rows], axis=1)
+        out[rows, cols] = raw[rows, first]
+        return out
+
+    def signature(self, shingle_hashes: np.ndarray) -> np.ndarray:
+        """The signature (uint64, shape (num_perm,)) of one set of shingle hashes."""
+        hashes = np.asarray(shingle_hashes, dtype=np.uint64)
+        return self.signatures(ShingleBatch(hashes, np.array([0, len(hashes)], dtype=np.int64)))[0]
