@@ -85,7 +85,11 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarra
     idx = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     idx += np.arange(int(counts.sum()))
     owner = np.repeat(np.arange(len(docs), dtype=np.uint64), counts)
-    keys = np.unique((owner << np.uint64(32)) | (shingles.hashes[idx] & np.uint64(0xFFFFFFFF)))
+    keys = (owner << np.uint64(32)) | (shingles.hashes[idx] & np.uint64(0xFFFFFFFF))
+    keys.sort()
+    keep = np.ones(len(keys), dtype=bool)
+    keep[1:] = keys[1:] != keys[:-1]
+    keys = keys[keep]
     bounds = np.searchsorted(keys >> np.uint64(32), np.arange(len(docs) + 1, dtype=np.uint64))
     low = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     return [low[bounds[d] : bounds[d + 1]] for d in range(len(docs))]
@@ -124,10 +128,12 @@ class _Corpus:
         if self.exact:
             own = self._fp[seq]
             sets = [self._fp[q] for q in others]
-            found = np.isin(np.concatenate(sets), own, assume_unique=False)
-            ends = np.cumsum([len(x) for x in sets])
-            inter = np.add.reduceat(found, np.concatenate([[0], ends[:-1]])).astype(np.float64)
-            inter[sizes == 0] = 0.0
+            joined = np.concatenate(sets)
+            at = np.minimum(np.searchsorted(own, joined), len(own) - 1)
+            found = own[at] == joined
+            starts = np.zeros(len(sets), dtype=np.int64)
+            np.cumsum([len(x) for x in sets[:-1]], out=starts[1:])
+            inter = np.add.reduceat(found, starts).astype(np.float64)
             jaccard = inter / (size + sizes - inter)
         else:
             sigs = np.stack([self._sig[q] for q in others])
@@ -197,46 +203,27 @@ class Detector:
         nodes = _StoredNodes(self.store)
         nodes.prefetch(stored.astype(np.int64).tolist())
 
-        members: dict[bytes, list[int]] = {k: v.tolist() for k, v in buckets.items()}
+        # Bucket members as little-endian u64 bytes: appending a document is a concat.
+        stored_members = {k: v.astype("<u8").tobytes() for k, v in buckets.items()}
+        members = dict(stored_members)
+        cap = 8 * s.max_bucket_size
         verdicts: list[Verdict] = []
         names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
         links: list[tuple[int, int, float]] = []
         for i, doc_keys in enumerate(keys):
             seq = first_seq + i
-            candidates = np.unique(
-                np.fromiter((c for k in doc_keys for c in members[k]), dtype=np.int64)
-            ).tolist()
-            jaccard, containment = corpus.similarities(seq, candidates)
-            similarity = containment if s.measure == "containment" else jaccard
-            accepted = np.flatnonzero(similarity >= s.threshold)
-            links += [(candidates[j], seq, float(similarity[j])) for j in accepted]
-            match, canonical, related, size = -1, seq, -1, 1
-            best = -1
-            if len(accepted):
-                best = int(accepted[np.argmax(similarity[accepted])])
-                match = candidates[best]
-                canonical, related, size = self._join(
-                    seq, [candidates[j] for j in accepted], match, nodes, corpus
-                )
+            joined = b"".join([members[k] for k in doc_keys])
             for k in doc_keys:
-                if len(members[k]) < s.max_bucket_size:
-                    members[k].append(seq)
-            names.append((match, canonical, related))
-            verdicts.append(
-                Verdict(
-                    id="",
-                    seq=seq,
-                    verdict="duplicate" if match >= 0 else "unique",
-                    cluster="",
-                    match=None,
-                    similarity=float(similarity[best]) if best >= 0 else 0.0,
-                    candidates=len(candidates),
-                    rejected=len(candidates) - len(accepted),
-                    cluster_size=size,
-                    jaccard=float(jaccard[best]) if best >= 0 else 0.0,
-                    containment=float(containment[best]) if best >= 0 else 0.0,
-                )
-            )
+                if len(members[k]) < cap:
+                    members[k] += codec.encode_u64(seq)
+            if not joined:  # no candidate: unique, and nothing more to do
+                names.append((-1, seq, -1))
+                verdicts.append(Verdict("", seq, "unique", "", None, 0.0, 0, 0))
+                continue
+            verdict, named = self._decide(seq, np.unique(np.frombuffer(joined, "<u8")).tolist(),
+                                          corpus, nodes, links)
+            names.append(named)
+            verdicts.append(verdict)
 
         ids = [documents[i].id for i in valid]
         named = iter(self._name(verdicts, names, ids, first_seq))
@@ -251,17 +238,49 @@ class Detector:
             sizes=sizes,
             fingerprints=fingerprints if s.verify == "exact" else None,
             buckets={
-                k: np.asarray(v, dtype=np.uint64)
+                k: np.frombuffer(v, "<u8").astype(np.uint64)
                 for k, v in members.items()
-                if len(v) != len(buckets[k])
+                if len(v) != len(stored_members[k])
             },
             nodes=nodes.changed,
         )
         return BatchResult(results=results, update=update, signatures=signatures, links=links)
 
-    def _join(self, seq: int, accepted: list[int], match: int,
+    def _decide(self, seq: int, candidates: list[int], corpus: _Corpus, nodes: _StoredNodes,
+                links: list[tuple[int, int, float]]) -> tuple[Verdict, tuple[int, int, int]]:
+        """Verify ``seq``'s candidates and cluster it; its verdict without external ids,
+        and the seqs (match, canonical, related) to name."""
+        s = self.settings
+        jaccard, containment = corpus.similarities(seq, candidates)
+        similarity = containment if s.measure == "containment" else jaccard
+        accepted = np.flatnonzero(similarity >= s.threshold)
+        links += [(candidates[j], seq, float(similarity[j])) for j in accepted]
+        if len(accepted) == 0:
+            verdict = Verdict("", seq, "unique", "", None, 0.0, len(candidates), len(candidates))
+            return verdict, (-1, seq, -1)
+        best = int(accepted[np.argmax(similarity[accepted])])
+        match = candidates[best]
+        known = {candidates[j]: float(similarity[j]) for j in accepted}
+        canonical, related, size = self._join(seq, known, match, nodes, corpus)
+        verdict = Verdict(
+            id="",
+            seq=seq,
+            verdict="duplicate",
+            cluster="",
+            match=None,
+            similarity=float(similarity[best]),
+            candidates=len(candidates),
+            rejected=len(candidates) - len(accepted),
+            cluster_size=size,
+            jaccard=float(jaccard[best]),
+            containment=float(containment[best]),
+        )
+        return verdict, (match, canonical, related)
+
+    def _join(self, seq: int, accepted: dict[int, float], match: int,
               nodes: _StoredNodes, corpus: _Corpus) -> tuple[int, int, int]:
-        """Put ``seq`` into a cluster; returns (canonical, related canonical or -1, size)."""
+        """Put ``seq`` into a cluster, given its accepted candidates and their similarity;
+        returns (canonical, related canonical or -1, cluster size)."""
         if self.settings.cluster_policy == "components":
             for other in accepted:
                 union(nodes, other, seq)
@@ -269,8 +288,11 @@ class Detector:
             return root.canonical, -1, root.size
         # canonical policy: join the cluster whose canonical is most similar, if similar enough
         canonicals = sorted({root_node(nodes, c).canonical for c in accepted})
-        jaccard, containment = corpus.similarities(seq, canonicals)
-        similarity = containment if self.settings.measure == "containment" else jaccard
+        unknown = [c for c in canonicals if c not in accepted]
+        jaccard, containment = corpus.similarities(seq, unknown)
+        computed = containment if self.settings.measure == "containment" else jaccard
+        known = {**accepted, **dict(zip(unknown, computed.tolist()))}
+        similarity = np.array([known[c] for c in canonicals])
         best = int(np.argmax(similarity))
         if similarity[best] >= self.settings.threshold:
             union(nodes, canonicals[best], seq)
