@@ -195,8 +195,8 @@ class Detector:
         first_seq = self.store.next_seq()
 
         unique_keys = list(dict.fromkeys(k for doc_keys in keys for k in doc_keys))
-        buckets = dict(zip(unique_keys, self.store.get_buckets(unique_keys)))
-        stored = np.unique(np.concatenate([np.empty(0, np.uint64), *buckets.values()]))
+        stored_members = dict(zip(unique_keys, self.store.get_bucket_bytes(unique_keys)))
+        stored = np.unique(np.frombuffer(b"".join(stored_members.values()), "<u8"))
         corpus = _Corpus(self.store, first_seq, signatures, sizes,
                          fingerprints if s.verify == "exact" else None)
         corpus.prefetch(stored.astype(np.int64).tolist())
@@ -204,7 +204,6 @@ class Detector:
         nodes.prefetch(stored.astype(np.int64).tolist())
 
         # Bucket members as little-endian u64 bytes: appending a document is a concat.
-        stored_members = {k: v.astype("<u8").tobytes() for k, v in buckets.items()}
         members = dict(stored_members)
         cap = 8 * s.max_bucket_size
         verdicts: list[Verdict] = []
@@ -237,11 +236,7 @@ class Detector:
             ids=ids,
             sizes=sizes,
             fingerprints=fingerprints if s.verify == "exact" else None,
-            buckets={
-                k: np.frombuffer(v, "<u8").astype(np.uint64)
-                for k, v in members.items()
-                if len(v) != len(stored_members[k])
-            },
+            buckets={k: v for k, v in members.items() if len(v) != len(stored_members[k])},
             nodes=nodes.changed,
         )
         return BatchResult(results=results, update=update, signatures=signatures, links=links)

@@ -41,7 +41,8 @@ class StateUpdate:
         sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
         fingerprints: their sorted shingle fingerprints (uint32 arrays), kept for exact
             verification; None when the store keeps signatures only.
-        buckets: band-bucket key -> the bucket's complete new member list (uint64 seqs).
+        buckets: band-bucket key -> the bucket's complete new member list: uint64 seqs,
+            or the same as u64 little-endian bytes (``get_bucket_bytes``'s layout).
         nodes: union-find entries that changed.
         positions: input source -> next position to read (line, offset, ...).
         verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
@@ -53,7 +54,7 @@ class StateUpdate:
     ids: list[str]
     sizes: np.ndarray | None = None
     fingerprints: list[np.ndarray] | None = None
-    buckets: dict[bytes, np.ndarray] = field(default_factory=dict)
+    buckets: dict[bytes, np.ndarray | bytes] = field(default_factory=dict)
     nodes: dict[int, Node] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)
     verdicts: dict[bytes, bytes] = field(default_factory=dict)
@@ -73,6 +74,10 @@ class StateStore(Protocol):
 
     def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
         """Members (uint64 seqs, arrival order) of each band bucket; empty when new."""
+        ...
+
+    def get_bucket_bytes(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``get_buckets`` as raw u64 little-endian bytes (b"" when new): no decoding."""
         ...
 
     def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:

@@ -79,6 +79,9 @@ class KeyValueStateStore:
     def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
         return [codec.decode_seqs(raw) for raw in self._get_many("buckets", keys)]
 
+    def get_bucket_bytes(self, keys: Sequence[bytes]) -> list[bytes]:
+        return [raw or b"" for raw in self._get_many("buckets", keys)]
+
     def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:
         raws = self._get_many("signatures", codec.seq_keys(list(seqs)))
         missing = [s for s, raw in zip(seqs, raws) if raw is None]
@@ -136,8 +139,9 @@ class KeyValueStateStore:
                 puts.append(("shingles", key, codec.encode_fingerprints(update.fingerprints[i])))
         max_bucket = self._max_bucket
         for key, members in update.buckets.items():
-            puts.append(("buckets", key, codec.encode_seqs(members)))
-            max_bucket = max(max_bucket, len(members))
+            raw = members if isinstance(members, bytes) else codec.encode_seqs(members)
+            puts.append(("buckets", key, raw))
+            max_bucket = max(max_bucket, len(raw) // 8)
         for seq, node in update.nodes.items():
             puts.append(("nodes", codec.seq_key(seq), codec.encode_node(node)))
         for source, position in update.positions.items():
