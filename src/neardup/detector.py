@@ -233,6 +233,7 @@ class Detector:
         update = StateUpdate(
             first_seq=first_seq,
             signatures=signatures,
+            store_signatures=s.verify == "estimate",
             ids=ids,
             sizes=sizes,
             fingerprints=fingerprints if s.verify == "exact" else None,

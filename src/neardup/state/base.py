@@ -37,6 +37,8 @@ class StateUpdate:
     Attributes:
         first_seq: sequence number of ``signatures[0]``.
         signatures: uint64, shape (n_new, num_perm): the new documents' signatures.
+        store_signatures: False when nothing reads stored signatures back (exact
+            verification): they are then checked for shape but not written.
         ids: external ids of the new documents, in sequence order.
         sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
         fingerprints: their sorted shingle fingerprints (uint32 arrays), kept for exact
@@ -52,6 +54,7 @@ class StateUpdate:
     first_seq: int
     signatures: np.ndarray
     ids: list[str]
+    store_signatures: bool = True
     sizes: np.ndarray | None = None
     fingerprints: list[np.ndarray] | None = None
     buckets: dict[bytes, np.ndarray | bytes] = field(default_factory=dict)

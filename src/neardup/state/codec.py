@@ -9,7 +9,8 @@ default    b"settings"                               JSON of the state-shaping s
 default    b"next_seq"                               u64 LE: documents stored
 default    b"max_bucket"                             u64 LE: largest bucket length seen
 buckets    band u16 BE + bucket hash u64 BE (10 B)   member seqs, u64 LE each
-signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B)
+signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B); written
+                                                     only with verify="estimate"
 nodes      seq u64 BE                                parent, size, canonical: 3 x u64 LE
 documents  seq u64 BE                                shingle-set size u32 LE + external id, UTF-8
 shingles   seq u64 BE                                sorted distinct shingle fingerprints

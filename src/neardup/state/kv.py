@@ -133,7 +133,8 @@ class KeyValueStateStore:
         puts: list[Put] = []
         sizes = update.sizes if update.sizes is not None else np.zeros(len(keys), np.int64)
         for i, key in enumerate(keys):
-            puts.append(("signatures", key, sig_bytes[i * width : (i + 1) * width]))
+            if update.store_signatures:
+                puts.append(("signatures", key, sig_bytes[i * width : (i + 1) * width]))
             puts.append(("documents", key, codec.encode_document(int(sizes[i]), update.ids[i])))
             if update.fingerprints is not None:
                 puts.append(("shingles", key, codec.encode_fingerprints(update.fingerprints[i])))
