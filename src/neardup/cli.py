@@ -52,6 +52,7 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (dedup default: text; run default: the whole message value)")
     g.add_argument("--id-field", help="JSON field holding the document id (dedup default: id, else the line number; run default: the message key, else topic/partition/offset)")
     g.add_argument("--batch-size", type=int, help="documents per batch (default 1000)")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help="dedup: prepare the next batch in a second process while the current one is written (default on)")
     g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
 
 
@@ -234,6 +235,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
             id_field=settings.id_field or "id",
             state_dir=settings.state_dir,
             batch_size=settings.batch_size,
+            parallel=settings.pipeline,
             append=args.append,
             progress=args.progress,
             on_batch=metrics.observe_results if server else None,

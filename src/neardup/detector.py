@@ -165,6 +165,57 @@ class BatchResult:
         return [r for r in self.results if isinstance(r, Verdict)]
 
 
+@dataclass
+class PreparedBatch:
+    """The state-free half of a batch: everything computed from the texts alone.
+
+    Attributes:
+        rejected: reason per input document, None for a valid one.
+        valid: int64, shape (n_valid,): indices of the valid documents.
+        signatures: uint64, shape (n_valid, num_perm).
+        fingerprints: sorted uint32 shingle fingerprints per valid document.
+        sizes: int64, shape (n_valid,): shingle-set sizes.
+        keys: per valid document, its bucket key in each band.
+    """
+
+    rejected: list[str | None]
+    valid: np.ndarray
+    signatures: np.ndarray
+    fingerprints: list[np.ndarray]
+    sizes: np.ndarray
+    keys: list[list[bytes]]
+
+
+class Preparer:
+    """Normalise, shingle, MinHash and band a batch: pure, no state, so it can run in
+    another process while the detector works on the previous batch."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.hasher = make_hasher(settings.minhash, settings.num_perm, settings.seed)
+
+    def __call__(self, documents: Sequence[Document]) -> PreparedBatch:
+        s = self.settings
+        texts = [normalize(d.text, s.norm) for d in documents]
+        shingles = shingle_batch(texts, s.shingling)
+        counts = shingles.counts
+        valid = np.flatnonzero(counts > 0)
+        signatures = self.hasher.signatures(shingles)[valid]
+        fingerprints = fingerprint_sets(shingles, valid)
+        rejected = [
+            None if n > 0 else (EMPTY_TEXT if not text else NO_TOKENS)
+            for text, n in zip(texts, counts.tolist())
+        ]
+        return PreparedBatch(
+            rejected=rejected,
+            valid=valid,
+            signatures=signatures,
+            fingerprints=fingerprints,
+            sizes=np.array([len(f) for f in fingerprints], dtype=np.int64),
+            keys=codec.bucket_keys(band_hashes(signatures, s.bands)),
+        )
+
+
 class Detector:
     """Near-duplicate detection over a state store.
 
@@ -176,22 +227,28 @@ class Detector:
     def __init__(self, settings: EngineSettings, store: StateStore) -> None:
         self.settings = settings
         self.store = store
-        self.hasher = make_hasher(settings.minhash, settings.num_perm, settings.seed)
+        self.prepare = Preparer(settings)
 
-    def detect(self, documents: Sequence[Document]) -> BatchResult:
+    @property
+    def hasher(self):  # noqa: ANN201 - MinHasher or OnePermutationHasher
+        """The signature function in use."""
+        return self.prepare.hasher
+
+    def detect(self, documents: Sequence[Document], prepared: PreparedBatch | None = None) -> BatchResult:
         """Verdicts for ``documents`` against the committed state, without writing.
+
+        Args:
+            prepared: ``Preparer(settings)(documents)``, if already computed (e.g. in
+                another process); computed here otherwise.
 
         The caller commits ``result.update`` (adding input positions if it tracks them)
         before the next call.
         """
         s = self.settings
-        texts = [normalize(d.text, s.norm) for d in documents]
-        shingles = shingle_batch(texts, s.shingling)
-        valid = np.flatnonzero(shingles.counts > 0)
-        signatures = self.hasher.signatures(shingles)[valid]
-        fingerprints = fingerprint_sets(shingles, valid)
-        sizes = np.array([len(f) for f in fingerprints], dtype=np.int64)
-        keys = codec.bucket_keys(band_hashes(signatures, s.bands))
+        p = prepared if prepared is not None else self.prepare(documents)
+        valid, signatures, fingerprints, sizes, keys = (
+            p.valid, p.signatures, p.fingerprints, p.sizes, p.keys
+        )
         first_seq = self.store.next_seq()
 
         unique_keys = list(dict.fromkeys(k for doc_keys in keys for k in doc_keys))
@@ -227,8 +284,8 @@ class Detector:
         ids = [documents[i].id for i in valid]
         named = iter(self._name(verdicts, names, ids, first_seq))
         results: list[Verdict | Rejected] = [
-            next(named) if count > 0 else Rejected(doc.id, EMPTY_TEXT if not text else NO_TOKENS)
-            for doc, text, count in zip(documents, texts, shingles.counts)
+            next(named) if reason is None else Rejected(doc.id, reason)
+            for doc, reason in zip(documents, p.rejected)
         ]
         update = StateUpdate(
             first_seq=first_seq,

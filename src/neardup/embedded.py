@@ -13,9 +13,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from neardup.core.settings import EngineSettings
-from neardup.core.types import Rejected, Verdict
+from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
 from neardup.io.files import Line, OutputFiles, open_text, read_lines, source_name
+from neardup.pipeline import prepared_ahead
 from neardup.state.rocksdb import RocksDBStateStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class Summary:
         )
 
 
+def _documents(batch: list[Line]) -> list[Document]:
+    return [line.document for line in batch if line.document is not None]
+
+
 def _batches(lines: Iterable[Line], size: int) -> Iterator[list[Line]]:
     it = iter(lines)
     while batch := list(islice(it, size)):
@@ -77,6 +82,7 @@ def dedup_files(
     append: bool = False,
     progress: bool | None = None,
     on_batch: Callable[[list[Verdict | Rejected], float], None] | None = None,
+    parallel: bool = True,
 ) -> Summary:
     """Deduplicate ``inputs`` (JSONL, ``.jsonl.gz`` or ``-``) in order, into ``out_dir``.
 
@@ -86,6 +92,9 @@ def dedup_files(
 
     Args:
         on_batch: called after each batch with its results and its seconds (metrics).
+        parallel: prepare the next batch (normalise, shingle, MinHash) in a worker
+            process while the current one is verified and written
+            (``neardup.pipeline``).
 
     Raises:
         FileNotFoundError: an input does not exist.
@@ -108,10 +117,12 @@ def dedup_files(
                     log.info("%s: resuming after line %d", path, start)
                 with open_text(path) as stream:
                     lines = read_lines(stream, text_fields, id_field, start=start)
-                    for batch in _batches(lines, batch_size):
+                    for batch, prepared in prepared_ahead(
+                        _batches(lines, batch_size), _documents, settings, parallel
+                    ):
                         t0 = time.perf_counter()
                         good = [line for line in batch if line.document is not None]
-                        result = detector.detect([line.document for line in good])  # type: ignore[misc]
+                        result = detector.detect(_documents(batch), prepared)
                         for line in batch:
                             if line.error is not None:
                                 outputs.write_reject(line.number, line.error, raw=line.raw)
