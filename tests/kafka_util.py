@@ -112,7 +112,7 @@ def wait_committed(bootstrap: str, group: str, topic: str, target: int, proc: su
         if committed_offset(bootstrap, group, topic) >= target:
             return
         assert proc.poll() is None, f"neardup run exited early with {proc.returncode}"
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise TimeoutError(f"{group} did not reach offset {target} of {topic}")
 
 

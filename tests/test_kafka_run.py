@@ -127,10 +127,12 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kaf
 
     state, log = tmp_path / "state", tmp_path / "run.log"
     rng = random.Random(2026)
+    targets = sorted(rng.sample(range(1_000, len(records) - 2_000), 4))
     progress = []
-    for _ in range(4):
+    for target in targets:  # kill right after a random offset is committed, plus a random delay
         proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, "--batch-size", "500", log=log)
-        time.sleep(rng.uniform(2.0, 7.0))
+        wait_committed(kafka_bootstrap, "g-crash", topic, target, proc)
+        time.sleep(rng.uniform(0.0, 0.4))
         assert proc.poll() is None, log.read_text()[-3000:]
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
