@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from neardup import __version__
 from neardup.core.types import Rejected, Verdict
+from neardup.state import codec
 
 if TYPE_CHECKING:
     from neardup.core.settings import EngineSettings
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 VERDICTS = ("unique", "duplicate")
 DEAD_LETTER_REASONS = ("tombstone", "too_large", "invalid_utf8", "invalid_json", "missing_field", "empty_text")
 TRANSACTION_OUTCOMES = ("committed", "aborted")
-STATE_FAMILIES = ("default", "buckets", "signatures", "nodes", "documents", "positions", "verdicts")
+STATE_FAMILIES = ("default", *codec.FAMILIES)
 
 # Bucket bounds. Latency: a message's age when its batch commits, seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
