@@ -26,7 +26,8 @@ as duplicates.
 
 The stage breakdown re-runs neardup's engine directly (batches of 1000, a fresh RocksDB
 store; the fastest of ``--repeat`` runs) and times each stage on the same batch:
-``normalize``, ``shingle_batch``, ``MinHasher.signatures``, ``band_hashes``, then
+``normalize``, ``shingle_batch``, the detector's hasher's ``signatures`` (classic MinHash
+or one-permutation hashing, whichever the settings choose), ``band_hashes``, then
 ``Detector.detect`` + ``commit`` whole; "rest of detect + commit" is that whole minus the
 four stages (bucket look-ups, candidate checks, union-find, the RocksDB write). Two more
 lines come from the kept ``dedup_files`` run itself (its ``on_batch`` hook): the time inside
@@ -39,125 +40,41 @@ Usage: python benchmarks/engine.py [--corpus PATH] [--json OUT] [--limit N] [--r
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
-from functools import cached_property
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 
 from neardup.core.lsh import band_hashes
-from neardup.core.minhash import MinHasher
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import shingle_batch
 from neardup.core.types import Document
 from neardup.detector import Detector
 from neardup.embedded import dedup_files
-from neardup.records import record_id, record_text
 from neardup.state.rocksdb import RocksDBStateStore
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "reuters21578" / "reuters21578.jsonl.gz"
-FALLBACK_CORPUS = REPO / "tests" / "data" / "reuters_excerpt.jsonl.gz"
-TEXT_FIELD, ID_FIELD = "text", "id"
-BATCH_SIZE = 1000
-RENSA_BANDS = 16
-_WORD = re.compile(r"\w+")
-
-
-@dataclass
-class Corpus:
-    """The records of a run. ``path`` is the file neardup reads (a cut copy with --limit)."""
-
-    path: Path
-    ids: list[str]
-    texts: list[str]
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    @cached_property
-    def megabytes(self) -> float:
-        return sum(len(t.encode("utf-8")) for t in self.texts) / 1e6
-
-
-@dataclass
-class Result:
-    """One tool's (fastest) run: one row of the table."""
-
-    tool: str
-    documents: int
-    megabytes: float
-    seconds: float
-    duplicates: int
-    setup: str
-    duplicate_ids: set[str] = field(default_factory=set, repr=False)
-    #: neardup only: seconds spent inside dedup_files' batches (detect, outputs, commit).
-    batch_seconds: float | None = None
-
-    @property
-    def docs_per_second(self) -> float:
-        return self.documents / self.seconds
-
-    @property
-    def mb_per_second(self) -> float:
-        return self.megabytes / self.seconds
-
-    def as_dict(self, baseline: Result) -> dict[str, object]:
-        return {
-            "tool": self.tool,
-            "setup": self.setup,
-            "documents": self.documents,
-            "megabytes": round(self.megabytes, 3),
-            "seconds": round(self.seconds, 3),
-            "documents_per_second": round(self.docs_per_second, 1),
-            "megabytes_per_second": round(self.mb_per_second, 3),
-            "duplicates": self.duplicates,
-            "neardup_speedup": round(baseline.docs_per_second / self.docs_per_second, 2),
-        }
-
-
-# --- corpus ------------------------------------------------------------------------------
-
-
-def load_corpus(path: Path, limit: int | None, scratch: Path) -> Corpus:
-    """Read ids and texts as neardup does; with ``limit``, also write the cut file."""
-    lines: list[str] = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                lines.append(line)
-                if limit is not None and len(lines) == limit:
-                    break
-    if limit is not None:
-        path = scratch / f"corpus-{len(lines)}.jsonl.gz"
-        with gzip.open(path, "wt", encoding="utf-8") as out:
-            out.writelines(lines)
-    ids, texts = [], []
-    for number, line in enumerate(lines, start=1):
-        record = json.loads(line)
-        ids.append(record_id(record, ID_FIELD) or str(number))
-        texts.append(record_text(record, [TEXT_FIELD]))
-    return Corpus(path, ids, texts)
-
-
-def python_shingles(text: str, n: int) -> list[str]:
-    """Word n-grams of the normalised text; one shingle of every token when fewer than n."""
-    tokens = _WORD.findall(normalize(text))
-    if len(tokens) < n:
-        return [" ".join(tokens)] if tokens else []
-    return [" ".join(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import (  # noqa: E402  (this folder on sys.path first)
+    BATCH_SIZE,
+    ID_FIELD,
+    TEXT_FIELD,
+    Corpus,
+    Result,
+    agreement,
+    default_corpus,
+    load_corpus,
+    run_datasketch,
+    run_rensa,
+)
+from benchlib import package_version as _version  # noqa: E402
 
 
 # --- the tools ---------------------------------------------------------------------------
@@ -197,69 +114,6 @@ def run_neardup(corpus: Corpus, settings: EngineSettings) -> Result:
     )
 
 
-def run_datasketch(corpus: Corpus, settings: EngineSettings) -> Result:
-    """Python shingling, ``MinHash.update_batch``, in-memory ``MinHashLSH`` query/insert."""
-    from datasketch import MinHash, MinHashLSH
-
-    n, num_perm, threshold = settings.shingling.n, settings.num_perm, settings.threshold
-    started = time.perf_counter()
-    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
-    sketches: dict[int, MinHash] = {}
-    duplicate_ids: set[str] = set()
-    for key, (doc_id, text) in enumerate(zip(corpus.ids, corpus.texts)):
-        shingles = python_shingles(text, n)
-        if not shingles:
-            continue
-        sketch = MinHash(num_perm=num_perm, seed=settings.seed)
-        sketch.update_batch([s.encode("utf-8") for s in shingles])
-        if any(sketch.jaccard(sketches[c]) >= threshold for c in lsh.query(sketch)):
-            duplicate_ids.add(doc_id)
-        lsh.insert(key, sketch)
-        sketches[key] = sketch
-    seconds = time.perf_counter() - started
-    return Result(
-        tool="datasketch",
-        documents=len(corpus),
-        megabytes=corpus.megabytes,
-        seconds=seconds,
-        duplicates=len(duplicate_ids),
-        setup=f"MinHashLSH in memory, {lsh.b} bands x {lsh.r} rows",
-        duplicate_ids=duplicate_ids,
-    )
-
-
-def run_rensa(corpus: Corpus, settings: EngineSettings) -> Result:
-    """Python shingling, ``RMinHash.update``, in-memory ``RMinHashLSH`` query/insert."""
-    from rensa import RMinHash, RMinHashLSH
-
-    n, num_perm, threshold = settings.shingling.n, settings.num_perm, settings.threshold
-    started = time.perf_counter()
-    lsh = RMinHashLSH(threshold=threshold, num_perm=num_perm, num_bands=RENSA_BANDS)
-    sketches: dict[int, RMinHash] = {}
-    duplicate_ids: set[str] = set()
-    for key, (doc_id, text) in enumerate(zip(corpus.ids, corpus.texts)):
-        shingles = python_shingles(text, n)
-        if not shingles:
-            continue
-        sketch = RMinHash(num_perm=num_perm, seed=settings.seed)
-        sketch.update(shingles)
-        if any(sketch.jaccard(sketches[c]) >= threshold for c in lsh.query(sketch)):
-            duplicate_ids.add(doc_id)
-        lsh.insert(key, sketch)
-        sketches[key] = sketch
-    seconds = time.perf_counter() - started
-    rows = num_perm // RENSA_BANDS
-    return Result(
-        tool="rensa",
-        documents=len(corpus),
-        megabytes=corpus.megabytes,
-        seconds=seconds,
-        duplicates=len(duplicate_ids),
-        setup=f"RMinHashLSH in memory, {RENSA_BANDS} bands x {rows} rows",
-        duplicate_ids=duplicate_ids,
-    )
-
-
 def best_of(repeat: int, run: Callable[[], Result]) -> Result:
     """The fastest of ``repeat`` runs."""
     return min((run() for _ in range(repeat)), key=lambda r: r.seconds)
@@ -267,7 +121,7 @@ def best_of(repeat: int, run: Callable[[], Result]) -> Result:
 
 # --- neardup stage breakdown -------------------------------------------------------------
 
-STAGES = ("normalize", "shingle_batch", "MinHasher.signatures", "band_hashes")
+STAGES = ("normalize", "shingle_batch", "signatures (detector.hasher)", "band_hashes")
 REST = "rest of detect + commit"
 DETECT = "total detect + commit"
 
@@ -280,11 +134,11 @@ def _batches(docs: Sequence[Document], size: int) -> Iterator[Sequence[Document]
 def stage_seconds(corpus: Corpus, settings: EngineSettings) -> dict[str, float]:
     """Seconds of each engine stage over the corpus (see the module docstring)."""
     docs = [Document(i, t) for i, t in zip(corpus.ids, corpus.texts)]
-    hasher = MinHasher(settings.num_perm, settings.seed)
     seconds = dict.fromkeys((*STAGES, DETECT), 0.0)
     with tempfile.TemporaryDirectory(prefix="neardup-bench-stages-") as tmp:
         with closing(RocksDBStateStore(tmp, settings.state_shape())) as store:
             detector = Detector(settings, store)
+            hasher = detector.hasher  # the engine's signature scheme, whichever it is
             for batch in _batches(docs, BATCH_SIZE):
                 t0 = time.perf_counter()
                 texts = [normalize(d.text, settings.norm) for d in batch]
@@ -319,11 +173,6 @@ def stage_breakdown(corpus: Corpus, settings: EngineSettings, repeat: int, neard
 # --- report ------------------------------------------------------------------------------
 
 
-def agreement(neardup: Result, other: Result) -> dict[str, int]:
-    a, b = neardup.duplicate_ids, other.duplicate_ids
-    return {"both": len(a & b), "only_neardup": len(a - b), f"only_{other.tool}": len(b - a)}
-
-
 def render_table(results: list[Result]) -> str:
     base = results[0]
     head = f"{'tool':<11} {'documents':>9} {'seconds':>8} {'docs/s':>8} {'MB/s':>6} {'duplicates':>10} {'neardup x':>9}"
@@ -341,16 +190,9 @@ def render_stages(stages: dict[str, float]) -> str:
     return "\n".join(f"  {name:<{width}} {us:>9.1f} us/doc" for name, us in stages.items())
 
 
-def _version(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default = DEFAULT_CORPUS if DEFAULT_CORPUS.exists() else FALLBACK_CORPUS
+    default = default_corpus()
     p.add_argument("--corpus", type=Path, default=default, help=f"JSONL.gz with id and text (default {default})")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON here")
     p.add_argument("--limit", type=int, help="only the first N records")

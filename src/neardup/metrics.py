@@ -86,7 +86,7 @@ class Metrics:
             "neardup_candidates_rejected", "Candidates whose estimated Jaccard similarity fell below the threshold.",
             registry=r)
         self.match_similarity = Histogram(
-            "neardup_match_similarity", "Estimated Jaccard similarity of a duplicate to its best accepted match.",
+            "neardup_match_similarity", "Similarity of a duplicate to its best accepted match (exact or estimated, per --verify).",
             buckets=SIMILARITY_BUCKETS, registry=r)
         self.cluster_size = Histogram(
             "neardup_cluster_size", "Size of the cluster a duplicate joins, itself included.",
