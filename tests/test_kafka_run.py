@@ -244,3 +244,69 @@ def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_f
     keys = [o.key.decode() for o in outs]
     assert len(keys) == len(set(keys)) == len(records)
     assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
+
+
+def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    prefix = f"feed{random.randrange(10**6)}"
+    first, second = kafka_topic_factory(f"{prefix}-a"), kafka_topic_factory(f"{prefix}-b")
+    records = excerpt(200)
+    produce(kafka_bootstrap, first, _json_messages(records[:100]))
+    produce(kafka_bootstrap, second, _json_messages(records[100:]))
+    proc = start_run(kafka_bootstrap, f"^{prefix}-.*", "g-regex", tmp_path / "state", *JSON_FIELDS,
+                     "-X", "topic.metadata.refresh.interval.ms=1000")
+    try:
+        wait_committed(kafka_bootstrap, "g-regex", first, 100, proc)
+        wait_committed(kafka_bootstrap, "g-regex", second, 100, proc)
+    finally:
+        assert stop(proc) == 0
+    for topic, part in ((first, records[:100]), (second, records[100:])):
+        outs = _outputs(kafka_bootstrap, topic, len(part))
+        assert sorted(o.key.decode() for o in outs) == sorted(str(r["id"]) for r in part)
+        assert {o.topic for o in outs} <= {f"{topic}.unique", f"{topic}.duplicates"}
+
+
+def test_rebalance_to_a_second_instance_keeps_exactly_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """A second consumer joins the group mid-run: partitions are revoked from the first
+    between batches, and every message still comes out exactly once."""
+    records = _edited_copies(excerpt(1500), rounds=2)  # 3,000 messages over 2 partitions
+    topic = kafka_topic_factory("rebal", partitions=2)
+    producer_messages = _json_messages(records)
+    produce(kafka_bootstrap, topic, producer_messages)
+    a = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "a", *JSON_FIELDS,
+                  "--transactional-id", "rebal-a", "--batch-size", "200", log=tmp_path / "a.log")
+    b = None
+    try:
+        deadline = time.monotonic() + 120
+        while committed_offset(kafka_bootstrap, "g-rebal", topic, 0) + committed_offset(
+                kafka_bootstrap, "g-rebal", topic, 1) < 600:
+            assert time.monotonic() < deadline and a.poll() is None
+            time.sleep(0.2)
+        b = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "b", *JSON_FIELDS,
+                      "--transactional-id", "rebal-b", "--batch-size", "200", log=tmp_path / "b.log")
+        deadline = time.monotonic() + 240
+        while True:
+            done = [committed_offset(kafka_bootstrap, "g-rebal", topic, p) for p in (0, 1)]
+            ends = _partition_ends(kafka_bootstrap, topic)
+            if done == ends:
+                break
+            assert time.monotonic() < deadline, (done, ends)
+            time.sleep(0.5)
+    finally:
+        assert stop(a) == 0
+        if b is not None:
+            assert stop(b) == 0
+    assert "revoked" in (tmp_path / "a.log").read_text()
+    assert "assigned" in (tmp_path / "b.log").read_text()
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)) == len(records)
+
+
+def _partition_ends(bootstrap: str, topic: str) -> list[int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "ends"})
+    try:
+        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in (0, 1)]
+    finally:
+        c.close()
