@@ -6,7 +6,9 @@ What is measured, in one process, on the same records (JSONL ``id`` and ``text``
    5-grams, 128 permutations, threshold 0.8, optimal banding), a fresh RocksDB state
    directory and real output files: what ``neardup dedup`` runs. The time is wall clock
    around the call, so it includes gunzipping and parsing the JSONL, writing
-   ``unique.jsonl``/``duplicates.jsonl``/``rejects.jsonl`` and the RocksDB writes.
+   ``unique.jsonl``/``duplicates.jsonl``/``rejects.jsonl`` and the RocksDB writes. With an
+   engine that has ``neardup.pipeline`` (dedup's default), the next batch is prepared in a
+   second process meanwhile, so this time can use two cores.
 2. **datasketch**: the same text normalisation (``neardup.core.normalize.normalize``), word
    5-grams of ``re.findall(r"\\w+")`` joined by spaces and encoded to UTF-8 (a text of
    fewer than 5 tokens gives one shingle of all its tokens, as in neardup),
@@ -17,8 +19,9 @@ What is measured, in one process, on the same records (JSONL ``id`` and ``text``
 For the references the texts are already in memory; their time covers normalisation, the
 Python shingling, MinHash and LSH. Each document is queried, then inserted; it is a
 duplicate if any candidate returned by the query (an earlier document) has an estimated
-Jaccard similarity (``jaccard`` of the two sketches) of at least the threshold, which is
-also neardup's rule. A text without any word token gets no verdict from any tool.
+Jaccard similarity (``jaccard`` of the two sketches) of at least the threshold (neardup's
+rule with ``verify="estimate"``; its default decides on the exact Jaccard of the stored
+shingle fingerprints). A text without any word token gets no verdict from any tool.
 
 MB is the UTF-8 size of the text fields / 1e6. Each tool runs ``--repeat`` times; the
 fastest run is kept. The agreement lines compare the sets of document ids each tool flags
@@ -32,7 +35,10 @@ or one-permutation hashing, whichever the settings choose), ``band_hashes``, the
 four stages (bucket look-ups, candidate checks, union-find, the RocksDB write). Two more
 lines come from the kept ``dedup_files`` run itself (its ``on_batch`` hook): the time inside
 its batches (detect, output writing, commit) and the time outside them (gunzipping and
-parsing the JSONL, opening and closing the store).
+parsing the JSONL, opening and closing the store, and waiting for the pipeline's worker).
+
+The shared pieces (corpus loading, the reference implementations) live in
+``benchlib.py``; ``throughput.py`` measures the same tools on a larger replayed stream.
 
 Usage: python benchmarks/engine.py [--corpus PATH] [--json OUT] [--limit N] [--repeat K]
 """
