@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -266,40 +267,41 @@ def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_f
 
 
 def test_rebalance_to_a_second_instance_keeps_exactly_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    """A second consumer joins the group mid-run: partitions are revoked from the first
+    """A second consumer joins the group mid-stream: partitions are revoked from the first
     between batches, and every message still comes out exactly once."""
     records = _edited_copies(excerpt(1500), rounds=2)  # 3,000 messages over 2 partitions
+    first, second = _json_messages(records[:1500]), _json_messages(records[1500:])
     topic = kafka_topic_factory("rebal", partitions=2)
-    producer_messages = _json_messages(records)
-    produce(kafka_bootstrap, topic, producer_messages)
+    produce(kafka_bootstrap, topic, first)
     a = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "a", *JSON_FIELDS,
                   "--transactional-id", "rebal-a", "--batch-size", "200", log=tmp_path / "a.log")
     b = None
     try:
-        deadline = time.monotonic() + 120
-        while committed_offset(kafka_bootstrap, "g-rebal", topic, 0) + committed_offset(
-                kafka_bootstrap, "g-rebal", topic, 1) < 600:
-            assert time.monotonic() < deadline and a.poll() is None
-            time.sleep(0.2)
+        _wait(lambda: sum(max(committed_offset(kafka_bootstrap, "g-rebal", topic, p), 0)
+                          for p in (0, 1)) >= 600, a)
         b = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "b", *JSON_FIELDS,
                       "--transactional-id", "rebal-b", "--batch-size", "200", log=tmp_path / "b.log")
-        deadline = time.monotonic() + 240
-        while True:
-            done = [committed_offset(kafka_bootstrap, "g-rebal", topic, p) for p in (0, 1)]
-            ends = _partition_ends(kafka_bootstrap, topic)
-            if done == ends:
-                break
-            assert time.monotonic() < deadline, (done, ends)
-            time.sleep(0.5)
+        # b holds a partition: the group has rebalanced while a was working
+        _wait(lambda: re.search(r"assigned \S+\[\d\]", (tmp_path / "b.log").read_text()), b)
+        produce(kafka_bootstrap, topic, second)
+        _wait(lambda: [committed_offset(kafka_bootstrap, "g-rebal", topic, p) for p in (0, 1)]
+              == _partition_ends(kafka_bootstrap, topic), a, timeout_s=240)
     finally:
         assert stop(a) == 0
         if b is not None:
             assert stop(b) == 0
     assert "revoked" in (tmp_path / "a.log").read_text()
-    assert "assigned" in (tmp_path / "b.log").read_text()
     outs = _outputs(kafka_bootstrap, topic, len(records))
     keys = [o.key.decode() for o in outs]
     assert len(keys) == len(set(keys)) == len(records)
+
+
+def _wait(condition, proc, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, "a consumer exited early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
 
 
 def _partition_ends(bootstrap: str, topic: str) -> list[int]:

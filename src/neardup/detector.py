@@ -130,10 +130,11 @@ class _Corpus:
             sets = [self._fp[q] for q in others]
             joined = np.concatenate(sets)
             at = np.minimum(np.searchsorted(own, joined), len(own) - 1)
-            found = own[at] == joined
+            found = np.append(own[at] == joined, False)  # sentinel: reduceat needs start < len
+            lengths = np.array([len(x) for x in sets], dtype=np.int64)
             starts = np.zeros(len(sets), dtype=np.int64)
-            np.cumsum([len(x) for x in sets[:-1]], out=starts[1:])
-            inter = np.add.reduceat(found, starts).astype(np.float64)
+            np.cumsum(lengths[:-1], out=starts[1:])
+            inter = np.where(lengths > 0, np.add.reduceat(found, starts), 0).astype(np.float64)
             jaccard = inter / (size + sizes - inter)
         else:
             sigs = np.stack([self._sig[q] for q in others])
