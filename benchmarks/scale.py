@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> int:
         print(json.dumps({"event": event, **fields}), flush=True)
 
     git = benchlib.git_state()
-    settings = EngineSettings()
+    settings = EngineSettings(**({"max_candidates": args.max_candidates} if args.max_candidates else {}))
     base = benchlib.load_corpus(args.corpus)
     checkpoints = sorted({c for c in args.checkpoints if c <= args.docs} | {args.docs})
     emit("start", variant=args.worker, docs=args.docs, git=git, checkpoint_sizes=checkpoints,
@@ -149,6 +149,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, object]:
            "--corpus", str(args.corpus), "--batch-size", str(args.batch_size), "--window", str(args.window),
            "--seed", str(args.seed), "--progress-every", str(args.progress_every),
            "--checkpoints", ",".join(map(str, args.checkpoints))]
+    if args.max_candidates:
+        cmd += ["--max-candidates", str(args.max_candidates)]
     out: dict[str, object] = {"variant": variant, "checkpoints": []}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
@@ -187,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the edits (default 1)")
     p.add_argument("--progress-every", type=int, default=50_000, help="progress line every N documents (default 50,000)")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--max-candidates", type=int, help="EngineSettings.max_candidates (default: the engine's)")
     p.add_argument("--worker", choices=["light", "heavy"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if min(args.docs, args.window, args.batch_size, args.progress_every) < 1:

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     casefold: bool = True
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
+    max_candidates: int = Field(32, ge=1)
     measure: Literal["jaccard", "containment"] = "jaccard"
     verify: Literal["exact", "estimate"] = "exact"
     cluster_policy: Literal["canonical", "components"] = "canonical"
@@ -126,6 +127,7 @@ class Settings(BaseSettings):
             threshold=self.threshold,
             lsh=lsh,
             max_bucket_size=self.max_bucket_size,
+            max_candidates=self.max_candidates,
             measure=self.measure,
             verify=self.verify,
             cluster_policy=self.cluster_policy,

@@ -277,8 +277,7 @@ class Detector:
                 names.append((-1, seq, -1))
                 verdicts.append(Verdict("", seq, "unique", "", None, 0.0, 0, 0))
                 continue
-            verdict, named = self._decide(seq, np.unique(np.frombuffer(joined, "<u8")).tolist(),
-                                          corpus, nodes, links)
+            verdict, named = self._decide(seq, self._candidates(joined), corpus, nodes, links)
             names.append(named)
             verdicts.append(verdict)
 
@@ -299,6 +298,15 @@ class Detector:
             nodes=nodes.changed,
         )
         return BatchResult(results=results, update=update, signatures=signatures, links=links)
+
+    def _candidates(self, members: bytes) -> list[int]:
+        """Distinct seqs of ``members`` (u64 LE), at most ``max_candidates``: those that
+        share the most band buckets with the document, earlier ones first among equals."""
+        seqs, shared = np.unique(np.frombuffer(members, "<u8"), return_counts=True)
+        cap = self.settings.max_candidates
+        if len(seqs) > cap:
+            seqs = np.sort(seqs[np.lexsort((seqs, -shared))[:cap]])
+        return seqs.tolist()
 
     def _decide(self, seq: int, candidates: list[int], corpus: _Corpus, nodes: _StoredNodes,
                 links: list[tuple[int, int, float]]) -> tuple[Verdict, tuple[int, int, int]]:

@@ -56,6 +56,10 @@ class EngineSettings:
         max_bucket_size: documents kept per band bucket; later arrivals in a full bucket
             are still compared with its documents but not added (bounds hot buckets made
             by boilerplate).
+        max_candidates: candidates verified per document, at most; when there are more,
+            those sharing the most band buckets with it (the likeliest to be similar)
+            are kept, earlier ones first among equals. Bounds the work per document as
+            a stream of many copies of the same story grows.
     """
 
     norm: TextNorm = TextNorm()
@@ -70,6 +74,7 @@ class EngineSettings:
     candidate_threshold: float | None = None
     lsh: LshParams | None = None
     max_bucket_size: int = 256
+    max_candidates: int = 32
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,8 @@ class EngineSettings:
             )
         if self.max_bucket_size < 1:
             raise ValueError("max_bucket_size must be at least 1")
+        if self.max_candidates < 1:
+            raise ValueError("max_candidates must be at least 1")
         lsh = self.lsh or optimal_params(self.banding_threshold, self.num_perm)
         if lsh.bands * lsh.rows > self.num_perm:
             raise ValueError(
