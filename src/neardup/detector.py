@@ -254,30 +254,38 @@ class Detector:
 
         unique_keys = list(dict.fromkeys(k for doc_keys in keys for k in doc_keys))
         stored_members = dict(zip(unique_keys, self.store.get_bucket_bytes(unique_keys)))
-        stored = np.unique(np.frombuffer(b"".join(stored_members.values()), "<u8"))
-        corpus = _Corpus(self.store, first_seq, signatures, sizes,
-                         fingerprints if s.verify == "exact" else None)
-        corpus.prefetch(stored.astype(np.int64).tolist())
-        nodes = _StoredNodes(self.store)
-        nodes.prefetch(stored.astype(np.int64).tolist())
 
-        # Bucket members as little-endian u64 bytes: appending a document is a concat.
+        # Pass 1: candidates of every document (bucket membership does not depend on
+        # verdicts). Members are little-endian u64 bytes: appending a document is a concat.
         members = dict(stored_members)
         cap = 8 * s.max_bucket_size
-        verdicts: list[Verdict] = []
-        names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
-        links: list[tuple[int, int, float]] = []
+        candidates: list[list[int]] = []
         for i, doc_keys in enumerate(keys):
-            seq = first_seq + i
             joined = b"".join([members[k] for k in doc_keys])
             for k in doc_keys:
                 if len(members[k]) < cap:
-                    members[k] += codec.encode_u64(seq)
-            if not joined:  # no candidate: unique, and nothing more to do
+                    members[k] += codec.encode_u64(first_seq + i)
+            candidates.append(self._candidates(joined) if joined else [])
+
+        # Pass 2: fetch what verification needs of the stored candidates, in multi-gets.
+        stored = sorted({c for cands in candidates for c in cands if c < first_seq})
+        corpus = _Corpus(self.store, first_seq, signatures, sizes,
+                         fingerprints if s.verify == "exact" else None)
+        corpus.prefetch(stored)
+        nodes = _StoredNodes(self.store)
+        nodes.prefetch(stored)
+
+        # Pass 3: verify and cluster, in arrival order.
+        verdicts: list[Verdict] = []
+        names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
+        links: list[tuple[int, int, float]] = []
+        for i, cands in enumerate(candidates):
+            seq = first_seq + i
+            if not cands:  # no candidate: unique, and nothing more to do
                 names.append((-1, seq, -1))
                 verdicts.append(Verdict("", seq, "unique", "", None, 0.0, 0, 0))
                 continue
-            verdict, named = self._decide(seq, self._candidates(joined), corpus, nodes, links)
+            verdict, named = self._decide(seq, cands, corpus, nodes, links)
             names.append(named)
             verdicts.append(verdict)
 

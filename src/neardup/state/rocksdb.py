@@ -21,7 +21,7 @@ from neardup.state.kv import Delete, KeyValueStateStore, Put
 
 
 #: Memory bounds: a shared block cache, and per column family at most two memtables.
-BLOCK_CACHE_BYTES = 64 << 20
+BLOCK_CACHE_BYTES = 128 << 20
 WRITE_BUFFER_BYTES = 16 << 20
 
 
