@@ -61,7 +61,7 @@ def _outputs(kafka_bootstrap: str, topic: str, expected: int):
 
 
 def test_run_gives_the_verdicts_of_dedup(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    records = excerpt(2000)
+    records = excerpt()  # the whole committed excerpt, 4,000 stories
     topic = kafka_topic_factory("wire")
     produce(kafka_bootstrap, topic, _json_messages(records))
 

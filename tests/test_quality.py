@@ -152,3 +152,15 @@ def test_estimate_mode_keeps_no_fingerprints(tmp_path):
         sizes[verify] = stats["keys_shingles"]
         store.close()
     assert sizes["estimate"] == 0 and sizes["exact"] > 0
+
+
+def test_evaluate_against_labels():
+    docs = _chain() + [Document("D", " ".join(f"other{i}" for i in range(50)))]
+    report = evaluate(docs, EngineSettings(), labels=["story", "story", "story", "other"])
+    assert report["cluster_reference"] == "labels"
+    # components chains A, B, C into one cluster: exactly the labels
+    assert report["policies"]["components"]["adjusted_rand_index"] == pytest.approx(1.0)
+    # canonical keeps C apart from A: less agreement with these labels
+    assert report["policies"]["canonical"]["adjusted_rand_index"] < 1.0
+    assert report["policies"]["canonical"]["cluster_diameter"] >= 0.8
+    assert report["policies"]["components"]["cluster_diameter"] < 0.8
