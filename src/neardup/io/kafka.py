@@ -33,8 +33,12 @@ repairs it:
 
 An error that is not fatal (broker gone, transaction timed out, abortable error) aborts
 the transaction, rewinds the batch's partitions to its first offsets and retries with
-exponential backoff; the replay rule of step 2 makes the retry exact. A fatal error (the
-producer fenced by a newer instance) stops the consumer with an exception.
+exponential backoff; the replay rule of step 2 makes the retry exact. A fatal producer
+error (typically: the broker aborted a transaction that outlived
+``transaction.timeout.ms`` during an outage and bumped the producer epoch, which the
+client reports as fenced) starts a new producer with the same ``transactional.id``,
+rewinds and retries the same way; after ``MAX_PRODUCER_RESETS`` such errors without a
+committed batch in between (a live second instance with the same id), ``run`` raises.
 
 Rebalances happen only inside ``consume`` (step 1), when no transaction is open, so a
 revoked partition never leaves anything half-done. Verdicts equal those of an
@@ -72,6 +76,11 @@ from neardup.io.messages import (
 from neardup.state.base import StateStore
 
 log = logging.getLogger(__name__)
+
+#: Fatal producer errors survived in a row (no batch committed in between) before
+#: ``run`` gives up: a live second instance with the same transactional.id would
+#: otherwise fence this one back and forth.
+MAX_PRODUCER_RESETS = 3
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -183,11 +192,27 @@ class KafkaDeduplicator:
                 **common,
             }
         )
+        self._new_producer()
+        self._broker_answered()
+        topics = list(s.input_topics)
+        self.consumer.subscribe(
+            topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
+        )
+        log.info("subscribed to %s as group %s", ", ".join(topics), s.group_id)
+
+    def _new_producer(self) -> None:
+        """A transactional producer, initialised (retried until the broker answers).
+
+        ``init_transactions`` fences any older producer of this transactional.id and
+        aborts its open transaction.
+        """
+        s = self.settings
         self.producer = Producer(
             {
                 "transactional.id": self.transactional_id,
                 "linger.ms": 5,
-                **common,
+                "bootstrap.servers": s.bootstrap_servers,
+                **s.kafka,
             }
         )
         for attempt in Retrying(
@@ -203,12 +228,6 @@ class KafkaDeduplicator:
                     raise InterruptedError("stopped before the broker answered")
                 self.producer.init_transactions(10.0)
         log.info("transactional producer %s ready", self.transactional_id)
-        self._broker_answered()
-        topics = list(s.input_topics)
-        self.consumer.subscribe(
-            topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
-        )
-        log.info("subscribed to %s as group %s", ", ".join(topics), s.group_id)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.assignment = list(partitions)
@@ -229,7 +248,7 @@ class KafkaDeduplicator:
         """Consume until ``stop()`` (or SIGTERM/SIGINT), then commit and leave the group.
 
         Raises:
-            KafkaException: a fatal Kafka error (e.g. this producer was fenced).
+            KafkaException: fatal Kafka errors ``MAX_PRODUCER_RESETS`` + 1 times in a row.
         """
         if install_signal_handlers:
             signal.signal(signal.SIGTERM, self.stop)
@@ -239,7 +258,7 @@ class KafkaDeduplicator:
         except InterruptedError:
             return
         assert self.consumer is not None
-        backoff = 0.5
+        backoff, resets = 0.5, 0
         try:
             while not self._stop.is_set():
                 messages = self.consumer.consume(
@@ -250,12 +269,21 @@ class KafkaDeduplicator:
                     continue
                 try:
                     self._process(messages)
-                    backoff = 0.5
+                    backoff, resets = 0.5, 0
                 except KafkaException as exc:
-                    if not _recoverable(exc):
-                        raise
-                    log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
-                    self._abort_and_rewind(messages)
+                    if _fatal(exc):
+                        # e.g. the broker aborted a transaction that outlived its timeout
+                        # and bumped the producer epoch: a new producer (same
+                        # transactional.id) resumes; the replay rule makes it exact.
+                        resets += 1
+                        if resets > MAX_PRODUCER_RESETS:
+                            raise
+                        log.warning("producer failed fatally (%s); starting a new one", exc)
+                        self._new_producer()
+                    else:
+                        log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
+                        self._abort()
+                    self._rewind(messages)
                     if self.on_abort:
                         self.on_abort(exc)
                     self._stop.wait(backoff)
@@ -268,7 +296,10 @@ class KafkaDeduplicator:
             self.consumer.close()
             self.consumer = None
         if self.producer is not None:
-            self.producer.flush(10)
+            try:
+                self.producer.flush(10)
+            except KafkaException as exc:  # a failed producer has nothing left to deliver
+                log.warning("producer flush at close: %s", exc)
             self.producer = None
         log.info("consumer closed")
 
@@ -438,8 +469,20 @@ class KafkaDeduplicator:
             with attempt:
                 self.producer.commit_transaction(30.0)
 
-    def _abort_and_rewind(self, messages: list[Message]) -> None:
-        assert self.producer is not None and self.consumer is not None
+    def _abort(self) -> None:
+        """Abort the open transaction (retried while the error is not fatal); a fatal
+        error on the way starts a new producer, which aborts it as well."""
+        assert self.producer is not None
+        try:
+            self._abort_transaction()
+        except KafkaException as exc:
+            if not _fatal(exc):
+                raise
+            log.warning("abort_transaction failed fatally (%s); starting a new producer", exc)
+            self._new_producer()
+
+    def _abort_transaction(self) -> None:
+        assert self.producer is not None
         for attempt in Retrying(
             retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and _recoverable(e)),
             wait=wait_exponential(multiplier=0.5, max=30),
@@ -452,6 +495,10 @@ class KafkaDeduplicator:
                 except KafkaException as exc:
                     if exc.args[0].code() != KafkaError._STATE:  # _STATE: none open
                         raise
+
+    def _rewind(self, messages: list[Message]) -> None:
+        """Seek the batch's partitions back to its first offsets, to consume it again."""
+        assert self.consumer is not None
         first: dict[tuple[str, int], int] = {}
         for m in messages:
             tp = (m.topic(), m.partition())
@@ -467,3 +514,8 @@ def _recoverable(exc: KafkaException) -> bool:
     if not isinstance(err, KafkaError):
         return False
     return not err.fatal()
+
+
+def _fatal(exc: KafkaException) -> bool:
+    err = exc.args[0]
+    return isinstance(err, KafkaError) and err.fatal()
