@@ -23,11 +23,12 @@ import platform
 import random
 import re
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -249,73 +250,71 @@ def python_shingles(text: str, n: int) -> list[str]:
     return [" ".join(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
-def run_datasketch(corpus: Corpus, settings: EngineSettings) -> Result:
-    """Python shingling, ``MinHash.update_batch``, in-memory ``MinHashLSH`` query/insert.
+def _query_then_insert(corpus: Corpus, settings: EngineSettings, lsh: Any,
+                       make_sketch: Callable[[list[str]], Any]) -> tuple[float, set[str]]:
+    """Shingle each text in Python, sketch it, query ``lsh``, then insert it.
 
     A document is a duplicate if a candidate from the query (an earlier document) has an
-    estimated Jaccard similarity of at least the threshold; then it is inserted.
+    estimated Jaccard similarity of at least the threshold. Returns (seconds, duplicate ids).
     """
     import time
 
-    from datasketch import MinHash, MinHashLSH
-
-    n, num_perm, threshold = settings.shingling.n, settings.num_perm, settings.threshold
     started = time.perf_counter()
-    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
-    sketches: dict[int, MinHash] = {}
+    sketches: dict[int, Any] = {}
     duplicate_ids: set[str] = set()
     for key, (doc_id, text) in enumerate(zip(corpus.ids, corpus.texts)):
-        shingles = python_shingles(text, n)
+        shingles = python_shingles(text, settings.shingling.n)
         if not shingles:
             continue
-        sketch = MinHash(num_perm=num_perm, seed=settings.seed)
-        sketch.update_batch([s.encode("utf-8") for s in shingles])
-        if any(sketch.jaccard(sketches[c]) >= threshold for c in lsh.query(sketch)):
+        sketch = make_sketch(shingles)
+        if any(sketch.jaccard(sketches[c]) >= settings.threshold for c in lsh.query(sketch)):
             duplicate_ids.add(doc_id)
         lsh.insert(key, sketch)
         sketches[key] = sketch
-    seconds = time.perf_counter() - started
+    return time.perf_counter() - started, duplicate_ids
+
+
+def run_datasketch(corpus: Corpus, settings: EngineSettings) -> Result:
+    """Python shingling, ``MinHash.update_batch``, in-memory ``MinHashLSH`` query/insert."""
+    from datasketch import MinHash, MinHashLSH
+
+    def sketch(shingles: list[str]) -> MinHash:
+        m = MinHash(num_perm=settings.num_perm, seed=settings.seed)
+        m.update_batch([s.encode("utf-8") for s in shingles])
+        return m
+
+    lsh = MinHashLSH(threshold=settings.threshold, num_perm=settings.num_perm)
+    seconds, duplicate_ids = _query_then_insert(corpus, settings, lsh, sketch)
     return Result(
         tool="datasketch",
         documents=len(corpus),
         megabytes=corpus.megabytes,
         seconds=seconds,
         duplicates=len(duplicate_ids),
-        setup=f"MinHashLSH in memory, {lsh.b} bands x {lsh.r} rows, estimate >= {threshold}",
+        setup=f"MinHashLSH in memory, {lsh.b} bands x {lsh.r} rows, estimate >= {settings.threshold}",
         duplicate_ids=duplicate_ids,
     )
 
 
 def run_rensa(corpus: Corpus, settings: EngineSettings) -> Result:
     """Python shingling, ``RMinHash.update``, in-memory ``RMinHashLSH`` query/insert."""
-    import time
-
     from rensa import RMinHash, RMinHashLSH
 
-    n, num_perm, threshold = settings.shingling.n, settings.num_perm, settings.threshold
-    started = time.perf_counter()
-    lsh = RMinHashLSH(threshold=threshold, num_perm=num_perm, num_bands=RENSA_BANDS)
-    sketches: dict[int, RMinHash] = {}
-    duplicate_ids: set[str] = set()
-    for key, (doc_id, text) in enumerate(zip(corpus.ids, corpus.texts)):
-        shingles = python_shingles(text, n)
-        if not shingles:
-            continue
-        sketch = RMinHash(num_perm=num_perm, seed=settings.seed)
-        sketch.update(shingles)
-        if any(sketch.jaccard(sketches[c]) >= threshold for c in lsh.query(sketch)):
-            duplicate_ids.add(doc_id)
-        lsh.insert(key, sketch)
-        sketches[key] = sketch
-    seconds = time.perf_counter() - started
-    rows = num_perm // RENSA_BANDS
+    def sketch(shingles: list[str]) -> RMinHash:
+        m = RMinHash(num_perm=settings.num_perm, seed=settings.seed)
+        m.update(shingles)
+        return m
+
+    lsh = RMinHashLSH(threshold=settings.threshold, num_perm=settings.num_perm, num_bands=RENSA_BANDS)
+    seconds, duplicate_ids = _query_then_insert(corpus, settings, lsh, sketch)
+    rows = settings.num_perm // RENSA_BANDS
     return Result(
         tool="rensa",
         documents=len(corpus),
         megabytes=corpus.megabytes,
         seconds=seconds,
         duplicates=len(duplicate_ids),
-        setup=f"RMinHashLSH in memory, {RENSA_BANDS} bands x {rows} rows, estimate >= {threshold}",
+        setup=f"RMinHashLSH in memory, {RENSA_BANDS} bands x {rows} rows, estimate >= {settings.threshold}",
         duplicate_ids=duplicate_ids,
     )
 

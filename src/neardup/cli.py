@@ -151,12 +151,8 @@ _NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "prog
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS}
     if overrides.get("kafka"):
-        overrides["kafka"] = dict(overrides["kafka"])
-    settings = load_settings(overrides, args.config)
-    if overrides.get("kafka") is not None:  # -X adds to the [kafka] table, not replaces it
-        file_settings = load_settings({}, args.config)
-        settings = settings.model_copy(update={"kafka": {**file_settings.kafka, **overrides["kafka"]}})
-    return settings
+        overrides["kafka"] = dict(overrides["kafka"])  # -X pairs
+    return load_settings(overrides, args.config)
 
 
 def _setup_logging(settings: Settings) -> None:

@@ -103,6 +103,10 @@ class Settings(BaseSettings):
             }
         return value
 
+    def _shingling(self) -> Shingling:
+        shingling = Shingling.parse(self.shingle)  # may say "+multiset" itself
+        return replace(shingling, multiset=True) if self.multiset else shingling
+
     def engine(self) -> EngineSettings:
         """The engine settings these settings describe.
 
@@ -118,9 +122,7 @@ class Settings(BaseSettings):
                 casefold=self.casefold,
                 strip_punctuation=self.strip_punctuation,
             ),
-            shingling=replace(Shingling.parse(self.shingle), multiset=self.multiset)
-            if self.multiset
-            else Shingling.parse(self.shingle),
+            shingling=self._shingling(),
             num_perm=self.num_perm,
             seed=self.seed,
             minhash=self.minhash,
@@ -137,7 +139,7 @@ class Settings(BaseSettings):
 
 def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:
     """Settings from ``overrides`` (flags; None values ignored), the environment and
-    ``toml_file``.
+    ``toml_file``. A ``kafka`` override is merged into the lower sources' table.
 
     Raises:
         FileNotFoundError: ``toml_file`` does not exist.
@@ -162,4 +164,10 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
             return sources
 
     given = {k: v for k, v in overrides.items() if v is not None}
-    return _FromFile(**given)
+    kafka = given.pop("kafka", None)
+    settings = _FromFile(**given)
+    if kafka:  # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key
+        settings = settings.model_copy(
+            update={"kafka": {**settings.kafka, **Settings._stringify(dict(kafka))}}
+        )
+    return settings

@@ -100,7 +100,7 @@ class _Corpus:
 
     def __init__(self, store: StateStore, first_seq: int, signatures: np.ndarray,
                  sizes: np.ndarray, fingerprints: list[np.ndarray] | None) -> None:
-        self.store, self.first_seq = store, first_seq
+        self.store = store
         self._sig = {first_seq + i: row for i, row in enumerate(signatures)}
         self._size = {first_seq + i: int(n) for i, n in enumerate(sizes)}
         self._fp = {} if fingerprints is None else {

@@ -122,7 +122,7 @@ def dedup_files(
                     ):
                         t0 = time.perf_counter()
                         good = [line for line in batch if line.document is not None]
-                        result = detector.detect(_documents(batch), prepared)
+                        result = detector.detect([line.document for line in good], prepared)  # type: ignore[misc]
                         for line in batch:
                             if line.error is not None:
                                 outputs.write_reject(line.number, line.error, raw=line.raw)

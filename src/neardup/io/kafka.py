@@ -484,7 +484,7 @@ class KafkaDeduplicator:
     def _abort_transaction(self) -> None:
         assert self.producer is not None
         for attempt in Retrying(
-            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and _recoverable(e)),
+            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not _fatal(e)),
             wait=wait_exponential(multiplier=0.5, max=30),
             stop=stop_never,
             before_sleep=lambda rs: log.warning("abort_transaction: %s; retrying", rs.outcome.exception()),
@@ -507,13 +507,6 @@ class KafkaDeduplicator:
         for (topic, partition), offset in first.items():
             if (topic, partition) in assigned:
                 self.consumer.seek(TopicPartition(topic, partition, offset))
-
-
-def _recoverable(exc: KafkaException) -> bool:
-    err = exc.args[0]
-    if not isinstance(err, KafkaError):
-        return False
-    return not err.fatal()
 
 
 def _fatal(exc: KafkaException) -> bool:
