@@ -40,22 +40,38 @@ NO_TOKENS = "no word tokens after normalisation"
 
 
 class _StoredNodes(MutableMapping[int, Node]):
-    """Union-find nodes: the store's, overlaid with this batch's changes."""
+    """Union-find nodes: the store's, overlaid with this batch's changes.
 
-    def __init__(self, store: StateStore) -> None:
+    Documents from ``first_seq`` on belong to the batch: they have no stored node, so
+    they are never looked up.
+    """
+
+    def __init__(self, store: StateStore, first_seq: int) -> None:
         self._store = store
+        self._first_seq = first_seq
         self._loaded: dict[int, Node | None] = {}
         self.changed: dict[int, Node] = {}
 
     def prefetch(self, seqs: Sequence[int]) -> None:
-        missing = [s for s in seqs if s not in self._loaded]
-        for seq, node in zip(missing, self._store.get_nodes(missing)):
-            self._loaded[seq] = node
+        """Load the nodes of ``seqs`` and of their ancestors up to the roots, one
+        multi-get per level of the stored trees."""
+        missing = [s for s in dict.fromkeys(seqs) if s < self._first_seq and s not in self._loaded]
+        while missing:
+            found = self._store.get_nodes(missing)
+            self._loaded.update(zip(missing, found))
+            parents = {n.parent for n in found if n is not None}
+            missing = [p for p in parents if p < self._first_seq and p not in self._loaded]
 
-    def __getitem__(self, seq: int) -> Node:
+    def get(self, seq: int, default: Node | None = None) -> Node | None:  # type: ignore[override]
         if seq not in self._loaded:
+            if seq >= self._first_seq:
+                return default
             self.prefetch([seq])
         node = self._loaded[seq]
+        return default if node is None else node
+
+    def __getitem__(self, seq: int) -> Node:
+        node = self.get(seq)
         if node is None:
             raise KeyError(seq)
         return node
@@ -72,6 +88,18 @@ class _StoredNodes(MutableMapping[int, Node]):
 
     def __len__(self) -> int:
         return sum(n is not None for n in self._loaded.values())
+
+    def canonicals(self, seqs: Sequence[int]) -> set[int]:
+        """The canonicals of the stored clusters of ``seqs`` (after ``prefetch``), read
+        without path compression."""
+        out = set()
+        for seq in seqs:
+            node = self.get(seq)
+            while node is not None and node.parent != seq:
+                seq = node.parent
+                node = self.get(seq)
+            out.add(seq if node is None else node.canonical)
+        return out
 
 
 def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarray]:
@@ -262,9 +290,10 @@ class Detector:
         candidates: list[list[int]] = []
         for i, doc_keys in enumerate(keys):
             joined = b"".join([members[k] for k in doc_keys])
+            me = codec.encode_u64(first_seq + i)
             for k in doc_keys:
                 if len(members[k]) < cap:
-                    members[k] += codec.encode_u64(first_seq + i)
+                    members[k] += me
             candidates.append(self._candidates(joined) if joined else [])
 
         # Pass 2: fetch what verification needs of the stored candidates, in multi-gets.
@@ -272,8 +301,10 @@ class Detector:
         corpus = _Corpus(self.store, first_seq, signatures, sizes,
                          fingerprints if s.verify == "exact" else None)
         corpus.prefetch(stored)
-        nodes = _StoredNodes(self.store)
+        nodes = _StoredNodes(self.store, first_seq)
         nodes.prefetch(stored)
+        if s.cluster_policy == "canonical":  # _join compares with the canonicals too
+            corpus.prefetch(sorted(nodes.canonicals(stored) - set(stored)))
 
         # Pass 3: verify and cluster, in arrival order.
         verdicts: list[Verdict] = []

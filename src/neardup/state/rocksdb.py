@@ -37,6 +37,9 @@ def _options(cache: Cache) -> Options:
     options.set_max_write_buffer_number(2)
     options.set_level_compaction_dynamic_level_bytes(True)
     options.set_compression_type(DBCompressionType.lz4())
+    # A Bloom filter over the memtables too: a lookup that misses skips their skiplists.
+    options.set_memtable_prefix_bloom_ratio(0.1)
+    options.set_memtable_whole_key_filtering(True)
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)
     table.set_block_cache(cache)
