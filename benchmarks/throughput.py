@@ -17,11 +17,11 @@ What is timed, in one process, on the same texts:
    **Per-stage time** comes from wrapping, in this process, the functions the detector
    calls (``neardup.detector.normalize``, ``.shingle_batch``, the ``signatures`` method of
    the detector's hasher class (``MinHasher`` or ``OnePermutationHasher``, whichever the
-   default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``, ``neardup.state.codec.bucket_keys``)
+   default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``, ``.bucket_ids``, the bucket index
+   look-up ``BucketIndex.lookup`` and the rest of candidate generation ``Detector._candidates``)
    with timers that keep each stage's *exclusive* time (a timed call inside another
    is subtracted from the outer one). "rest of detect" is ``detect`` minus the timed
-   stages: bucket look-ups, the store reads of candidates, verification, union-find,
-   naming. ``store.commit`` (the RocksDB write batch) is timed around the call. A stage
+   stages: the store reads of candidates, verification, union-find, naming. ``store.commit`` (the RocksDB write batch) is timed around the call. A stage
    the engine no longer calls under that name shows 0 calls and falls into "rest". The
    wrappers' own cost is estimated (calls x the measured cost of an empty wrapped call)
    and printed.
@@ -64,6 +64,7 @@ import numpy as np
 
 import neardup.detector
 import neardup.state.codec
+import neardup.state.index
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
@@ -80,7 +81,9 @@ STAGE_TARGETS: list[tuple[Any, str, str]] = [
     # plus the ``signatures`` method of the detector's hasher class (added in run_neardup)
     (neardup.detector, "fingerprint_sets", "fingerprint_sets"),
     (neardup.detector, "band_hashes", "band_hashes"),
-    (neardup.state.codec, "bucket_keys", "codec.bucket_keys"),
+    (neardup.detector, "bucket_ids", "bucket_ids"),
+    (neardup.state.index.BucketIndex, "lookup", "BucketIndex.lookup"),
+    (neardup.detector.Detector, "_candidates", "candidates (rest of)"),
 ]
 REST = "rest of detect"
 COMMIT = "store.commit"

@@ -162,7 +162,9 @@ def test_detect_does_not_write() -> None:
     detector = Detector(SETTINGS, store)
     docs = [Document("a", STORY), Document("b", REFILED)]
     first = detector.detect(docs)
-    assert store.next_seq() == 0 and store.get_buckets(list(first.update.buckets)[:1])[0].size == 0
+    assert len(first.update.bucket_ids) == 2 * SETTINGS.bands.bands  # both join every bucket
+    assert store.next_seq() == 0
+    assert store.bucket_members(np.unique(first.update.bucket_ids)).counts.sum() == 0
     second = detector.detect(docs)
     assert first.results == second.results
     assert first.update.ids == ["a", "b"] and first.update.first_seq == 0
@@ -179,6 +181,28 @@ def test_full_buckets_still_compare() -> None:
     assert {v.cluster for v in out} == {"c0"}
     assert max(v.candidates for v in out) == 2
     assert store.max_bucket_size() == 2
+    members = store.bucket_members(np.unique(_bucket_ids(settings, STORY)))
+    assert members.counts.tolist() == [2] * settings.bands.bands
+    assert set(members.seqs.tolist()) == {0, 1}  # the first two joined, later copies did not
+
+
+def _bucket_ids(settings: EngineSettings, text: str) -> np.ndarray:
+    return Detector(settings, MemoryStateStore(settings.state_shape())).prepare(
+        [Document("x", text)]).buckets[0]
+
+
+def test_candidates_across_batches_and_within() -> None:
+    """Stored members and earlier documents of the same batch are both candidates; a
+    document is never its own candidate; a restart rebuilds the bucket index."""
+    store = MemoryStateStore(SETTINGS.state_shape())
+    detector = Detector(SETTINGS, store)
+    out = [_verdict(r) for r in detector.process([Document("a", STORY), Document("x", UNRELATED)])]
+    assert [v.candidates for v in out] == [0, 0]
+    out = [_verdict(r) for r in detector.process(
+        [Document("b", REFILED), Document("c", STORY), Document("y", UNRELATED)])]
+    assert [v.candidates for v in out] == [1, 2, 1]  # b: a; c: a and b; y: x
+    assert [v.match for v in out] == ["a", "a", "x"]
+    assert store.stats()["index_entries"] == 5 * SETTINGS.bands.bands
 
 
 # --- the Reuters excerpt ----------------------------------------------------------------

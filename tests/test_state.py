@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,11 +25,13 @@ from neardup.detector import Detector
 from neardup.state import SettingsMismatchError, StateError, StateStore, StateUpdate
 from neardup.state import codec
 from neardup.state.memory import MemoryStateStore
+from neardup.state.index import BucketIndex
 from neardup.state.rocksdb import RocksDBStateStore
 
 SETTINGS = EngineSettings(num_perm=32)
 NUM_PERM = SETTINGS.num_perm
-KEY_A, KEY_B, KEY_C = codec.bucket_keys(np.array([[11, 22, 33]], dtype=np.uint64))[0]
+BUCKET_A, BUCKET_B, BUCKET_C = np.array([2**64 - 1, 22, 33], dtype=np.uint64)
+BUCKETS = np.array([BUCKET_A, BUCKET_B, BUCKET_C])
 
 MakeStore = Callable[..., StateStore]
 
@@ -68,11 +71,21 @@ def _first_update() -> StateUpdate:
         first_seq=0,
         signatures=_sigs(3),
         ids=["doc-0", "Grüße/字-1", "doc 2"],
-        buckets={KEY_A: np.array([0, 2], dtype=np.uint64), KEY_B: np.array([1], dtype=np.uint64)},
+        bucket_ids=np.array([BUCKET_A, BUCKET_B, BUCKET_A], dtype=np.uint64),
+        bucket_seqs=np.array([0, 1, 2], dtype=np.uint64),
+        largest_bucket=2,
         nodes={2: Node(0, 1, 2), 0: Node(0, 2, 0)},
         positions={"input.jsonl": 3, "topic/0": 2**40},
         verdicts={b"input.jsonl:0": b"\x00\xffverdict", b"k": b""},
     )
+
+
+def _members(store: StateStore, buckets: np.ndarray = BUCKETS) -> list[list[int]]:
+    """Members of each of ``buckets``, read through ``bucket_members``."""
+    found = store.bucket_members(buckets)
+    assert found.seqs.dtype == np.uint64 and found.counts.tolist() == np.bincount(
+        found.owner, minlength=len(buckets)).tolist()
+    return [found.seqs[found.owner == i].tolist() for i in range(len(buckets))]
 
 
 # --- both backends ----------------------------------------------------------------------
@@ -80,8 +93,7 @@ def _first_update() -> StateUpdate:
 
 def test_fresh_store_is_empty(store: StateStore) -> None:
     assert store.next_seq() == 0
-    assert [b.tolist() for b in store.get_buckets([KEY_A, KEY_B])] == [[], []]
-    assert store.get_buckets([KEY_A])[0].dtype == np.uint64
+    assert _members(store) == [[], [], []]
     assert store.get_nodes([0, 5]) == [None, None]
     assert store.get_position("input.jsonl") is None
     assert store.get_verdicts([b"x"]) == [None]
@@ -100,7 +112,7 @@ def test_round_trip(store: StateStore) -> None:
     assert sigs.dtype == np.uint64 and sigs.shape == (3, NUM_PERM)
     assert np.array_equal(sigs, first.signatures[[2, 0, 1]])
     assert store.get_ids([1, 2, 0]) == ["Grüße/字-1", "doc 2", "doc-0"]
-    assert [b.tolist() for b in store.get_buckets([KEY_B, KEY_A, KEY_C])] == [[1], [0, 2], []]
+    assert _members(store) == [[0, 2], [1], []]
     assert store.get_nodes([0, 1, 2]) == [Node(0, 2, 0), None, Node(0, 1, 2)]
     assert store.get_position("input.jsonl") == 3 and store.get_position("topic/0") == 2**40
     assert store.get_verdicts([b"input.jsonl:0", b"k", b"nope"]) == [b"\x00\xffverdict", b"", None]
@@ -109,14 +121,15 @@ def test_round_trip(store: StateStore) -> None:
         first_seq=3,
         signatures=_sigs(1, seed=1),
         ids=["doc-3"],
-        buckets={KEY_A: np.array([0, 2, 3], dtype=np.uint64)},
+        bucket_ids=np.array([BUCKET_A], dtype=np.uint64),
+        bucket_seqs=np.array([3], dtype=np.uint64),
+        largest_bucket=3,
         nodes={3: Node(0, 1, 3), 0: Node(0, 3, 0)},
         positions={"input.jsonl": 4},
     )
     store.commit(second)
     assert store.next_seq() == 4
-    assert store.get_buckets([KEY_A])[0].tolist() == [0, 2, 3]  # replaced, not appended
-    assert store.get_buckets([KEY_B])[0].tolist() == [1]  # untouched
+    assert _members(store) == [[0, 2, 3], [1], []]
     assert store.get_nodes([0, 3]) == [Node(0, 3, 0), Node(0, 1, 3)]
     assert store.get_position("input.jsonl") == 4 and store.get_position("topic/0") == 2**40
     assert np.array_equal(store.get_signatures([3]), second.signatures)
@@ -192,7 +205,7 @@ def test_rocksdb_persists_across_reopen(tmp_path: Path) -> None:
 
     with RocksDBStateStore(path, SETTINGS.state_shape()) as store:
         assert store.next_seq() == 3
-        assert [b.tolist() for b in store.get_buckets([KEY_A, KEY_B])] == [[0, 2], [1]]
+        assert _members(store) == [[0, 2], [1], []]  # the bucket index is rebuilt
         assert store.get_position("input.jsonl") == 3
         assert store.get_verdicts([b"input.jsonl:0"]) == [b"\x00\xffverdict"]
         assert np.array_equal(store.get_signatures([0, 1, 2]), first.signatures)
@@ -273,14 +286,12 @@ from neardup.state.rocksdb import RocksDBStateStore
 
 store = RocksDBStateStore(sys.argv[1], EngineSettings(num_perm=32).state_shape())
 rng = np.random.default_rng(int(sys.argv[2]))
-keys = codec.bucket_keys(np.arange(8, dtype=np.uint64).reshape(1, 8))[0]
+buckets = np.arange(8, dtype=np.uint64)
 announced = False
 while True:
     first = store.next_seq()
     k = int(rng.integers(1, 300))
     seqs = np.arange(first, first + k, dtype=np.uint64)
-    old = store.get_buckets(keys)
-    buckets = {key: np.concatenate([old[j], seqs[j::8]]) for j, key in enumerate(keys)}
     nodes = {first + i: Node(first, 1, first) for i in range(k)}
     if first:
         nodes[int(rng.integers(0, first))] = Node(first + k - 1, 1, 0)
@@ -288,7 +299,8 @@ while True:
         first_seq=first,
         signatures=rng.integers(0, 2**64, size=(k, 32), dtype=np.uint64),
         ids=[f"doc-{s}" for s in range(first, first + k)],
-        buckets=buckets,
+        bucket_ids=buckets[seqs % 8],
+        bucket_seqs=seqs,
         nodes=nodes,
         positions={"input": first + k},
         verdicts={b"v%012d" % s: b"x" for s in range(first, first + k)},
@@ -304,6 +316,9 @@ def _check_whole_batches(path: Path) -> int:
     with RocksDBStateStore(path, SETTINGS.state_shape()) as store:
         next_seq = store.next_seq()
         assert store.get_position("input") == (next_seq or None)
+        rebuilt = store.bucket_members(np.arange(8, dtype=np.uint64))
+        assert rebuilt.counts.sum() == next_seq  # the index rebuilt from whole batches only
+        assert np.array_equal(np.sort(rebuilt.seqs), np.arange(next_seq, dtype=np.uint64))
     families = {name: Options(raw_mode=True) for name in codec.FAMILIES}
     db = Rdict(str(path), Options(raw_mode=True), column_families=families)
     try:
@@ -312,7 +327,7 @@ def _check_whole_batches(path: Path) -> int:
         assert list(cf["signatures"].keys()) == seq_keys
         assert list(cf["documents"].keys()) == seq_keys
         assert sum(1 for _ in cf["verdicts"].keys()) == next_seq
-        members = [codec.decode_seqs(v) for v in cf["buckets"].values()]
+        members = [codec.decode_memberships(v)[1] for v in cf["buckets"].values()]
         all_members = np.sort(np.concatenate([np.empty(0, np.uint64), *members]))
         assert all_members.tolist() == list(range(next_seq))
         for key, value in cf["nodes"].items():
@@ -354,3 +369,41 @@ def test_rocksdb_commit_is_atomic_under_sigkill(tmp_path: Path) -> None:
         seen.append(_check_whole_batches(path))
     # Every round committed at least its announced batch on top of the previous state.
     assert all(b > a for a, b in zip(seen, seen[1:])), seen
+
+
+# --- the bucket index -------------------------------------------------------------------
+
+
+def test_bucket_index_matches_a_dict_of_lists() -> None:
+    """Batches of random memberships, merged into runs, answer like a plain dict."""
+    rng = np.random.default_rng(7)
+    index, reference = BucketIndex(), defaultdict(list)
+    seq = 0
+    for _ in range(60):
+        k = int(rng.integers(0, 400))
+        buckets = rng.choice(np.array([0, 1, 2**63, 2**64 - 1, *range(5, 300)], dtype=np.uint64), k)
+        seqs = np.arange(seq, seq + k, dtype=np.uint64)
+        seq += k
+        index.add(buckets, seqs)
+        for b, q in zip(buckets.tolist(), seqs.tolist()):
+            reference[b].append(q)
+        asked = np.unique(np.concatenate([rng.integers(0, 310, 40).astype(np.uint64),
+                                          np.array([2**64 - 1, 2**63 + 1], dtype=np.uint64)]))
+        found = index.lookup(asked)
+        assert found.counts.tolist() == [len(reference.get(b, [])) for b in asked.tolist()]
+        assert [found.seqs[found.owner == i].tolist() for i in range(len(asked))] == [
+            reference.get(b, []) for b in asked.tolist()]
+    assert len(index) == seq and index.runs <= 8  # merged into O(log n) runs
+    assert index.nbytes == 12 * seq
+
+
+def test_store_of_another_layout_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    RocksDBStateStore(path, SETTINGS.state_shape()).close()
+    families = {name: Options(raw_mode=True) for name in codec.FAMILIES}
+    db = Rdict(str(path), Options(raw_mode=True), column_families=families)
+    stored = codec.decode_settings(db[codec.SETTINGS_KEY])
+    db[codec.SETTINGS_KEY] = codec.encode_settings({**stored, "layout": 1})
+    db.close()
+    with pytest.raises(SettingsMismatchError, match="layout"):
+        RocksDBStateStore(path, SETTINGS.state_shape())

@@ -22,21 +22,30 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
-from neardup.core.lsh import band_hashes
+from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.core.unionfind import Node, root_node, union
-from neardup.state import codec
 from neardup.state.base import StateStore, StateUpdate
+from neardup.state.index import concat_ranges
 
 EMPTY_TEXT = "empty text after normalisation"
 NO_TOKENS = "no word tokens after normalisation"
+
+
+class _BucketJoins(NamedTuple):
+    """The bucket memberships a batch adds (the ``StateUpdate`` fields of that name)."""
+
+    bucket_ids: np.ndarray
+    bucket_seqs: np.ndarray
+    largest_bucket: int
 
 
 class _StoredNodes(MutableMapping[int, Node]):
@@ -204,7 +213,8 @@ class PreparedBatch:
         signatures: uint64, shape (n_valid, num_perm).
         fingerprints: sorted uint32 shingle fingerprints per valid document.
         sizes: int64, shape (n_valid,): shingle-set sizes.
-        keys: per valid document, its bucket key in each band.
+        buckets: uint64, shape (n_valid, bands): each document's bucket id in each band
+            (``neardup.core.lsh.bucket_ids``).
     """
 
     rejected: list[str | None]
@@ -212,7 +222,7 @@ class PreparedBatch:
     signatures: np.ndarray
     fingerprints: list[np.ndarray]
     sizes: np.ndarray
-    keys: list[list[bytes]]
+    buckets: np.ndarray
 
 
 class Preparer:
@@ -241,7 +251,7 @@ class Preparer:
             signatures=signatures,
             fingerprints=fingerprints,
             sizes=np.array([len(f) for f in fingerprints], dtype=np.int64),
-            keys=codec.bucket_keys(band_hashes(signatures, s.bands)),
+            buckets=bucket_ids(band_hashes(signatures, s.bands)),
         )
 
 
@@ -275,26 +285,12 @@ class Detector:
         """
         s = self.settings
         p = prepared if prepared is not None else self.prepare(documents)
-        valid, signatures, fingerprints, sizes, keys = (
-            p.valid, p.signatures, p.fingerprints, p.sizes, p.keys
-        )
+        valid, signatures, fingerprints, sizes = p.valid, p.signatures, p.fingerprints, p.sizes
         first_seq = self.store.next_seq()
 
-        unique_keys = list(dict.fromkeys(k for doc_keys in keys for k in doc_keys))
-        stored_members = dict(zip(unique_keys, self.store.get_bucket_bytes(unique_keys)))
-
         # Pass 1: candidates of every document (bucket membership does not depend on
-        # verdicts). Members are little-endian u64 bytes: appending a document is a concat.
-        members = dict(stored_members)
-        cap = 8 * s.max_bucket_size
-        candidates: list[list[int]] = []
-        for i, doc_keys in enumerate(keys):
-            joined = b"".join([members[k] for k in doc_keys])
-            me = codec.encode_u64(first_seq + i)
-            for k in doc_keys:
-                if len(members[k]) < cap:
-                    members[k] += me
-            candidates.append(self._candidates(joined) if joined else [])
+        # verdicts), for the whole batch at once.
+        candidates, joined = self._candidates(p.buckets, first_seq)
 
         # Pass 2: fetch what verification needs of the stored candidates, in multi-gets.
         stored = sorted({c for cands in candidates for c in cands if c < first_seq})
@@ -333,19 +329,79 @@ class Detector:
             ids=ids,
             sizes=sizes,
             fingerprints=fingerprints if s.verify == "exact" else None,
-            buckets={k: v for k, v in members.items() if len(v) != len(stored_members[k])},
+            bucket_ids=joined.bucket_ids,
+            bucket_seqs=joined.bucket_seqs,
+            largest_bucket=joined.largest_bucket,
             nodes=nodes.changed,
         )
         return BatchResult(results=results, update=update, signatures=signatures, links=links)
 
-    def _candidates(self, members: bytes) -> list[int]:
-        """Distinct seqs of ``members`` (u64 LE), at most ``max_candidates``: those that
-        share the most band buckets with the document, earlier ones first among equals."""
-        seqs, shared = np.unique(np.frombuffer(members, "<u8"), return_counts=True)
-        cap = self.settings.max_candidates
-        if len(seqs) > cap:
-            seqs = np.sort(seqs[np.lexsort((seqs, -shared))[:cap]])
-        return seqs.tolist()
+    def _candidates(self, buckets: np.ndarray, first_seq: int) -> tuple[list[list[int]], _BucketJoins]:
+        """Each document's candidates, and the bucket memberships the batch adds.
+
+        Args:
+            buckets: uint64, shape (n, bands): the batch's bucket ids.
+            first_seq: the seq of the batch's first document.
+
+        Returns:
+            ``candidates[i]``: ascending seqs of the documents sharing a bucket with
+            document i, stored or earlier in the batch; at most ``max_candidates``, those
+            sharing the most buckets first, earlier ones first among equals. And the
+            bucket memberships the batch adds: a document joins a bucket only while the
+            bucket has fewer than ``max_bucket_size`` members (it is still compared
+            with them).
+        """
+        s = self.settings
+        n, bands = buckets.shape
+        flat = buckets.ravel()
+        doc = np.repeat(np.arange(n, dtype=np.int64), bands)
+        keys, inv = np.unique(flat, return_inverse=True)
+        inv = inv.ravel()
+        stored = self.store.bucket_members(keys)
+
+        # Stored members: every entry (document, band) meets all members of its bucket.
+        starts = np.zeros(len(keys), dtype=np.int64)
+        np.cumsum(stored.counts[:-1], out=starts[1:])
+        per_entry = stored.counts[inv]
+        pair_doc = [np.repeat(doc, per_entry)]
+        pair_seq = [stored.seqs[concat_ranges(starts[inv], per_entry)]]
+
+        # Earlier documents of the batch: the entries of one bucket in arrival order; the
+        # first ``room`` of them join the bucket, and each entry meets those before it.
+        order = np.argsort(inv, kind="stable")
+        group = inv[order]
+        at = np.arange(len(order), dtype=np.int64)
+        group_start = np.maximum.accumulate(np.where(np.diff(group, prepend=-1) != 0, at, 0))
+        rank = at - group_start
+        room = np.maximum(s.max_bucket_size - stored.counts[group], 0)
+        before = np.minimum(rank, room)
+        pair_doc.append(np.repeat(doc[order], before))
+        pair_seq.append(first_seq + doc[order][concat_ranges(group_start, before)].astype(np.uint64))
+
+        pairs, shared = np.unique(
+            (np.concatenate(pair_doc).astype(np.uint64) << np.uint64(32)) | np.concatenate(pair_seq),
+            return_counts=True,
+        )
+        pair_doc_of = (pairs >> np.uint64(32)).astype(np.int64)
+        seqs = pairs & np.uint64(0xFFFFFFFF)
+        if np.bincount(pair_doc_of, minlength=n).max(initial=0) > s.max_candidates:
+            ranked = np.lexsort((seqs, -shared, pair_doc_of))
+            first_of_doc = np.searchsorted(pair_doc_of[ranked], pair_doc_of[ranked])
+            keep = np.zeros(len(pairs), dtype=bool)
+            keep[ranked] = np.arange(len(ranked)) - first_of_doc < s.max_candidates
+            pair_doc_of, seqs = pair_doc_of[keep], seqs[keep]
+        bounds = np.searchsorted(pair_doc_of, np.arange(n + 1)).tolist()
+        seq_list = seqs.tolist()
+        candidates = [seq_list[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+        joins = np.sort(order[rank < room])  # document-major: seqs ascending per bucket
+        added = np.bincount(inv[joins], minlength=len(keys))
+        joined = _BucketJoins(
+            bucket_ids=flat[joins],
+            bucket_seqs=first_seq + doc[joins].astype(np.uint64),
+            largest_bucket=int((stored.counts + added).max(initial=0)),
+        )
+        return candidates, joined
 
     def _decide(self, seq: int, candidates: list[int], corpus: _Corpus, nodes: _StoredNodes,
                 links: list[tuple[int, int, float]]) -> tuple[Verdict, tuple[int, int, int]]:

@@ -110,3 +110,17 @@ def band_hashes(signatures: np.ndarray, params: LshParams) -> np.ndarray:
     for k in range(1, params.rows):
         acc = combine(acc, rows[:, :, k])
     return acc
+
+
+def bucket_ids(band_hashes: np.ndarray) -> np.ndarray:
+    """One id per (document, band) bucket, distinct across bands.
+
+    Args:
+        band_hashes: uint64, shape (n_docs, bands), from ``band_hashes``.
+
+    Returns:
+        uint64, shape (n_docs, bands): ``combine(band hash, band index)``, so that equal
+        rows in two different bands give two different buckets.
+    """
+    bands = np.arange(band_hashes.shape[1], dtype=np.uint64)
+    return combine(band_hashes, np.broadcast_to(bands, band_hashes.shape))

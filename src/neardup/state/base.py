@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from neardup.core.unionfind import Node
+
+if TYPE_CHECKING:
+    from neardup.state.index import BucketMembers
 
 
 class StateError(Exception):
@@ -43,8 +46,10 @@ class StateUpdate:
         sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
         fingerprints: their sorted shingle fingerprints (uint32 arrays), kept for exact
             verification; None when the store keeps signatures only.
-        buckets: band-bucket key -> the bucket's complete new member list: uint64 seqs,
-            or the same as u64 little-endian bytes (``get_bucket_bytes``'s layout).
+        bucket_ids, bucket_seqs: uint64, shape (k,) each: the batch's new bucket
+            memberships, document ``bucket_seqs[i]`` in bucket ``bucket_ids[i]``, seqs
+            ascending among equal bucket ids.
+        largest_bucket: members of the fullest bucket the batch added to.
         nodes: union-find entries that changed.
         positions: input source -> next position to read (line, offset, ...).
         verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
@@ -57,7 +62,9 @@ class StateUpdate:
     store_signatures: bool = True
     sizes: np.ndarray | None = None
     fingerprints: list[np.ndarray] | None = None
-    buckets: dict[bytes, np.ndarray | bytes] = field(default_factory=dict)
+    bucket_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+    bucket_seqs: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+    largest_bucket: int = 0
     nodes: dict[int, Node] = field(default_factory=dict)
     positions: dict[str, int] = field(default_factory=dict)
     verdicts: dict[bytes, bytes] = field(default_factory=dict)
@@ -75,12 +82,9 @@ class StateStore(Protocol):
         """Sequence number the next document will get (the number of documents stored)."""
         ...
 
-    def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
-        """Members (uint64 seqs, arrival order) of each band bucket; empty when new."""
-        ...
-
-    def get_bucket_bytes(self, keys: Sequence[bytes]) -> list[bytes]:
-        """``get_buckets`` as raw u64 little-endian bytes (b"" when new): no decoding."""
+    def bucket_members(self, bucket_ids: np.ndarray) -> BucketMembers:
+        """The committed members of each bucket of ``bucket_ids`` (uint64, shape (n,),
+        distinct); see ``neardup.state.index``."""
         ...
 
     def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:

@@ -8,7 +8,8 @@ family     key                                       value
 default    b"settings"                               JSON of the state-shaping settings
 default    b"next_seq"                               u64 LE: documents stored
 default    b"max_bucket"                             u64 LE: largest bucket length seen
-buckets    band u16 BE + bucket hash u64 BE (10 B)   member seqs, u64 LE each
+buckets    first seq of a batch u64 BE               the batch's bucket memberships: pairs
+                                                     (bucket id u64 LE, seq u64 LE)
 signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B); written
                                                      only with verify="estimate"
 nodes      seq u64 BE                                parent, size, canonical: 3 x u64 LE
@@ -19,7 +20,9 @@ positions  source name, UTF-8                        next position, u64 LE
 verdicts   caller-defined bytes                      caller-defined bytes
 ========== ========================================= ==================================
 
-Big-endian keys sort numerically, so a scan of ``signatures`` runs in arrival order.
+Big-endian keys sort numerically, so a scan of ``buckets`` or ``signatures`` runs in
+arrival order. ``LAYOUT`` is stored with the settings: a store of another layout is
+refused rather than misread.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ FAMILIES = ("buckets", "signatures", "nodes", "documents", "shingles", "position
 SETTINGS_KEY = b"settings"
 NEXT_SEQ_KEY = b"next_seq"
 MAX_BUCKET_KEY = b"max_bucket"
+#: Version of these layouts, stored with the state-shaping settings.
+LAYOUT = 2
 
 _SEQ = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
 _NODE = struct.Struct("<3Q")
-_BUCKET_KEYS = np.dtype([("band", ">u2"), ("bucket", ">u8")])
 
 
 def seq_key(seq: int) -> bytes:
@@ -52,28 +56,6 @@ def seq_keys(seqs: np.ndarray | list[int]) -> list[bytes]:
     return [raw[i : i + 8] for i in range(0, len(raw), 8)]
 
 
-def bucket_keys(band_hashes: np.ndarray) -> list[list[bytes]]:
-    """Keys of the buckets of each document in each band.
-
-    Args:
-        band_hashes: uint64, shape (n_docs, bands), from ``neardup.core.lsh.band_hashes``.
-
-    Returns:
-        ``keys[d][j]``: the 10-byte key of document d's bucket in band j.
-    """
-    n_docs, bands = band_hashes.shape
-    packed = np.empty((n_docs, bands), dtype=_BUCKET_KEYS)
-    packed["band"] = np.arange(bands, dtype=np.uint16)[None, :]
-    packed["bucket"] = band_hashes
-    raw = packed.tobytes()
-    width = _BUCKET_KEYS.itemsize
-    row = width * bands
-    return [
-        [raw[d * row + j * width : d * row + (j + 1) * width] for j in range(bands)]
-        for d in range(n_docs)
-    ]
-
-
 def encode_u64(value: int) -> bytes:
     return _U64.pack(value)
 
@@ -82,14 +64,15 @@ def decode_u64(raw: bytes) -> int:
     return _U64.unpack(raw)[0]
 
 
-def encode_seqs(seqs: np.ndarray) -> bytes:
-    return np.asarray(seqs, dtype="<u8").tobytes()
+def encode_memberships(buckets: np.ndarray, seqs: np.ndarray) -> bytes:
+    """Bucket memberships (uint64 arrays of one length) as (bucket, seq) u64 LE pairs."""
+    return np.column_stack([buckets, seqs]).astype("<u8").tobytes()
 
 
-def decode_seqs(raw: bytes | None) -> np.ndarray:
-    if raw is None:
-        return np.empty(0, dtype=np.uint64)
-    return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+def decode_memberships(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket ids, seqs): uint64 arrays of one length."""
+    pairs = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.uint64)
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
 
 
 def encode_signature(signature: np.ndarray) -> bytes:

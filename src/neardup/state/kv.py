@@ -6,7 +6,7 @@ them into the ``StateStore`` protocol with the layouts of ``neardup.state.codec`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ import numpy as np
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
+from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
 
 Put = tuple[str, bytes, bytes]  # (family, key, value)
 Delete = tuple[str, bytes]  # (family, key)
@@ -33,6 +34,10 @@ class KeyValueStateStore:
         """Apply ``deletes`` then ``puts`` atomically."""
         raise NotImplementedError
 
+    def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) of ``family``, in key order."""
+        raise NotImplementedError
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -44,6 +49,12 @@ class KeyValueStateStore:
         return self._get_many(family, [key])[0]
 
     def _open_settings(self, requested: dict[str, Any]) -> None:
+        """Store or check the settings, then load the counters and the bucket index.
+
+        Raises:
+            SettingsMismatchError: the store holds other settings (or another layout).
+        """
+        requested = {**requested, "layout": codec.LAYOUT}
         raw = self._get("default", codec.SETTINGS_KEY)
         if raw is None:
             self._write(
@@ -68,6 +79,9 @@ class KeyValueStateStore:
         self._next_seq = codec.decode_u64(self._get("default", codec.NEXT_SEQ_KEY) or b"\0" * 8)
         max_bucket = self._get("default", codec.MAX_BUCKET_KEY)
         self._max_bucket = codec.decode_u64(max_bucket) if max_bucket else 0
+        self.index = BucketIndex()
+        for _, raw in self._scan("buckets"):
+            self.index.add(*codec.decode_memberships(raw))
 
     def next_seq(self) -> int:
         return self._next_seq
@@ -76,11 +90,8 @@ class KeyValueStateStore:
         """Length of the largest band bucket ever written."""
         return self._max_bucket
 
-    def get_buckets(self, keys: Sequence[bytes]) -> list[np.ndarray]:
-        return [codec.decode_seqs(raw) for raw in self._get_many("buckets", keys)]
-
-    def get_bucket_bytes(self, keys: Sequence[bytes]) -> list[bytes]:
-        return [raw or b"" for raw in self._get_many("buckets", keys)]
+    def bucket_members(self, bucket_ids: np.ndarray) -> BucketMembers:
+        return self.index.lookup(bucket_ids)
 
     def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:
         raws = self._get_many("signatures", codec.seq_keys(list(seqs)))
@@ -127,6 +138,8 @@ class KeyValueStateStore:
                 f"signatures of shape {update.signatures.shape} for {len(update.ids)} "
                 f"documents of {self.num_perm} permutations"
             )
+        if update.next_seq > MAX_SEQ + 1:
+            raise StateError(f"the store holds at most {MAX_SEQ + 1:,} documents")
         keys = codec.seq_keys(np.arange(update.first_seq, update.next_seq))
         sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
         width = 8 * self.num_perm
@@ -138,11 +151,10 @@ class KeyValueStateStore:
             puts.append(("documents", key, codec.encode_document(int(sizes[i]), update.ids[i])))
             if update.fingerprints is not None:
                 puts.append(("shingles", key, codec.encode_fingerprints(update.fingerprints[i])))
-        max_bucket = self._max_bucket
-        for key, members in update.buckets.items():
-            raw = members if isinstance(members, bytes) else codec.encode_seqs(members)
-            puts.append(("buckets", key, raw))
-            max_bucket = max(max_bucket, len(raw) // 8)
+        if len(update.bucket_ids):
+            puts.append(("buckets", codec.seq_key(update.first_seq),
+                         codec.encode_memberships(update.bucket_ids, update.bucket_seqs)))
+        max_bucket = max(self._max_bucket, update.largest_bucket)
         for seq, node in update.nodes.items():
             puts.append(("nodes", codec.seq_key(seq), codec.encode_node(node)))
         for source, position in update.positions.items():
@@ -154,3 +166,4 @@ class KeyValueStateStore:
         self._write(puts, [("verdicts", key) for key in update.verdict_deletes])
         self._next_seq = update.next_seq
         self._max_bucket = max_bucket
+        self.index.add(update.bucket_ids, update.bucket_seqs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from neardup.state import codec
@@ -22,6 +22,9 @@ class MemoryStateStore(KeyValueStateStore):
         table = self._data[family]
         return [table.get(key) for key in keys]
 
+    def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
+        return iter(sorted(self._data[family].items()))
+
     def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
         for family, key in deletes:
             self._data[family].pop(key, None)
@@ -29,7 +32,8 @@ class MemoryStateStore(KeyValueStateStore):
             self._data[family][key] = value
 
     def stats(self) -> dict[str, int]:
-        out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket}
+        out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
+               "index_entries": len(self.index), "index_bytes": self.index.nbytes}
         for name, table in self._data.items():
             out[f"keys_{name}"] = len(table)
         out["bytes"] = sum(len(k) + len(v) for t in self._data.values() for k, v in t.items())

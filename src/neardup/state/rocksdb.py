@@ -9,7 +9,7 @@ input positions stored in the same batches then replay.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,9 @@ class RocksDBStateStore(KeyValueStateStore):
             return []
         return self._families[family].get(list(keys))
 
+    def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
+        return self._families[family].items()
+
     def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
         batch = WriteBatch(raw_mode=True)
         handles = self._handles
@@ -95,7 +98,8 @@ class RocksDBStateStore(KeyValueStateStore):
 
     def stats(self) -> dict[str, int]:
         """Documents, estimated keys per family, bytes of SST files and of memtables."""
-        out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket}
+        out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
+               "index_entries": len(self.index), "index_bytes": self.index.nbytes}
         sst = memtables = 0
         for name in ("default", *codec.FAMILIES):
             family = self._families[name]

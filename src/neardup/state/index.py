@@ -1,0 +1,127 @@
+"""The LSH bucket index in memory: which documents are in which band bucket.
+
+Every document is filed under one 64-bit bucket id per band (``neardup.core.lsh.
+bucket_ids``). The index holds those (bucket, seq) memberships as a few sorted runs, the
+layout of a log-structured merge tree (O'Neil et al., "The log-structured merge-tree",
+Acta Informatica 1996) kept in numpy arrays: each committed batch adds a small run, and
+the newest run is merged into the one before it while that one is less than ``FANOUT``
+times larger, so there are O(log n) runs and each membership is merged O(log n) times. A
+lookup is one binary search per run for a whole batch of bucket ids.
+
+The store owns the index: it writes each batch's memberships to RocksDB in the batch's
+atomic write, adds them to the index only after that write, and rebuilds the index from
+those records when it opens. The index is therefore a cache of committed state, never
+ahead of it.
+
+Memory: 12 bytes per membership (uint64 bucket id, uint32 seq), at most about twice that
+while the largest runs merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from neardup.state.base import StateError
+
+#: A run is merged into the previous one while that one is at most FANOUT times larger.
+FANOUT = 4
+MAX_SEQ = np.iinfo(np.uint32).max
+
+
+@dataclass(frozen=True)
+class BucketMembers:
+    """The members of a set of buckets (the answer to ``BucketIndex.lookup``).
+
+    Attributes:
+        counts: int64, shape (n_buckets,): members of each bucket asked for.
+        owner: int64, shape (n_members,): index of the bucket (in the lookup's input) of
+            each member, ascending.
+        seqs: uint64, shape (n_members,): the members' seqs, ascending within a bucket.
+    """
+
+    counts: np.ndarray
+    owner: np.ndarray
+    seqs: np.ndarray
+
+
+class BucketIndex:
+    """Sorted runs of (bucket id, seq) memberships; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (buckets u64, seqs u32), oldest first
+
+    def __len__(self) -> int:
+        return sum(len(buckets) for buckets, _ in self._runs)
+
+    @property
+    def runs(self) -> int:
+        return len(self._runs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the runs."""
+        return sum(b.nbytes + s.nbytes for b, s in self._runs)
+
+    def add(self, buckets: np.ndarray, seqs: np.ndarray) -> None:
+        """File ``seqs[i]`` under bucket ``buckets[i]``.
+
+        Args:
+            buckets: uint64, shape (k,): bucket ids.
+            seqs: uint64, shape (k,): seqs, all greater than every seq already indexed,
+                ascending among equal bucket ids.
+
+        Raises:
+            StateError: a seq does not fit in 32 bits (more than 4,294,967,295 documents).
+        """
+        if len(buckets) == 0:
+            return
+        if int(seqs.max()) > MAX_SEQ:
+            raise StateError(f"the bucket index holds seqs up to {MAX_SEQ:,}")
+        order = np.argsort(buckets, kind="stable")
+        self._runs.append((buckets[order], seqs[order].astype(np.uint32)))
+        while len(self._runs) > 1 and len(self._runs[-2][0]) <= FANOUT * len(self._runs[-1][0]):
+            newer = self._runs.pop()
+            self._runs[-1] = _merge(self._runs[-1], newer)
+
+    def lookup(self, buckets: np.ndarray) -> BucketMembers:
+        """Members of each bucket in ``buckets`` (uint64, shape (n,), distinct)."""
+        counts = np.zeros(len(buckets), dtype=np.int64)
+        owners, members = [], []
+        for run_buckets, run_seqs in self._runs:
+            lo = np.searchsorted(run_buckets, buckets, side="left")
+            hit = np.flatnonzero(run_buckets[np.minimum(lo, len(run_buckets) - 1)] == buckets)
+            if len(hit) == 0:
+                continue
+            start = lo[hit]
+            n = np.searchsorted(run_buckets, buckets[hit], side="right") - start
+            counts[hit] += n
+            owners.append(np.repeat(hit, n))
+            members.append(run_seqs[concat_ranges(start, n)])
+        if not owners:
+            return BucketMembers(counts, np.empty(0, np.int64), np.empty(0, np.uint64))
+        owner = np.concatenate(owners)
+        seqs = np.concatenate(members).astype(np.uint64)
+        order = np.lexsort((seqs, owner))
+        return BucketMembers(counts, owner[order], seqs[order])
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64: the concatenation of ``arange(s, s + n)`` for each start s and length n."""
+    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+
+
+def _merge(older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two runs; among equal bucket ids the older run's members come first."""
+    (a_buckets, a_seqs), (b_buckets, b_seqs) = older, newer
+    at = np.searchsorted(a_buckets, b_buckets, side="right") + np.arange(len(b_buckets))
+    from_a = np.ones(len(a_buckets) + len(b_buckets), dtype=bool)
+    from_a[at] = False
+    buckets = np.empty(len(from_a), dtype=np.uint64)
+    seqs = np.empty(len(from_a), dtype=np.uint32)
+    buckets[at], seqs[at] = b_buckets, b_seqs
+    buckets[from_a], seqs[from_a] = a_buckets, a_seqs
+    return buckets, seqs
