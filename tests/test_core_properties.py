@@ -97,6 +97,18 @@ def test_normalize_postconditions(text: str, norm: TextNorm) -> None:
         assert not any(unicodedata.category(c).startswith("P") for c in out)
 
 
+ALL_WHITESPACE = "".join(c for c in map(chr, range(sys.maxunicode + 1)) if re.fullmatch(r"\s", c))
+
+
+@FAST
+@given(st.lists(st.sampled_from([*ALL_WHITESPACE, "a", "B", "é", "."]), max_size=40).map("".join))
+def test_whitespace_collapse_is_regex_semantics(text: str) -> None:
+    """Collapsing splits at exactly the characters of re's \\s, all 29 of them."""
+    only = TextNorm(nfkc=False, casefold=False)
+    assert len(ALL_WHITESPACE) == 29
+    assert normalize(text, only) == re.sub(r"\s+", " ", text).strip()
+
+
 PUNCTUATION = st.text(alphabet=st.characters(categories=["P"]), min_size=1, max_size=20)
 
 
