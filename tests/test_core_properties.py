@@ -11,6 +11,7 @@ from collections import deque
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import xxhash
 from datasketch.lsh import _optimal_param
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -155,6 +156,21 @@ def test_shingle_batch_equals_concatenated_single_documents(
     expected = [h for s in singles for h in s.hashes.tolist()]
     assert batch.hashes.tolist() == expected
     assert batch.counts.tolist() == [len(s.hashes) for s in singles]
+
+
+@FAST
+@given(st.lists(st.one_of(ANY_TEXTS, st.text(st.characters(codec="utf-8"), max_size=30),
+                          st.text(st.characters(categories=["Cs", "Mn", "Lo", "Nd", "Zs"]), max_size=12)),
+                max_size=8))
+@example(["naïve café", "", "日本語のテキスト", "emoji 😀x😀 ok", "e\u0301\ud800x", "a_b-c"])
+def test_word_tokens_are_regex_tokens_hashed_with_xxh3(texts: list[str]) -> None:
+    """Word 1-grams are the ``\\w+`` tokens of each text, each hashed with xxh3-64 of its
+    UTF-8 bytes (lone surrogates passed through)."""
+    batch = shingle_batch(texts, Shingling("word", 1))
+    for d, text in enumerate(texts):
+        expected = [xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass"))
+                    for t in re.findall(r"\w+", text)]
+        assert _doc_hashes(batch, d) == expected
 
 
 @FAST
