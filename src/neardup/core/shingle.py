@@ -3,8 +3,9 @@
 A document's shingles are its word n-grams over Unicode word tokens (``\\w+``) or its
 character n-grams. Word tokens are found for the whole batch at once (a table of the
 code points ``\\w`` matches, applied with numpy) and hashed once each with xxh3-64 of
-their UTF-8 bytes; character shingles use the code points. An n-gram's hash is the order-sensitive ``combine`` of its n token hashes,
-computed with n - 1 vectorised passes over the whole batch. A document with fewer than n
+their UTF-8 bytes; character shingles use the code points. An n-gram's hash is the
+order-sensitive ``combine`` of its n token hashes, computed with n - 1 vectorised passes
+over the whole batch. A document with fewer than n
 tokens gives one shingle of all its tokens; a document with no token gives none (callers
 reject it).
 """
