@@ -45,8 +45,36 @@ revoked partition never leaves anything half-done. Verdicts equal those of an
 uninterrupted run when the input order is the same, i.e. per partition; with several
 partitions the interleaving (and so which copy is the canonical) follows arrival order.
 
-SIGTERM or SIGINT: the batch in progress is finished and committed, the consumer leaves
-its group, and ``run`` returns.
+Pipeline (``pipeline``, on by default; ``--no-pipeline`` turns it off). Normalising,
+shingling, MinHashing and banding a batch (``Preparer``) need no state, so a worker
+process does them for batch k + 1 while this process runs steps 2-5 of batch k: the two
+share the machine's cores. When batch k is full (a backlog), batch k + 1 is consumed
+*ahead*, before batch k's step 2, taking only what the consumer has already fetched (no
+wait); its replays are marked and its messages decoded, and its documents go to the
+worker. A batch that is not full is prepared in this process as before, so a consumer
+that keeps up waits for no one. Batch k + 1 is only held in memory until its turn:
+
+- a crash loses it like any message consumed and not committed: the restart consumes it
+  again from the committed offsets.
+- a failed batch k (abort or new producer) rewinds the partitions of both batches to
+  their first offsets, and batch k + 1 is dropped.
+- a rebalance can only be served by the read-ahead's ``consume``, while batch k is held:
+  batch k's messages of the revoked partitions are dropped (their next owner, maybe this
+  consumer again, resumes at the committed offset, which is where they start), the rest
+  of batch k is processed, and batch k + 1 holds only messages consumed after the
+  rebalance. So, as before, no transaction is ever open across a rebalance, and no
+  batch holds a partition this consumer has lost.
+- ``stop()`` finishes batch k and drops batch k + 1 (the next consumer resumes at the
+  committed offset).
+
+Batch k + 1's replays are marked against the positions before batch k's commit, which
+are the same for it (positions only grow past batch k's own offsets); ``_process``
+checks it anyway. The verdicts do not change: the preparation is a pure function of the
+documents, and the state work stays in order in this process. If the worker dies,
+batches are prepared in this process from then on.
+
+SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
+dropped, the consumer leaves its group, and ``run`` returns.
 """
 
 from __future__ import annotations
@@ -57,6 +85,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +95,7 @@ from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
-from neardup.detector import Detector
+from neardup.detector import Detector, PreparedBatch
 from neardup.io.messages import (
     MessageError,
     Outcome,
@@ -73,6 +103,7 @@ from neardup.io.messages import (
     to_document,
     verdict_key,
 )
+from neardup.pipeline import PrepareWorker
 from neardup.state.base import StateStore
 
 log = logging.getLogger(__name__)
@@ -109,6 +140,20 @@ class _Item:
     message: Message
     outcome: Outcome | None = None
     replay: bool = False
+
+
+@dataclass
+class _Batch:
+    """Consumed messages, read: replays marked (by the positions at reading time), the
+    others decoded (``documents``, of the items in ``fresh``) or given a dead-letter
+    outcome. ``prepared``: the documents' preparation running in the worker, if any."""
+
+    messages: list[Message]
+    items: list[_Item]
+    fresh: list[_Item]
+    documents: list[Document]
+    full: bool
+    prepared: Future[PreparedBatch] | None = None
 
 
 class KafkaDeduplicator:
@@ -157,6 +202,10 @@ class KafkaDeduplicator:
         self.assignment: list[TopicPartition] = []
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
+        self.worker: PrepareWorker | None = None
+        self.batches = 0  # committed
+        self.batches_prepared_ahead = 0  # of them, prepared in the worker
+        self._revoked_while_reading: set[tuple[str, int]] | None = None
 
     # --- topics ---------------------------------------------------------------------
     def target_topic(self, input_topic: str, target: str) -> str:
@@ -230,7 +279,8 @@ class KafkaDeduplicator:
         log.info("transactional producer %s ready", self.transactional_id)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self.assignment = list(partitions)
+        held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
+        self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
         if self.on_assignment:
             self.on_assignment(self.assignment)
@@ -240,6 +290,8 @@ class KafkaDeduplicator:
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         for tp in gone:
             self._positions.pop(tp, None)
+        if self._revoked_while_reading is not None:
+            self._revoked_while_reading |= gone
         log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(gone)) or "nothing")
         if self.on_assignment:
             self.on_assignment(self.assignment)
@@ -253,45 +305,52 @@ class KafkaDeduplicator:
         if install_signal_handlers:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
+        if self.settings.pipeline:
+            self.worker = PrepareWorker(self.detector.settings)
         try:
             self._connect()
-        except InterruptedError:
-            return
-        assert self.consumer is not None
-        backoff, resets = 0.5, 0
-        try:
-            while not self._stop.is_set():
-                messages = self.consumer.consume(
-                    self.settings.batch_size, timeout=self.settings.batch_max_ms / 1000
-                )
-                messages = self._usable(messages)
-                if not messages:
-                    continue
-                try:
-                    self._process(messages)
-                    backoff, resets = 0.5, 0
-                except KafkaException as exc:
-                    if _fatal(exc):
-                        # e.g. the broker aborted a transaction that outlived its timeout
-                        # and bumped the producer epoch: a new producer (same
-                        # transactional.id) resumes; the replay rule makes it exact.
-                        resets += 1
-                        if resets > MAX_PRODUCER_RESETS:
-                            raise
-                        log.warning("producer failed fatally (%s); starting a new one", exc)
-                        self._new_producer()
-                    else:
-                        log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
-                        self._abort()
-                    self._rewind(messages)
-                    if self.on_abort:
-                        self.on_abort(exc)
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 30.0)
+            self._loop()
+        except InterruptedError:  # stopped while waiting for the broker
+            pass
         finally:
             self.close()
 
+    def _loop(self) -> None:
+        backoff, resets = 0.5, 0
+        ahead: _Batch | None = None  # the next batch, read ahead (see the module docstring)
+        while not self._stop.is_set():
+            batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
+            ahead = None
+            if batch is not None and batch.full and self.worker is not None and not self._stop.is_set():
+                batch, ahead = self._read_ahead(batch)
+            if batch is None:
+                continue
+            try:
+                self._process(batch)
+                backoff, resets = 0.5, 0
+            except KafkaException as exc:
+                if _fatal(exc):
+                    # e.g. the broker aborted a transaction that outlived its timeout
+                    # and bumped the producer epoch: a new producer (same
+                    # transactional.id) resumes; the replay rule makes it exact.
+                    resets += 1
+                    if resets > MAX_PRODUCER_RESETS:
+                        raise
+                    log.warning("producer failed fatally (%s); starting a new one", exc)
+                    self._new_producer()
+                else:
+                    log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
+                    self._abort()
+                self._rewind(batch.messages + (ahead.messages if ahead else []))
+                ahead = None
+                if self.on_abort:
+                    self.on_abort(exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
     def close(self) -> None:
+        """Leave the group and stop the worker; a batch read ahead is dropped (the
+        group's committed offsets are where its partitions resume)."""
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
@@ -301,7 +360,11 @@ class KafkaDeduplicator:
             except KafkaException as exc:  # a failed producer has nothing left to deliver
                 log.warning("producer flush at close: %s", exc)
             self.producer = None
-        log.info("consumer closed")
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        log.info("consumer closed after %d batches, %d of them prepared ahead in the worker process",
+                 self.batches, self.batches_prepared_ahead)
 
     def _broker_answered(self) -> None:
         if self.on_broker:
@@ -335,6 +398,49 @@ class KafkaDeduplicator:
         return out
 
     # --- one batch ----------------------------------------------------------------------
+    def _consume(self, timeout: float) -> _Batch | None:
+        """Up to ``batch_size`` messages, waiting at most ``timeout`` s; None if none."""
+        assert self.consumer is not None
+        messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
+        full = len(messages) == self.settings.batch_size
+        messages = self._usable(messages)
+        return self._read(messages, full) if messages else None
+
+    def _read_ahead(self, batch: _Batch) -> tuple[_Batch | None, _Batch | None]:
+        """(``batch``, the next batch) with the next one's preparation started in the
+        worker. The next batch is what the consumer has already fetched (no wait).
+
+        A rebalance served on the way invalidates the messages ``batch`` holds of the
+        revoked partitions: they are dropped (their next owner, maybe this consumer
+        again, resumes at the group's committed offset, which is where they start).
+        """
+        self._revoked_while_reading = set()
+        try:
+            ahead = self._consume(0)
+        finally:
+            revoked, self._revoked_while_reading = self._revoked_while_reading, None
+        if revoked:
+            # ahead is from after the rebalance, except (in principle) messages of revoked
+            # partitions fetched before it and not reassigned: dropped as well.
+            assigned = {(p.topic, p.partition) for p in self.assignment}
+            batch = self._without(batch, lambda tp: tp in revoked)
+            if ahead is not None:
+                ahead = self._without(ahead, lambda tp: tp in revoked and tp not in assigned)
+            log.info("rebalanced while reading ahead: messages of revoked partitions dropped")
+        if ahead is not None:
+            assert self.worker is not None
+            ahead.prepared = self.worker.submit(ahead.documents)
+        return batch, ahead
+
+    def _without(self, batch: _Batch, drop: Callable[[tuple[str, int]], bool]) -> _Batch | None:
+        """``batch`` without the messages of the partitions ``drop`` selects, read again."""
+        kept = [m for m in batch.messages if not drop((m.topic(), m.partition()))]
+        if len(kept) == len(batch.messages):
+            return batch
+        if batch.prepared is not None:
+            batch.prepared.cancel()
+        return self._read(kept, full=False) if kept else None
+
     def _usable(self, messages: list[Message]) -> list[Message]:
         out = []
         for m in messages:
@@ -356,24 +462,13 @@ class KafkaDeduplicator:
             self._positions[tp] = self.store.get_position(source_name(topic, partition)) or 0
         return self._positions[tp]
 
-    def _process(self, messages: list[Message]) -> BatchStats:
-        started = time.perf_counter()
+    def _is_replay(self, m: Message) -> bool:
+        return m.offset() < self._position(m.topic(), m.partition())
+
+    def _read(self, messages: list[Message], full: bool) -> _Batch:
+        """Mark the replays (step 2) and decode the other messages."""
         s = self.settings
-        stats = BatchStats(messages=len(messages))
-        items = [_Item(m) for m in messages]
-
-        replays = [it for it in items if it.message.offset() < self._position(it.message.topic(), it.message.partition())]
-        stored = self.store.get_verdicts(
-            [verdict_key(it.message.topic(), it.message.partition(), it.message.offset()) for it in replays]
-        )
-        for it, raw in zip(replays, stored):
-            it.replay = True
-            if raw is None:  # produced and committed in an earlier transaction
-                log.warning("skipping %s[%d]@%d: already delivered", it.message.topic(), it.message.partition(), it.message.offset())
-            else:
-                it.outcome = Outcome.from_bytes(raw)
-        stats.replayed = len(replays)
-
+        items = [_Item(m, replay=self._is_replay(m)) for m in messages]
         fresh: list[_Item] = []
         documents: list[Document] = []
         for it in items:
@@ -388,8 +483,45 @@ class KafkaDeduplicator:
                 fresh.append(it)
             except MessageError as exc:
                 it.outcome = Outcome.of_error(exc.kind, str(exc), m.topic(), m.partition(), m.offset())
-        result = self.detector.detect(documents)
-        for it, res in zip(fresh, result.results):
+        return _Batch(messages, items, fresh, documents, full)
+
+    def _prepared(self, batch: _Batch) -> PreparedBatch | None:
+        """The batch's preparation from the worker, or None to prepare it here."""
+        if batch.prepared is None:
+            return None
+        try:
+            prepared = batch.prepared.result()
+        except BrokenProcessPool:
+            log.warning("the preparing worker process died; preparing in this process from now on")
+            assert self.worker is not None
+            self.worker.close()
+            self.worker = None
+            return None
+        return prepared
+
+    def _process(self, batch: _Batch) -> BatchStats:
+        started = time.perf_counter()
+        if any(it.replay != self._is_replay(it.message) for it in batch.items):
+            # Cannot happen: positions only grow past a batch's own offsets, so those of
+            # the batches after it keep their side. Checked all the same, it is cheap.
+            batch = self._read(batch.messages, batch.full)
+        messages, items = batch.messages, batch.items
+        stats = BatchStats(messages=len(messages))
+
+        replays = [it for it in items if it.replay]
+        stored = self.store.get_verdicts(
+            [verdict_key(it.message.topic(), it.message.partition(), it.message.offset()) for it in replays]
+        )
+        for it, raw in zip(replays, stored):
+            if raw is None:  # produced and committed in an earlier transaction
+                log.warning("skipping %s[%d]@%d: already delivered", it.message.topic(), it.message.partition(), it.message.offset())
+            else:
+                it.outcome = Outcome.from_bytes(raw)
+        stats.replayed = len(replays)
+
+        prepared = self._prepared(batch)
+        result = self.detector.detect(batch.documents, prepared=prepared)
+        for it, res in zip(batch.fresh, result.results):
             m = it.message
             if isinstance(res, Rejected):
                 it.outcome = Outcome.of_error("empty_text", res.reason, m.topic(), m.partition(), m.offset())
@@ -437,6 +569,8 @@ class KafkaDeduplicator:
             verdict_key(m.topic(), m.partition(), m.offset()) for m in messages
         ]
         stats.seconds = time.perf_counter() - started
+        self.batches += 1
+        self.batches_prepared_ahead += prepared is not None
         self._broker_answered()
         if self.on_batch:
             self.on_batch(stats)
