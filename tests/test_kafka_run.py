@@ -60,7 +60,38 @@ def _outputs(kafka_bootstrap: str, topic: str, expected: int):
     return outs
 
 
-def test_run_gives_the_verdicts_of_dedup(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def _workers(proc) -> list[int]:
+    """Pids of the pipeline's worker processes among the children of ``proc``."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for pid in children:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _prepared_ahead(log: Path) -> tuple[int, int]:
+    """(batches, of them prepared in the worker) from the consumer's closing log line."""
+    found = re.findall(r"consumer closed after (\d+) batches, (\d+) of them prepared ahead", log.read_text())
+    assert found, log.read_text()[-3000:]
+    return int(found[-1][0]), int(found[-1][1])
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "no-pipeline"])
+def test_run_gives_the_verdicts_of_dedup(pipeline, kafka_bootstrap, kafka_topic_factory, tmp_path):
     records = excerpt()  # the whole committed excerpt, 4,000 stories
     topic = kafka_topic_factory("wire")
     produce(kafka_bootstrap, topic, _json_messages(records))
@@ -77,11 +108,23 @@ def test_run_gives_the_verdicts_of_dedup(kafka_bootstrap, kafka_topic_factory, t
             by_dedup[str(rec["id"])] = (v["verdict"], v["cluster"], v["match"] or "",
                                         f"{v['similarity']:.6f}")
 
-    proc = start_run(kafka_bootstrap, topic, "g-same", tmp_path / "state", *JSON_FIELDS)
+    log = tmp_path / "run.log"
+    flag = "--pipeline" if pipeline else "--no-pipeline"
+    proc = start_run(kafka_bootstrap, topic, "g-same", tmp_path / "state", *JSON_FIELDS,
+                     "--batch-size", "500", flag, log=log)
     try:
         wait_committed(kafka_bootstrap, "g-same", topic, len(records), proc)
+        workers = _workers(proc)
     finally:
         assert stop(proc) == 0
+    assert len(workers) == (1 if pipeline else 0)
+    assert not any(_alive(w) for w in workers), "the worker outlived the consumer"
+    batches, ahead = _prepared_ahead(log)
+    assert batches >= len(records) // 500
+    if pipeline:  # a backlog: every batch but the first (and the one after a short one)
+        assert batches - 2 <= ahead < batches, (batches, ahead)
+    else:
+        assert ahead == 0
     outs = _outputs(kafka_bootstrap, topic, len(records))
 
     by_run = {o.key.decode(): _verdict_of(o) for o in outs}
@@ -129,16 +172,23 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kaf
     state, log = tmp_path / "state", tmp_path / "run.log"
     rng = random.Random(2026)
     targets = sorted(rng.sample(range(1_000, len(records) - 2_000), 4))
-    progress = []
+    progress, seen = [], []
     for target in targets:  # kill right after a random offset is committed, plus a random delay
         proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, "--batch-size", "500", log=log)
         wait_committed(kafka_bootstrap, "g-crash", topic, target, proc)
         time.sleep(rng.uniform(0.0, 0.4))
         assert proc.poll() is None, log.read_text()[-3000:]
+        workers = _workers(proc)  # none yet if the target was reached before this start
+        seen += workers
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers):
+            assert time.monotonic() < deadline, "the worker outlived a killed consumer"
+            time.sleep(0.1)
         progress.append(committed_offset(kafka_bootstrap, "g-crash", topic))
-    print("committed offsets after each SIGKILL:", progress)
+    print("committed offsets after each SIGKILL:", progress, "; workers killed with the consumer:", seen)
+    assert seen, "the pipeline's worker process was running"
     assert progress[-1] < len(records), "every kill should land before the end of the input"
     proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, log=log)
     try:
