@@ -155,27 +155,40 @@ class _Corpus:
         else:
             self._sig.update(zip(seqs, self.store.get_signatures(seqs)))
 
-    def similarities(self, seq: int, others: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Jaccard and containment (of ``seq`` in each other) as float64 arrays."""
-        if len(others) == 0:
+    def similarities(self, left: Sequence[int], right: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Jaccard and containment (of ``left[k]`` in ``right[k]``) of each pair k.
+
+        Args:
+            left, right: seqs of equal length, of the batch or of the store.
+
+        Returns:
+            Two float64 arrays of shape (len(left),). Exact: every fingerprint of
+            ``right[k]`` is looked up among those of ``left[k]``, all pairs in one
+            ``searchsorted`` over keys ``(left rank << 32) | fingerprint``. Estimate: the
+            share of equal signature slots, and the intersection it implies.
+        """
+        if len(left) == 0:
             return np.empty(0), np.empty(0)
-        self.prefetch(list(others))
-        size = self._size[seq]
-        sizes = np.array([self._size[q] for q in others], dtype=np.float64)
+        self.prefetch(sorted(set(right) | set(left)))
+        size = np.array([self._size[q] for q in left], dtype=np.float64)
+        sizes = np.array([self._size[q] for q in right], dtype=np.float64)
         if self.exact:
-            own = self._fp[seq]
-            sets = [self._fp[q] for q in others]
-            joined = np.concatenate(sets)
-            at = np.minimum(np.searchsorted(own, joined), len(own) - 1)
-            found = np.append(own[at] == joined, False)  # sentinel: reduceat needs start < len
-            lengths = np.array([len(x) for x in sets], dtype=np.int64)
-            starts = np.zeros(len(sets), dtype=np.int64)
-            np.cumsum(lengths[:-1], out=starts[1:])
-            inter = np.where(lengths > 0, np.add.reduceat(found, starts), 0).astype(np.float64)
+            lefts, rank = np.unique(np.asarray(left, dtype=np.uint64), return_inverse=True)
+            own = [self._fp[q] for q in lefts.tolist()]
+            own_lengths = np.fromiter(map(len, own), dtype=np.int64, count=len(own))
+            keys = (np.repeat(np.arange(len(own), dtype=np.uint64), own_lengths) << np.uint64(32)
+                    | np.concatenate(own).astype(np.uint64))
+            sets = [self._fp[q] for q in right]
+            lengths = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+            queries = (np.repeat(rank.ravel().astype(np.uint64), lengths) << np.uint64(32)
+                       | np.concatenate(sets).astype(np.uint64))
+            at = np.minimum(np.searchsorted(keys, queries), len(keys) - 1)
+            pair = np.repeat(np.arange(len(sets)), lengths)
+            inter = np.bincount(pair, weights=keys[at] == queries, minlength=len(sets))
             jaccard = inter / (size + sizes - inter)
         else:
-            sigs = np.stack([self._sig[q] for q in others])
-            jaccard = np.mean(sigs == self._sig[seq], axis=1)
+            sigs = np.stack([self._sig[q] for q in right])
+            jaccard = np.mean(sigs == np.stack([self._sig[q] for q in left]), axis=1)
             # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
             inter = jaccard * (size + sizes) / (1.0 + jaccard)
         containment = np.minimum(inter / size, 1.0)
@@ -302,7 +315,15 @@ class Detector:
         if s.cluster_policy == "canonical":  # _join compares with the canonicals too
             corpus.prefetch(sorted(nodes.canonicals(stored) - set(stored)))
 
-        # Pass 3: verify and cluster, in arrival order.
+        # Pass 3: verify every (document, candidate) pair at once.
+        counts = [len(c) for c in candidates]
+        left = [first_seq + i for i, n in enumerate(counts) for _ in range(n)]
+        jaccard, containment = corpus.similarities(left, [c for cands in candidates for c in cands])
+        similarity = containment if s.measure == "containment" else jaccard
+        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+
+        # Pass 4: cluster, in arrival order.
         verdicts: list[Verdict] = []
         names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
         links: list[tuple[int, int, float]] = []
@@ -312,7 +333,9 @@ class Detector:
                 names.append((-1, seq, -1))
                 verdicts.append(Verdict("", seq, "unique", "", None, 0.0, 0, 0))
                 continue
-            verdict, named = self._decide(seq, cands, corpus, nodes, links)
+            pairs = slice(bounds[i], bounds[i + 1])
+            verdict, named = self._decide(seq, cands, similarity[pairs], jaccard[pairs],
+                                          containment[pairs], corpus, nodes, links)
             names.append(named)
             verdicts.append(verdict)
 
@@ -403,13 +426,14 @@ class Detector:
         )
         return candidates, joined
 
-    def _decide(self, seq: int, candidates: list[int], corpus: _Corpus, nodes: _StoredNodes,
-                links: list[tuple[int, int, float]]) -> tuple[Verdict, tuple[int, int, int]]:
-        """Verify ``seq``'s candidates and cluster it; its verdict without external ids,
-        and the seqs (match, canonical, related) to name."""
+    def _decide(self, seq: int, candidates: list[int], similarity: np.ndarray,
+                jaccard: np.ndarray, containment: np.ndarray, corpus: _Corpus,
+                nodes: _StoredNodes, links: list[tuple[int, int, float]],
+                ) -> tuple[Verdict, tuple[int, int, int]]:
+        """Accept ``seq``'s candidates by their similarities (float64, one per candidate)
+        and cluster it; its verdict without external ids, and the seqs (match, canonical,
+        related) to name."""
         s = self.settings
-        jaccard, containment = corpus.similarities(seq, candidates)
-        similarity = containment if s.measure == "containment" else jaccard
         accepted = np.flatnonzero(similarity >= s.threshold)
         links += [(candidates[j], seq, float(similarity[j])) for j in accepted]
         if len(accepted) == 0:
@@ -446,7 +470,7 @@ class Detector:
         # canonical policy: join the cluster whose canonical is most similar, if similar enough
         canonicals = sorted({root_node(nodes, c).canonical for c in accepted})
         unknown = [c for c in canonicals if c not in accepted]
-        jaccard, containment = corpus.similarities(seq, unknown)
+        jaccard, containment = corpus.similarities([seq] * len(unknown), unknown)
         computed = containment if self.settings.measure == "containment" else jaccard
         known = {**accepted, **dict(zip(unknown, computed.tolist()))}
         similarity = np.array([known[c] for c in canonicals])
