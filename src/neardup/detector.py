@@ -149,10 +149,12 @@ class _Corpus:
         seqs = [q for q in seqs if q not in self._size]
         if not seqs:
             return
-        self._size.update(zip(seqs, self.store.get_sizes(seqs).tolist()))
-        if self.exact:
-            self._fp.update(zip(seqs, self.store.get_fingerprints(seqs)))
+        if self.exact:  # a set's size is its number of distinct fingerprints
+            fingerprints = self.store.get_fingerprints(seqs)
+            self._fp.update(zip(seqs, fingerprints))
+            self._size.update(zip(seqs, map(len, fingerprints)))
         else:
+            self._size.update(zip(seqs, self.store.get_sizes(seqs).tolist()))
             self._sig.update(zip(seqs, self.store.get_signatures(seqs)))
 
     def similarities(self, left: Sequence[int], right: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -103,7 +103,7 @@ class BucketIndex:
             return BucketMembers(counts, np.empty(0, np.int64), np.empty(0, np.uint64))
         owner = np.concatenate(owners)
         seqs = np.concatenate(members).astype(np.uint64)
-        order = np.lexsort((seqs, owner))
+        order = np.argsort(owner, kind="stable")  # runs are oldest first: seqs ascend
         return BucketMembers(counts, owner[order], seqs[order])
 
 
