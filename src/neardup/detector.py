@@ -443,8 +443,9 @@ class Detector:
             return verdict, (-1, seq, -1)
         best = int(accepted[np.argmax(similarity[accepted])])
         match = candidates[best]
-        known = {candidates[j]: float(similarity[j]) for j in accepted}
-        canonical, related, size = self._join(seq, known, match, nodes, corpus)
+        known = dict(zip(candidates, similarity.tolist()))
+        canonical, related, size = self._join(
+            seq, [candidates[j] for j in accepted], known, match, nodes, corpus)
         verdict = Verdict(
             id="",
             seq=seq,
@@ -460,10 +461,10 @@ class Detector:
         )
         return verdict, (match, canonical, related)
 
-    def _join(self, seq: int, accepted: dict[int, float], match: int,
+    def _join(self, seq: int, accepted: list[int], known: dict[int, float], match: int,
               nodes: _StoredNodes, corpus: _Corpus) -> tuple[int, int, int]:
-        """Put ``seq`` into a cluster, given its accepted candidates and their similarity;
-        returns (canonical, related canonical or -1, cluster size)."""
+        """Put ``seq`` into a cluster, given its accepted candidates and the similarity of
+        every candidate; returns (canonical, related canonical or -1, cluster size)."""
         if self.settings.cluster_policy == "components":
             for other in accepted:
                 union(nodes, other, seq)
@@ -471,12 +472,13 @@ class Detector:
             return root.canonical, -1, root.size
         # canonical policy: join the cluster whose canonical is most similar, if similar enough
         canonicals = sorted({root_node(nodes, c).canonical for c in accepted})
-        unknown = [c for c in canonicals if c not in accepted]
-        jaccard, containment = corpus.similarities([seq] * len(unknown), unknown)
-        computed = containment if self.settings.measure == "containment" else jaccard
-        known = {**accepted, **dict(zip(unknown, computed.tolist()))}
-        similarity = np.array([known[c] for c in canonicals])
-        best = int(np.argmax(similarity))
+        unknown = [c for c in canonicals if c not in known]
+        if unknown:
+            jaccard, containment = corpus.similarities([seq] * len(unknown), unknown)
+            computed = containment if self.settings.measure == "containment" else jaccard
+            known = {**known, **dict(zip(unknown, computed.tolist()))}
+        similarity = [known[c] for c in canonicals]
+        best = max(range(len(canonicals)), key=similarity.__getitem__)
         if similarity[best] >= self.settings.threshold:
             union(nodes, canonicals[best], seq)
             root = root_node(nodes, seq)
