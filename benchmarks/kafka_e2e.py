@@ -60,7 +60,13 @@ Latency, all in milliseconds on this machine's clock:
 Verification: every input message (N + M) must appear exactly once across
 unique/duplicates/dlq, with its key and value byte for byte; nothing else may appear.
 
-Usage: python benchmarks/kafka_e2e.py [--messages 100000] [--paced 5000 --rate 500] [--json OUT]
+Pipelined or not. ``--pipeline`` / ``--no-pipeline`` pass through to ``neardup run`` (its
+default: on; the worker's CPU is counted with the consumer's). ``--compare`` runs the whole
+benchmark twice on one broker, ``--no-pipeline`` then ``--pipeline`` (same input, fresh
+topic, group and state each), and prints the two side by side; on a 2-core machine the
+pipeline needs the second core free, so note the load averages.
+
+Usage: python benchmarks/kafka_e2e.py [--messages 100000] [--paced 5000 --rate 500] [--compare] [--json OUT]
 """
 
 from __future__ import annotations
@@ -296,7 +302,8 @@ def read_outputs(bootstrap: str, topics: list[str], expected: int, idle_s: float
 # --- the run -----------------------------------------------------------------------------
 
 
-def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, batch_size: int | None) -> list[str]:
+def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, batch_size: int | None,
+                    pipeline: bool | None = None) -> list[str]:
     exe = Path(sys.executable).parent / "neardup"
     head = [str(exe)] if exe.exists() else ([shutil.which("neardup")] if shutil.which("neardup") else
                                              [sys.executable, "-m", "neardup.cli"])
@@ -305,6 +312,8 @@ def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, bat
            "--metrics-port", "0"]
     if batch_size:
         cmd += ["--batch-size", str(batch_size)]
+    if pipeline is not None:
+        cmd.append("--pipeline" if pipeline else "--no-pipeline")
     return cmd
 
 
@@ -338,7 +347,7 @@ def wait_for(watch: OffsetWatch, target: int, proc: subprocess.Popen, poll_s: fl
         status = benchlib.proc_status_mb(proc.pid)
         if "VmHWM" in status:
             peak[0] = max(peak[0], status["VmHWM"])
-        seconds = benchlib.proc_cpu_seconds(proc.pid)
+        seconds = tree_cpu_seconds(proc.pid)
         if seconds is not None:
             cpu[0] = seconds
         if offset >= target:
@@ -350,6 +359,18 @@ def wait_for(watch: OffsetWatch, target: int, proc: subprocess.Popen, poll_s: fl
             print(f"  committed offset {max(offset, 0):,} of {target:,}", file=sys.stderr, flush=True)
         time.sleep(poll_s)
     raise TimeoutError(f"committed offset did not reach {target} in {timeout_s} s; log:\n{log.read_text()[-3000:]}")
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of ``pid`` and its live children (the pipeline's worker process)."""
+    total = benchlib.proc_cpu_seconds(pid)
+    if total is None:
+        return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return total + sum(benchlib.proc_cpu_seconds(c) or 0.0 for c in children)
 
 
 def batches_from_timestamps(out_ts: np.ndarray, gap_ms: float) -> list[tuple[int, int, int]]:
@@ -368,6 +389,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paced", type=int, default=5_000, help="messages produced at --rate after the backlog (default 5,000; 0: none)")
     p.add_argument("--rate", type=float, default=500.0, help="paced messages per second (default 500)")
     p.add_argument("--batch-size", type=int, help="neardup run --batch-size (default: neardup's, 1000)")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="neardup run --pipeline / --no-pipeline (default: neardup's, on)")
+    p.add_argument("--compare", action="store_true",
+                   help="run twice on the same broker, --no-pipeline then --pipeline (same input, fresh topic, group "
+                        "and state each), and print the two side by side (--json: both reports)")
     p.add_argument("--poll-ms", type=float, default=100.0, help="committed-offset poll interval (default 100)")
     p.add_argument("--batch-gap-ms", type=float, default=20.0, help="output-timestamp jump that starts a batch (default 20)")
     p.add_argument("--seed", type=int, default=1, help="seed of the edits (default 1)")
@@ -393,6 +419,62 @@ def ms_row(name: str, values: np.ndarray | list[float]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        return compare(args)
+    rc, report = run(args)
+    if args.json:
+        benchlib.write_json(args.json, report)
+        print(f"\nwrote {args.json}")
+    return rc
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``run`` with --no-pipeline, then with --pipeline, on one broker; a side-by-side table."""
+    reports, rcs = {}, []
+    keep = args.keep_broker
+    started = False
+    for pipeline in (False, True):
+        label = "pipeline" if pipeline else "no-pipeline"
+        print(f"\n=== neardup run --{label} ===", flush=True)
+        one = argparse.Namespace(**{**vars(args), "pipeline": pipeline, "compare": False, "keep_broker": True})
+        rc, reports[label] = run(one)
+        rcs.append(rc)
+        started = started or reports[label]["broker"] == "started"
+    if started and not keep:
+        _kafka_sh("stop", home=None if args.shared_broker else PRIVATE_HOME, timeout=120)
+        print("broker stopped", file=sys.stderr)
+
+    def row(name: str, get) -> list[str]:  # type: ignore[no-untyped-def]
+        return [name, *(get(reports[k]) for k in ("no-pipeline", "pipeline"))]
+
+    def ms(key: str, q: str):  # type: ignore[no-untyped-def]
+        return lambda r: f"{r['latency_ms'][key][q]:,.0f}" if r["latency_ms"][key]["count"] else "-"
+
+    rows = [
+        row("messages/s (launch -> offset N)", lambda r: f"{r['messages_per_second']:,.0f}"),
+        row("messages/s steady (first commit -> N)", lambda r: f"{r['steady_messages_per_second']:,.0f}"),
+        row("CPU s in phase 1 (neardup run and its worker)", lambda r: f"{r['cpu_seconds_phase1']:.1f}"),
+        row("peak RSS MB (main process)", lambda r: f"{r['peak_rss_mb']:,.0f}"),
+        row("load average at launch / at offset N",
+            lambda r: f"{r['loadavg_launch'][0]:.2f} / {r['loadavg_phase1_end'][0]:.2f}"),
+    ]
+    for key, name in (("backlog_batch_interval", "batch interval"),
+                      ("backlog_output_minus_input", "backlog output - input"),
+                      ("paced_output_minus_input", "paced output - input"),
+                      ("paced_visible_minus_input", "paced visible - input")):
+        for q in ("p50", "p99"):
+            rows.append(row(f"{name} {q}, ms", ms(key, q)))
+    rows.append(row("exactly once", lambda r: "OK" if r["verification"]["ok"] else "FAILED"))
+    print(f"\nside by side ({args.messages:,} backlog messages, {args.paced:,} paced at {args.rate:,.0f}/s):")
+    print(benchlib.table(["", "--no-pipeline", "--pipeline"], rows))
+    if args.json:
+        benchlib.write_json(args.json, {"benchmark": "kafka_e2e --compare", "runs": reports})
+        print(f"\nwrote {args.json}")
+    return max(rcs)
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
+    """One benchmark run (see the module docstring): exit code and the report."""
     n, m = args.messages, args.paced
     base = benchlib.load_corpus(args.corpus)
     stream = [encode(i, t) for i, t in benchlib.replay_stream(base, n + m, "light", args.seed)]
@@ -417,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory(prefix="neardup-bench-e2e-") as tmp:
             log = Path(tmp) / "neardup-run.log"
-            cmd = neardup_command(bootstrap, topic, group, Path(tmp) / "state", args.batch_size)
+            cmd = neardup_command(bootstrap, topic, group, Path(tmp) / "state", args.batch_size, args.pipeline)
             git = benchlib.git_state()
             print(f"neardup at {benchlib.describe_git(git)}")
             print("$ " + " ".join(cmd[:1] + [c if c != str(Path(tmp) / "state") else "<tmp>/state" for c in cmd[1:]]),
@@ -510,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
          *([[f"paced produce at {args.rate:,.0f}/s", f"{m:,}", f"{paced_s:.1f}", f"{m / paced_s:,.0f}"]] if m else [])]))
     print(f"neardup run: exit code {rc} after SIGTERM; peak RSS (VmHWM) {peak[0]:,.0f} MB; "
           f"committed offset polled every {args.poll_ms:.0f} ms")
-    print(f"neardup run CPU in phase 1: {cpu_phase1:.1f} s over {run_s:.1f} s wall ({100 * cpu_phase1 / run_s:.0f}% of a core); "
+    print(f"neardup run CPU in phase 1: {cpu_phase1:.1f} s over {run_s:.1f} s wall ({100 * cpu_phase1 / run_s:.0f}% of a core; with its worker process, if any); "
           f"load average {load_start[0]:.2f} at launch, {load_phase1[0]:.2f} at offset N ({os.cpu_count()} CPUs)")
     print("\nlatency, ms (this machine's clock; see the docstring for each definition):")
     print(benchlib.table(["latency", "p50", "p90", "p99", "max", "count"], [
@@ -531,37 +613,34 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0:
         print("neardup run log tail:\n  " + "\n  ".join(log_tail))
 
-    if args.json:
-        report.update({
-            "git": git,
-            "command": cmd,
-            "messages": n, "paced": m, "rate": args.rate,
-            "produce_seconds": round(produce_s, 3),
-            "run_seconds": round(run_s, 3),
-            "messages_per_second": round(n / run_s, 1),
-            "startup_seconds": round(first[0] - launched, 3),
-            "first_committed_offset": first[1],
-            "steady_messages_per_second": round(steady, 1),
-            "peak_rss_mb": round(peak[0], 1),
-            "cpu_seconds_phase1": round(cpu_phase1, 2),
-            "loadavg_launch": load_start, "loadavg_phase1_end": load_phase1,
-            "exit_code": rc,
-            "latency_ms": {
-                "backlog_output_minus_input": benchlib.quantiles(e2e[~np.isnan(e2e)]),
-                "backlog_output_minus_launch": benchlib.quantiles(since_start[~np.isnan(since_start)]),
-                "backlog_batch_interval": benchlib.quantiles(intervals),
-                "paced_output_minus_input": benchlib.quantiles(paced_out),
-                "paced_visible_minus_input": benchlib.quantiles(paced_visible),
-            },
-            "batches": {"count": len(batches), "mean_size": float(np.mean(sizes)), "gap_ms": args.batch_gap_ms},
-            "committed_offset_timeline": [(round(t - launched, 3), o) for t, o in watch.timeline],
-            "verification": {"ok": ok, "outputs": dict(by_topic), "total": len(got), "missing": len(missing),
-                             "repeated": len(repeated), "unexpected": len(unexpected), "altered": altered},
-            "environment": benchlib.environment(),
-        })
-        benchlib.write_json(args.json, report)
-        print(f"\nwrote {args.json}")
-    return 0 if ok and rc == 0 else 1
+    report.update({
+        "git": git,
+        "command": cmd,
+        "messages": n, "paced": m, "rate": args.rate,
+        "produce_seconds": round(produce_s, 3),
+        "run_seconds": round(run_s, 3),
+        "messages_per_second": round(n / run_s, 1),
+        "startup_seconds": round(first[0] - launched, 3),
+        "first_committed_offset": first[1],
+        "steady_messages_per_second": round(steady, 1),
+        "peak_rss_mb": round(peak[0], 1),
+        "cpu_seconds_phase1": round(cpu_phase1, 2),
+        "loadavg_launch": load_start, "loadavg_phase1_end": load_phase1,
+        "exit_code": rc,
+        "latency_ms": {
+            "backlog_output_minus_input": benchlib.quantiles(e2e[~np.isnan(e2e)]),
+            "backlog_output_minus_launch": benchlib.quantiles(since_start[~np.isnan(since_start)]),
+            "backlog_batch_interval": benchlib.quantiles(intervals),
+            "paced_output_minus_input": benchlib.quantiles(paced_out),
+            "paced_visible_minus_input": benchlib.quantiles(paced_visible),
+        },
+        "batches": {"count": len(batches), "mean_size": float(np.mean(sizes)), "gap_ms": args.batch_gap_ms},
+        "committed_offset_timeline": [(round(t - launched, 3), o) for t, o in watch.timeline],
+        "verification": {"ok": ok, "outputs": dict(by_topic), "total": len(got), "missing": len(missing),
+                         "repeated": len(repeated), "unexpected": len(unexpected), "altered": altered},
+        "environment": benchlib.environment(),
+    })
+    return (0 if ok and rc == 0 else 1), report
 
 
 if __name__ == "__main__":
