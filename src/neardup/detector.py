@@ -21,7 +21,7 @@ Nothing is written until the caller commits the batch's ``StateUpdate``, atomica
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +38,23 @@ from neardup.state.index import concat_ranges
 
 EMPTY_TEXT = "empty text after normalisation"
 NO_TOKENS = "no word tokens after normalisation"
+
+
+class _Outcome(NamedTuple):
+    """A verdict by seqs: what ``Verdict`` holds before the external ids are read
+    (-1: none; a canonical of -1 is the document itself)."""
+
+    seq: int
+    verdict: str = "unique"
+    similarity: float = 0.0
+    candidates: int = 0
+    rejected: int = 0
+    cluster_size: int = 1
+    jaccard: float = 0.0
+    containment: float = 0.0
+    match: int = -1
+    canonical: int = -1
+    related: int = -1
 
 
 class _BucketJoins(NamedTuple):
@@ -326,23 +343,19 @@ class Detector:
         np.cumsum(counts, out=bounds[1:])
 
         # Pass 4: cluster, in arrival order.
-        verdicts: list[Verdict] = []
-        names: list[tuple[int, int, int]] = []  # (match, canonical, related) seqs
+        outcomes: list[_Outcome] = []
         links: list[tuple[int, int, float]] = []
         for i, cands in enumerate(candidates):
             seq = first_seq + i
             if not cands:  # no candidate: unique, and nothing more to do
-                names.append((-1, seq, -1))
-                verdicts.append(Verdict("", seq, "unique", "", None, 0.0, 0, 0))
+                outcomes.append(_Outcome(seq))
                 continue
             pairs = slice(bounds[i], bounds[i + 1])
-            verdict, named = self._decide(seq, cands, similarity[pairs], jaccard[pairs],
-                                          containment[pairs], corpus, nodes, links)
-            names.append(named)
-            verdicts.append(verdict)
+            outcomes.append(self._decide(seq, cands, similarity[pairs], jaccard[pairs],
+                                         containment[pairs], corpus, nodes, links))
 
         ids = [documents[i].id for i in valid]
-        named = iter(self._name(verdicts, names, ids, first_seq))
+        named = iter(self._name(outcomes, ids, first_seq))
         results: list[Verdict | Rejected] = [
             next(named) if reason is None else Rejected(doc.id, reason)
             for doc, reason in zip(documents, p.rejected)
@@ -430,36 +443,23 @@ class Detector:
 
     def _decide(self, seq: int, candidates: list[int], similarity: np.ndarray,
                 jaccard: np.ndarray, containment: np.ndarray, corpus: _Corpus,
-                nodes: _StoredNodes, links: list[tuple[int, int, float]],
-                ) -> tuple[Verdict, tuple[int, int, int]]:
+                nodes: _StoredNodes, links: list[tuple[int, int, float]]) -> _Outcome:
         """Accept ``seq``'s candidates by their similarities (float64, one per candidate)
-        and cluster it; its verdict without external ids, and the seqs (match, canonical,
-        related) to name."""
+        and cluster it."""
         s = self.settings
-        accepted = np.flatnonzero(similarity >= s.threshold)
-        links += [(candidates[j], seq, float(similarity[j])) for j in accepted]
-        if len(accepted) == 0:
-            verdict = Verdict("", seq, "unique", "", None, 0.0, len(candidates), len(candidates))
-            return verdict, (-1, seq, -1)
-        best = int(accepted[np.argmax(similarity[accepted])])
+        accepted = np.flatnonzero(similarity >= s.threshold).tolist()
+        if not accepted:
+            return _Outcome(seq, candidates=len(candidates), rejected=len(candidates))
+        values = similarity.tolist()
+        links += [(candidates[j], seq, values[j]) for j in accepted]
+        best = max(accepted, key=values.__getitem__)
         match = candidates[best]
-        known = dict(zip(candidates, similarity.tolist()))
         canonical, related, size = self._join(
-            seq, [candidates[j] for j in accepted], known, match, nodes, corpus)
-        verdict = Verdict(
-            id="",
-            seq=seq,
-            verdict="duplicate",
-            cluster="",
-            match=None,
-            similarity=float(similarity[best]),
-            candidates=len(candidates),
-            rejected=len(candidates) - len(accepted),
-            cluster_size=size,
-            jaccard=float(jaccard[best]),
-            containment=float(containment[best]),
-        )
-        return verdict, (match, canonical, related)
+            seq, [candidates[j] for j in accepted], dict(zip(candidates, values)), match,
+            nodes, corpus)
+        return _Outcome(
+            seq, "duplicate", values[best], len(candidates), len(candidates) - len(accepted),
+            size, float(jaccard[best]), float(containment[best]), match, canonical, related)
 
     def _join(self, seq: int, accepted: list[int], known: dict[int, float], match: int,
               nodes: _StoredNodes, corpus: _Corpus) -> tuple[int, int, int]:
@@ -485,26 +485,18 @@ class Detector:
             return root.canonical, -1, root.size
         return seq, root_node(nodes, match).canonical, 1
 
-    def _name(
-        self,
-        verdicts: list[Verdict],
-        names: list[tuple[int, int, int]],
-        ids: list[str],
-        first_seq: int,
-    ) -> list[Verdict]:
-        """Fill in the external ids of each verdict's document, match, cluster, related."""
-        wanted = sorted({q for triple in names for q in triple if 0 <= q < first_seq})
+    def _name(self, outcomes: list[_Outcome], ids: list[str], first_seq: int) -> list[Verdict]:
+        """The verdicts, with the external ids of each document, match, cluster, related."""
+        wanted = sorted({q for o in outcomes for q in (o.match, o.canonical, o.related)
+                         if 0 <= q < first_seq})
         known = dict(zip(wanted, self.store.get_ids(wanted)))
         known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
+        known[-1] = None
         return [
-            replace(
-                v,
-                id=doc_id,
-                cluster=known[canonical],
-                match=known[match] if match >= 0 else None,
-                related=known[related] if related >= 0 else None,
-            )
-            for v, (match, canonical, related), doc_id in zip(verdicts, names, ids)
+            Verdict(doc_id, o.seq, o.verdict, known[o.seq if o.canonical < 0 else o.canonical],
+                    known[o.match], o.similarity, o.candidates, o.rejected, o.cluster_size,
+                    o.jaccard, o.containment, known[o.related])
+            for o, doc_id in zip(outcomes, ids)
         ]
 
     def process(
