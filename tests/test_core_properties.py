@@ -26,6 +26,7 @@ from neardup.core.minhash import (
     mulmod61_add,
 )
 from neardup.core.normalize import TextNorm, normalize
+from neardup.core.overlap import intersection_sizes
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
 from neardup.core.unionfind import Node, find, root_node, union
 
@@ -522,3 +523,31 @@ def test_union_by_size_and_canonical() -> None:
             seen.add(c)
             queue.append(c)
     assert seen == {1, 5, 6, 7}
+
+
+# --- exact overlap ------------------------------------------------------------------------
+
+FINGERPRINT_SETS = st.lists(
+    st.sets(st.integers(0, 2**32 - 1) | st.integers(0, 40), max_size=60).map(
+        lambda xs: np.array(sorted(xs), dtype=np.uint32)),
+    min_size=1, max_size=8)
+
+
+@FAST
+@given(FINGERPRINT_SETS, st.data())
+def test_intersection_sizes_equal_python_sets(sets: list[np.ndarray], data: st.DataObject) -> None:
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, len(sets) - 1),
+                                         st.integers(0, len(sets) - 1)), max_size=20))
+    left = np.array([a for a, _ in pairs], dtype=np.int64)
+    right = np.array([b for _, b in pairs], dtype=np.int64)
+    got = intersection_sizes(sets, left, right)
+    assert got.dtype == np.int64
+    assert got.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in pairs]
+
+
+def test_intersection_sizes_errors() -> None:
+    sets = [np.array([1, 2], dtype=np.uint32)]
+    with pytest.raises(IndexError):
+        intersection_sizes(sets, np.array([0]), np.array([1]))
+    with pytest.raises(ValueError):
+        intersection_sizes(sets, np.array([0]), np.array([], dtype=np.int64))

@@ -29,6 +29,7 @@ import numpy as np
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
+from neardup.core.overlap import intersection_sizes
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
@@ -181,10 +182,9 @@ class _Corpus:
             left, right: seqs of equal length, of the batch or of the store.
 
         Returns:
-            Two float64 arrays of shape (len(left),). Exact: every fingerprint of
-            ``right[k]`` is looked up among those of ``left[k]``, all pairs in one
-            ``searchsorted`` over keys ``(left rank << 32) | fingerprint``. Estimate: the
-            share of equal signature slots, and the intersection it implies.
+            Two float64 arrays of shape (len(left),). Exact: from the intersections of
+            the sorted fingerprint sets (``neardup.core.overlap``). Estimate: the share
+            of equal signature slots, and the intersection it implies.
         """
         if len(left) == 0:
             return np.empty(0), np.empty(0)
@@ -192,18 +192,9 @@ class _Corpus:
         size = np.array([self._size[q] for q in left], dtype=np.float64)
         sizes = np.array([self._size[q] for q in right], dtype=np.float64)
         if self.exact:
-            lefts, rank = np.unique(np.asarray(left, dtype=np.uint64), return_inverse=True)
-            own = [self._fp[q] for q in lefts.tolist()]
-            own_lengths = np.fromiter(map(len, own), dtype=np.int64, count=len(own))
-            keys = (np.repeat(np.arange(len(own), dtype=np.uint64), own_lengths) << np.uint64(32)
-                    | np.concatenate(own).astype(np.uint64))
-            sets = [self._fp[q] for q in right]
-            lengths = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
-            queries = (np.repeat(rank.ravel().astype(np.uint64), lengths) << np.uint64(32)
-                       | np.concatenate(sets).astype(np.uint64))
-            at = np.minimum(np.searchsorted(keys, queries), len(keys) - 1)
-            pair = np.repeat(np.arange(len(sets)), lengths)
-            inter = np.bincount(pair, weights=keys[at] == queries, minlength=len(sets))
+            seqs, index = np.unique(np.concatenate([left, right]), return_inverse=True)
+            sets = [self._fp[q] for q in seqs.tolist()]
+            inter = intersection_sizes(sets, index[: len(left)], index[len(left) :]).astype(np.float64)
             jaccard = inter / (size + sizes - inter)
         else:
             sigs = np.stack([self._sig[q] for q in right])

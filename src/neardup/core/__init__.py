@@ -1,4 +1,5 @@
-"""The pure core: normalisation, shingling, MinHash, LSH banding, union-find.
+"""The pure core: normalisation, shingling, MinHash, LSH banding, set overlap,
+union-find.
 
-Nothing here does I/O: numpy and xxhash only.
+Nothing here does I/O: numpy, numba (one compiled loop) and xxhash only.
 """
