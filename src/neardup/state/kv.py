@@ -143,14 +143,17 @@ class KeyValueStateStore:
         keys = codec.seq_keys(np.arange(update.first_seq, update.next_seq))
         sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
         width = 8 * self.num_perm
-        puts: list[Put] = []
-        sizes = update.sizes if update.sizes is not None else np.zeros(len(keys), np.int64)
-        for i, key in enumerate(keys):
-            if update.store_signatures:
-                puts.append(("signatures", key, sig_bytes[i * width : (i + 1) * width]))
-            puts.append(("documents", key, codec.encode_document(int(sizes[i]), update.ids[i])))
-            if update.fingerprints is not None:
-                puts.append(("shingles", key, codec.encode_fingerprints(update.fingerprints[i])))
+        sizes = update.sizes.tolist() if update.sizes is not None else [0] * len(keys)
+        puts: list[Put] = [
+            ("documents", key, codec.encode_document(size, doc_id))
+            for key, size, doc_id in zip(keys, sizes, update.ids)
+        ]
+        if update.store_signatures:
+            puts += [("signatures", key, sig_bytes[i * width : (i + 1) * width])
+                     for i, key in enumerate(keys)]
+        if update.fingerprints is not None:
+            puts += [("shingles", key, codec.encode_fingerprints(fp))
+                     for key, fp in zip(keys, update.fingerprints)]
         if len(update.bucket_ids):
             puts.append(("buckets", codec.seq_key(update.first_seq),
                          codec.encode_memberships(update.bucket_ids, update.bucket_seqs)))
