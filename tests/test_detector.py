@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -287,3 +288,18 @@ def test_quality_on_reuters_excerpt(
     )
     assert recall >= 0.95
     assert precision_06 == 1.0, sorted(match_jaccard.items(), key=lambda kv: kv[1])[:5]
+
+
+def test_prepared_batch_survives_pickling() -> None:
+    """A batch prepared in the worker process arrives whole (fingerprints sent as one
+    array)."""
+    docs = [Document("a", STORY), Document("e", "  "), Document("b", UNRELATED), Document("c", "x")]
+    prepared = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare(docs)
+    copy = pickle.loads(pickle.dumps(prepared))
+    assert copy.rejected == prepared.rejected == [None, EMPTY_TEXT, None, None]
+    assert [f.tolist() for f in copy.fingerprints] == [f.tolist() for f in prepared.fingerprints]
+    assert all(f.dtype == np.uint32 for f in copy.fingerprints) and len(copy.fingerprints) == 3
+    for name in ("valid", "signatures", "sizes", "buckets"):
+        assert np.array_equal(getattr(copy, name), getattr(prepared, name))
+    empty = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare([Document("e", "")])
+    assert pickle.loads(pickle.dumps(empty)).fingerprints == []

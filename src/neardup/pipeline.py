@@ -44,9 +44,9 @@ def _exit_with_parent() -> None:
         os._exit(0)
 
 
-def _prepare_in_worker(documents: list[Document]) -> PreparedBatch:
+def _prepare_in_worker(texts: list[str]) -> PreparedBatch:
     assert _worker_preparer is not None
-    return _worker_preparer(documents)
+    return _worker_preparer.texts(texts)
 
 
 class PrepareWorker:
@@ -63,7 +63,7 @@ class PrepareWorker:
 
     def submit(self, documents: list[Document]) -> Future[PreparedBatch]:
         """``Preparer(settings)(documents)``, computed in the worker."""
-        return self._pool.submit(_prepare_in_worker, documents)
+        return self._pool.submit(_prepare_in_worker, [d.text for d in documents])  # texts pickle fast
 
     def close(self) -> None:
         """Stop the worker, dropping what was submitted and not started."""
