@@ -40,7 +40,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--casefold", action=argparse.BooleanOptionalAction, default=None, help="case folding (default on)")
     g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help="delete punctuation (default off)")
     g.add_argument("--max-bucket-size", type=int, help="documents kept per band bucket (default 256)")
-    g.add_argument("--max-candidates", type=int, help="candidates verified per document, those sharing the most buckets first (default 32)")
+    g.add_argument("--max-candidates", type=int, help="candidates verified per document, those sharing the most buckets first (default 8)")
     g.add_argument("--measure", choices=["jaccard", "containment"], help="jaccard (default), or containment: the share of a document's shingles found in an earlier one")
     g.add_argument("--verify", choices=["exact", "estimate"], help="decide on exact similarity of stored shingle fingerprints (default) or on the MinHash estimate (less disk)")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help="canonical (default): join a cluster only if similar to its canonical document; components: classic union-find")

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     casefold: bool = True
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
-    max_candidates: int = Field(32, ge=1)
+    max_candidates: int = Field(8, ge=1)
     measure: Literal["jaccard", "containment"] = "jaccard"
     verify: Literal["exact", "estimate"] = "exact"
     cluster_policy: Literal["canonical", "components"] = "canonical"

@@ -74,7 +74,7 @@ class EngineSettings:
     candidate_threshold: float | None = None
     lsh: LshParams | None = None
     max_bucket_size: int = 256
-    max_candidates: int = 32
+    max_candidates: int = 8
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -20,9 +20,11 @@ from neardup.state.base import StateError
 from neardup.state.kv import Delete, KeyValueStateStore, Put
 
 
-#: Memory bounds: a shared block cache, and per column family at most two memtables.
+#: Memory bounds: a shared block cache; per column family at most two memtables, and
+#: all memtables together at most DB_WRITE_BUFFER_BYTES (flushed early beyond it).
 BLOCK_CACHE_BYTES = 128 << 20
 WRITE_BUFFER_BYTES = 16 << 20
+DB_WRITE_BUFFER_BYTES = 64 << 20
 
 
 def _options(cache: Cache) -> Options:
@@ -35,6 +37,7 @@ def _options(cache: Cache) -> Options:
     options.increase_parallelism(os.cpu_count() or 2)
     options.set_write_buffer_size(WRITE_BUFFER_BYTES)
     options.set_max_write_buffer_number(2)
+    options.set_db_write_buffer_size(DB_WRITE_BUFFER_BYTES)
     options.set_level_compaction_dynamic_level_bytes(True)
     options.set_compression_type(DBCompressionType.lz4())
     # A Bloom filter over the memtables too: a lookup that misses skips their skiplists.
