@@ -25,6 +25,7 @@ from neardup.detector import Detector
 from neardup.state import SettingsMismatchError, StateError, StateStore, StateUpdate
 from neardup.state import codec
 from neardup.state.memory import MemoryStateStore
+from neardup.state import index as index_module
 from neardup.state.index import BucketIndex
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -374,8 +375,10 @@ def test_rocksdb_commit_is_atomic_under_sigkill(tmp_path: Path) -> None:
 # --- the bucket index -------------------------------------------------------------------
 
 
-def test_bucket_index_matches_a_dict_of_lists() -> None:
+@pytest.mark.parametrize("max_run", [index_module.MAX_RUN, 700])
+def test_bucket_index_matches_a_dict_of_lists(max_run: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of random memberships, merged into runs, answer like a plain dict."""
+    monkeypatch.setattr(index_module, "MAX_RUN", max_run)
     rng = np.random.default_rng(7)
     index, reference = BucketIndex(), defaultdict(list)
     seq = 0
@@ -393,7 +396,12 @@ def test_bucket_index_matches_a_dict_of_lists() -> None:
         assert found.counts.tolist() == [len(reference.get(b, [])) for b in asked.tolist()]
         assert [found.seqs[found.owner == i].tolist() for i in range(len(asked))] == [
             reference.get(b, []) for b in asked.tolist()]
-    assert len(index) == seq and index.runs <= 8  # merged into O(log n) runs
+    assert len(index) == seq
+    if max_run > seq:
+        assert index.runs <= 8  # merged into O(log n) runs
+    else:  # runs stop growing at max_run
+        assert index.runs >= seq // max_run
+        assert all(len(b) <= max(max_run, 400) for b, _ in index._runs)
     assert index.nbytes == 12 * seq
 
 
