@@ -28,7 +28,7 @@ from neardup.core.minhash import (
 from neardup.core.normalize import TextNorm, normalize
 from neardup.core.overlap import intersection_sizes
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
-from neardup.core.unionfind import Node, find, root_node, union
+from neardup.core.unionfind import Node, find, peek_root, root_node, union
 
 P = MERSENNE_61
 U64 = st.integers(0, 2**64 - 1)
@@ -476,6 +476,9 @@ def test_union_find_matches_connected_components(case: tuple[int, list[tuple[int
     nodes: dict[int, Node] = {}
     for x, y in edges:
         root = union(nodes, x, y)
+        before = dict(nodes)
+        assert peek_root(nodes, x) == peek_root(nodes, y) == peek_root(nodes, root)
+        assert peek_root(nodes, x).parent == root and nodes == before  # reads, never writes
         assert find(nodes, x) == find(nodes, y) == root
         assert all(_parent_chain_is_acyclic(nodes, z, n) for z in range(n))
     rows, cols = (list(c) for c in zip(*edges)) if edges else ([], [])

@@ -33,7 +33,7 @@ from neardup.core.overlap import intersection_sizes
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
-from neardup.core.unionfind import Node, root_node, union
+from neardup.core.unionfind import Node, peek_root, root_node, union
 from neardup.state.base import StateStore, StateUpdate
 from neardup.state.index import concat_ranges
 
@@ -66,6 +66,9 @@ class _BucketJoins(NamedTuple):
     largest_bucket: int
 
 
+_UNKNOWN = Node(-1, 0, -1)  # a sentinel: not loaded yet
+
+
 class _StoredNodes(MutableMapping[int, Node]):
     """Union-find nodes: the store's, overlaid with this batch's changes.
 
@@ -90,11 +93,12 @@ class _StoredNodes(MutableMapping[int, Node]):
             missing = [p for p in parents if p < self._first_seq and p not in self._loaded]
 
     def get(self, seq: int, default: Node | None = None) -> Node | None:  # type: ignore[override]
-        if seq not in self._loaded:
+        node = self._loaded.get(seq, _UNKNOWN)
+        if node is _UNKNOWN:
             if seq >= self._first_seq:
                 return default
             self.prefetch([seq])
-        node = self._loaded[seq]
+            node = self._loaded[seq]
         return default if node is None else node
 
     def __getitem__(self, seq: int) -> Node:
@@ -119,14 +123,7 @@ class _StoredNodes(MutableMapping[int, Node]):
     def canonicals(self, seqs: Sequence[int]) -> set[int]:
         """The canonicals of the stored clusters of ``seqs`` (after ``prefetch``), read
         without path compression."""
-        out = set()
-        for seq in seqs:
-            node = self.get(seq)
-            while node is not None and node.parent != seq:
-                seq = node.parent
-                node = self.get(seq)
-            out.add(seq if node is None else node.canonical)
-        return out
+        return {peek_root(self, seq).canonical for seq in seqs}
 
 
 def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarray]:
@@ -481,7 +478,7 @@ class Detector:
             root = root_node(nodes, seq)
             return root.canonical, -1, root.size
         # canonical policy: join the cluster whose canonical is most similar, if similar enough
-        canonicals = sorted({root_node(nodes, c).canonical for c in accepted})
+        canonicals = sorted({peek_root(nodes, c).canonical for c in accepted})
         unknown = [c for c in canonicals if c not in known]
         if unknown:
             jaccard, containment = corpus.similarities([seq] * len(unknown), unknown)
@@ -493,7 +490,7 @@ class Detector:
             union(nodes, canonicals[best], seq)
             root = root_node(nodes, seq)
             return root.canonical, -1, root.size
-        return seq, root_node(nodes, match).canonical, 1
+        return seq, peek_root(nodes, match).canonical, 1
 
     def _name(self, outcomes: list[_Outcome], ids: list[str], first_seq: int) -> list[Verdict]:
         """The verdicts, with the external ids of each document, match, cluster, related."""

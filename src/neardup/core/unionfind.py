@@ -12,7 +12,7 @@ map is a singleton: its own root, size 1, canonical itself.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import NamedTuple
 
 
@@ -40,6 +40,16 @@ def find(nodes: MutableMapping[int, Node], x: int) -> int:
             nodes[x] = node._replace(parent=root)
         x = node.parent
     return root
+
+
+def peek_root(nodes: Mapping[int, Node], x: int) -> Node:
+    """The root entry of ``x``'s set, read without compressing the path (no writes):
+    for look-ups that should not turn into stored changes."""
+    node = nodes.get(x)
+    while node is not None and node.parent != x:
+        x = node.parent
+        node = nodes.get(x)
+    return Node(x, 1, x) if node is None else node
 
 
 def root_node(nodes: MutableMapping[int, Node], x: int) -> Node:
