@@ -10,12 +10,9 @@ worker itself, which the Kafka consumer drives (``neardup.io.kafka``).
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
-import os
 import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from typing import TypeVar
 
 from neardup.core.settings import EngineSettings
@@ -24,50 +21,83 @@ from neardup.detector import PreparedBatch, Preparer
 
 T = TypeVar("T")
 
-_worker_preparer: Preparer | None = None
+
+class WorkerDied(Exception):
+    """The worker process is gone (killed, out of memory, ...)."""
 
 
-def _start_worker(settings: EngineSettings) -> None:
-    global _worker_preparer
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _serve(conn: Connection, settings: EngineSettings) -> None:
+    """The worker: prepare each batch received, send the result back, until EOF."""
     # Ctrl-C reaches the whole process group: the parent decides when the worker stops
     # (it finishes its batch first), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
-    _worker_preparer = Preparer(settings)
-
-
-def _exit_with_parent() -> None:
-    """End the worker when its parent dies (a SIGKILL leaves no one to shut it down)."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(0)
-
-
-def _prepare_in_worker(texts: list[str]) -> PreparedBatch:
-    assert _worker_preparer is not None
-    return _worker_preparer.texts(texts)
+    preparer = Preparer(settings)
+    while True:
+        try:
+            documents = conn.recv()
+        except (EOFError, OSError):  # the parent closed the pipe, or died
+            return
+        try:
+            out: PreparedBatch | _Failed = preparer(documents)
+        except Exception as exc:  # noqa: BLE001 - raised again in the parent
+            out = _Failed(exc)
+        try:
+            conn.send(out)
+        except OSError:
+            return
 
 
 class PrepareWorker:
-    """One spawned process holding a ``Preparer``; batches are prepared in submit order.
+    """One spawned process holding a ``Preparer``: ``submit`` a batch, later take its
+    ``result``; results come back in submit order. Hold at most one batch in flight
+    beyond the one whose result is taken next (a pipe, not a queue, links the two).
 
-    The process is started at once, in the background (about a second of imports), so
-    the first ``submit`` may wait for it.
+    A plain pipe (no ``ProcessPoolExecutor``): if the worker dies, even in the middle
+    of sending a result, this end sees EOF and raises ``WorkerDied`` instead of waiting
+    forever; if this process dies, the worker sees EOF and exits.
     """
 
     def __init__(self, settings: EngineSettings) -> None:
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_start_worker, initargs=(settings,))
-        self._pool.submit(int)  # start the process now, not at the first batch
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, settings),
+                                        name="neardup-prepare", daemon=True)
+        self._process.start()  # at once: the imports (about a second) overlap other work
+        child.close()  # the worker's end lives in the worker only, so its death is EOF here
 
-    def submit(self, documents: list[Document]) -> Future[PreparedBatch]:
-        """``Preparer(settings)(documents)``, computed in the worker."""
-        return self._pool.submit(_prepare_in_worker, [d.text for d in documents])  # texts pickle fast
+    def submit(self, documents: list[Document]) -> None:
+        """Send ``documents`` to be prepared. Raises ``WorkerDied``."""
+        try:
+            self._conn.send(documents)
+        except OSError as exc:
+            raise WorkerDied(str(exc)) from exc
+
+    def result(self) -> PreparedBatch:
+        """``Preparer(settings)(documents)`` of the oldest batch submitted and not taken.
+
+        Raises:
+            WorkerDied: the worker process is gone.
+        """
+        try:
+            out = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerDied(f"exit code {self._process.exitcode}") from exc
+        if isinstance(out, _Failed):
+            raise out.exc
+        return out
 
     def close(self) -> None:
-        """Stop the worker, dropping what was submitted and not started."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the worker, dropping what it was preparing."""
+        self._conn.close()
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
 
     def __enter__(self) -> PrepareWorker:
         return self
@@ -95,11 +125,12 @@ def prepared_ahead(
             yield batch, preparer(documents_of(batch))
         return
     with PrepareWorker(settings) as worker:
-        pending: tuple[T, Future[PreparedBatch]] | None = None
+        pending: T | None = None
         for batch in batches:
-            submitted = (batch, worker.submit(documents_of(batch)))
-            if pending is not None:
-                yield pending[0], pending[1].result()
-            pending = submitted
+            done = (pending, worker.result()) if pending is not None else None
+            worker.submit(documents_of(batch))  # prepared while the caller handles ``done``
+            pending = batch
+            if done is not None:
+                yield done
         if pending is not None:
-            yield pending[0], pending[1].result()
+            yield pending, worker.result()

@@ -70,7 +70,8 @@ that keeps up waits for no one. Batch k + 1 is only held in memory until its tur
 Batch k + 1's replays are marked against the positions before batch k's commit, which
 are the same for it (positions only grow past batch k's own offsets); ``_process``
 checks it anyway. The verdicts do not change: the preparation is a pure function of the
-documents, and the state work stays in order in this process. If the worker dies,
+documents, and the state work stays in order in this process. The worker holds one
+batch at a time and is linked by a pipe, so its death (even mid-result) is seen at once:
 batches are prepared in this process from then on.
 
 SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
@@ -85,8 +86,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +102,7 @@ from neardup.io.messages import (
     to_document,
     verdict_key,
 )
-from neardup.pipeline import PrepareWorker
+from neardup.pipeline import PrepareWorker, WorkerDied
 from neardup.state.base import StateStore
 
 log = logging.getLogger(__name__)
@@ -146,14 +145,16 @@ class _Item:
 class _Batch:
     """Consumed messages, read: replays marked (by the positions at reading time), the
     others decoded (``documents``, of the items in ``fresh``) or given a dead-letter
-    outcome. ``prepared``: the documents' preparation running in the worker, if any."""
+    outcome. ``in_worker``: the documents were sent to the worker; ``prepared``: its
+    result, once taken."""
 
     messages: list[Message]
     items: list[_Item]
     fresh: list[_Item]
     documents: list[Document]
     full: bool
-    prepared: Future[PreparedBatch] | None = None
+    in_worker: bool = False
+    prepared: PreparedBatch | None = None
 
 
 class KafkaDeduplicator:
@@ -321,10 +322,13 @@ class KafkaDeduplicator:
         while not self._stop.is_set():
             batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
             ahead = None
-            if batch is not None and batch.full and self.worker is not None and not self._stop.is_set():
-                batch, ahead = self._read_ahead(batch)
             if batch is None:
                 continue
+            self._take_prepared(batch)  # first: the worker holds one batch at a time
+            if batch.full and self.worker is not None and not self._stop.is_set():
+                batch, ahead = self._read_ahead(batch)
+                if batch is None:
+                    continue
             try:
                 self._process(batch)
                 backoff, resets = 0.5, 0
@@ -342,6 +346,8 @@ class KafkaDeduplicator:
                     log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
                     self._abort()
                 self._rewind(batch.messages + (ahead.messages if ahead else []))
+                if ahead is not None:
+                    self._take_prepared(ahead)  # and dropped
                 ahead = None
                 if self.on_abort:
                     self.on_abort(exc)
@@ -427,9 +433,12 @@ class KafkaDeduplicator:
             if ahead is not None:
                 ahead = self._without(ahead, lambda tp: tp in revoked and tp not in assigned)
             log.info("rebalanced while reading ahead: messages of revoked partitions dropped")
-        if ahead is not None:
-            assert self.worker is not None
-            ahead.prepared = self.worker.submit(ahead.documents)
+        if ahead is not None and self.worker is not None:
+            try:
+                self.worker.submit(ahead.documents)
+                ahead.in_worker = True
+            except WorkerDied as exc:
+                self._worker_died(exc)
         return batch, ahead
 
     def _without(self, batch: _Batch, drop: Callable[[tuple[str, int]], bool]) -> _Batch | None:
@@ -437,8 +446,6 @@ class KafkaDeduplicator:
         kept = [m for m in batch.messages if not drop((m.topic(), m.partition()))]
         if len(kept) == len(batch.messages):
             return batch
-        if batch.prepared is not None:
-            batch.prepared.cancel()
         return self._read(kept, full=False) if kept else None
 
     def _usable(self, messages: list[Message]) -> list[Message]:
@@ -485,26 +492,30 @@ class KafkaDeduplicator:
                 it.outcome = Outcome.of_error(exc.kind, str(exc), m.topic(), m.partition(), m.offset())
         return _Batch(messages, items, fresh, documents, full)
 
-    def _prepared(self, batch: _Batch) -> PreparedBatch | None:
-        """The batch's preparation from the worker, or None to prepare it here."""
-        if batch.prepared is None:
-            return None
+    def _take_prepared(self, batch: _Batch) -> None:
+        """Take the batch's preparation from the worker, if it went there."""
+        if not batch.in_worker:
+            return
+        batch.in_worker = False
+        if self.worker is None:
+            return
         try:
-            prepared = batch.prepared.result()
-        except BrokenProcessPool:
-            log.warning("the preparing worker process died; preparing in this process from now on")
-            assert self.worker is not None
-            self.worker.close()
-            self.worker = None
-            return None
-        return prepared
+            batch.prepared = self.worker.result()
+        except WorkerDied as exc:
+            self._worker_died(exc)
+
+    def _worker_died(self, exc: WorkerDied) -> None:
+        assert self.worker is not None
+        log.warning("the preparing worker process died (%s); preparing in this process from now on", exc)
+        self.worker.close()
+        self.worker = None
 
     def _process(self, batch: _Batch) -> BatchStats:
         started = time.perf_counter()
         if any(it.replay != self._is_replay(it.message) for it in batch.items):
             # Cannot happen: positions only grow past a batch's own offsets, so those of
             # the batches after it keep their side. Checked all the same, it is cheap.
-            batch = self._read(batch.messages, batch.full)
+            batch = self._read(batch.messages, batch.full)  # prepared here
         messages, items = batch.messages, batch.items
         stats = BatchStats(messages=len(messages))
 
@@ -519,8 +530,7 @@ class KafkaDeduplicator:
                 it.outcome = Outcome.from_bytes(raw)
         stats.replayed = len(replays)
 
-        prepared = self._prepared(batch)
-        result = self.detector.detect(batch.documents, prepared=prepared)
+        result = self.detector.detect(batch.documents, prepared=batch.prepared)
         for it, res in zip(batch.fresh, result.results):
             m = it.message
             if isinstance(res, Rejected):
@@ -570,7 +580,7 @@ class KafkaDeduplicator:
         ]
         stats.seconds = time.perf_counter() - started
         self.batches += 1
-        self.batches_prepared_ahead += prepared is not None
+        self.batches_prepared_ahead += batch.prepared is not None
         self._broker_answered()
         if self.on_batch:
             self.on_batch(stats)
