@@ -61,11 +61,14 @@ def _outputs(kafka_bootstrap: str, topic: str, expected: int):
 
 
 def _workers(proc) -> list[int]:
-    """Pids of the pipeline's worker processes among the children of ``proc``."""
-    try:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    except OSError:
-        return []
+    """Pids of the pipeline's worker processes among the children of ``proc`` (or a pid)."""
+    pid = getattr(proc, "pid", proc)
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):  # a child belongs to the thread that started it
+        try:
+            children += (task / "children").read_text().split()
+        except OSError:
+            pass
     out = []
     for pid in children:
         try:
@@ -433,6 +436,59 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
     log = caplog.text
     assert "rebalanced while reading ahead: messages of revoked partitions dropped" in log
     assert dedup.batches_prepared_ahead > 0
+
+    outs = _outputs(kafka_bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)) == len(records)
+    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
+
+
+def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_topic_factory, tmp_path, caplog):
+    """The worker process is killed mid-run: the consumer prepares its batches itself from
+    then on, with the same verdicts, every message exactly once."""
+    import logging
+    import os
+    import threading
+
+    from neardup.config import load_settings
+    from neardup.io.kafka import KafkaDeduplicator
+    from neardup.state.rocksdb import RocksDBStateStore
+
+    records = _edited_copies(excerpt(1000), rounds=2)  # 2,000 messages
+    topic = kafka_topic_factory("worker")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    group = "g-worker"
+    settings = load_settings({
+        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
+        "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 200,
+    })
+    engine = settings.engine()
+    killed: list[int] = []
+
+    def on_batch(stats) -> None:
+        if not killed and dedup.batches == 3:
+            killed.extend(_workers(os.getpid()))
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+
+    caplog.set_level(logging.INFO, logger="neardup.io.kafka")
+    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
+        dedup = KafkaDeduplicator(settings, Detector(engine, store), on_batch=on_batch)
+        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
+        runner.start()
+        try:
+            deadline = time.monotonic() + 180
+            while committed_offset(kafka_bootstrap, group, topic) < len(records):
+                assert runner.is_alive() and time.monotonic() < deadline
+                time.sleep(0.2)
+        finally:
+            dedup.stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    assert len(killed) == 1
+    assert "the preparing worker process died" in caplog.text
+    # batches 2 and 3, and maybe 4 (its preparation may have come back before the kill)
+    assert 1 <= dedup.batches_prepared_ahead <= 3 < dedup.batches
 
     outs = _outputs(kafka_bootstrap, topic, len(records))
     keys = [o.key.decode() for o in outs]
