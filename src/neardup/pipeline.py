@@ -32,18 +32,18 @@ class _Failed:
 
 
 def _serve(conn: Connection, settings: EngineSettings) -> None:
-    """The worker: prepare each batch received, send the result back, until EOF."""
+    """The worker: prepare each batch of texts received, send the result back, until EOF."""
     # Ctrl-C reaches the whole process group: the parent decides when the worker stops
     # (it finishes its batch first), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     preparer = Preparer(settings)
     while True:
         try:
-            documents = conn.recv()
+            texts = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe, or died
             return
         try:
-            out: PreparedBatch | _Failed = preparer(documents)
+            out: PreparedBatch | _Failed = preparer.texts(texts)
         except Exception as exc:  # noqa: BLE001 - raised again in the parent
             out = _Failed(exc)
         try:
@@ -73,7 +73,7 @@ class PrepareWorker:
     def submit(self, documents: list[Document]) -> None:
         """Send ``documents`` to be prepared. Raises ``WorkerDied``."""
         try:
-            self._conn.send(documents)
+            self._conn.send([d.text for d in documents])  # texts pickle fast
         except OSError as exc:
             raise WorkerDied(str(exc)) from exc
 
