@@ -18,7 +18,7 @@ producer's delivery reports give each input message's offset and CreateTime (the
 the ``produce()`` call on this machine).
 
 Phase 1, throughput (backlog). ``neardup run --from-beginning --text-field text
---id-field id --metrics-port 0`` (default batch size 1000, batch-max-ms 200) is started as
+--id-field id --metrics-port 0`` (default batch size 2000, batch-max-ms 200) is started as
 a subprocess with a fresh group, state directory and transactional id. The consumer
 group's committed offset is polled every ``--poll-ms`` (100) ms; the run time is from just
 before the process was launched (Python start, RocksDB open, group join included) to the
@@ -388,7 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--messages", type=int, default=100_000, help="pre-produced messages (default 100,000)")
     p.add_argument("--paced", type=int, default=5_000, help="messages produced at --rate after the backlog (default 5,000; 0: none)")
     p.add_argument("--rate", type=float, default=500.0, help="paced messages per second (default 500)")
-    p.add_argument("--batch-size", type=int, help="neardup run --batch-size (default: neardup's, 1000)")
+    p.add_argument("--batch-size", type=int, help="neardup run --batch-size (default: neardup's, 2000)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="neardup run --pipeline / --no-pipeline (default: neardup's, on)")
     p.add_argument("--compare", action="store_true",

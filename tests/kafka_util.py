@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXCERPT = REPO_ROOT / "tests" / "data" / "reuters_excerpt.jsonl.gz"
@@ -83,14 +83,27 @@ def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
     return out
 
 
-def committed_offset(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
-    """The consumer group's committed offset of one partition (-1001 when none)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
-                         "enable.auto.commit": False})
-    try:
-        return consumer.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
-    finally:
-        consumer.close()
+#: Answers of a group coordinator that is still loading (a freshly started broker).
+COORDINATOR_NOT_READY = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                         KafkaError.COORDINATOR_NOT_AVAILABLE}
+
+
+def committed_offset(bootstrap: str, group: str, topic: str, partition: int = 0,
+                     timeout_s: float = 60.0) -> int:
+    """The consumer group's committed offset of one partition (-1001 when none); asks
+    again while the group coordinator is not ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                             "enable.auto.commit": False})
+        try:
+            return consumer.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
+        except KafkaException as exc:
+            if exc.args[0].code() not in COORDINATOR_NOT_READY or time.monotonic() > deadline:
+                raise
+        finally:
+            consumer.close()
+        time.sleep(0.5)
 
 
 def start_run(bootstrap: str, topic: str, group: str, state_dir: Path, *extra: str,

@@ -52,7 +52,7 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("records")
     g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (dedup default: text; run default: the whole message value)")
     g.add_argument("--id-field", help="JSON field holding the document id (dedup default: id, else the line number; run default: the message key, else topic/partition/offset)")
-    g.add_argument("--batch-size", type=int, help="documents per batch (default 1000)")
+    g.add_argument("--batch-size", type=int, help="documents per batch (default 2000)")
     g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help="prepare the next batch (normalise, shingle, MinHash) in a second process while the current one is checked and written; run: when a backlog fills whole batches (default on)")
     g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
 

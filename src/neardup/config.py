@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     # records
     text_field: Annotated[list[str], NoDecode] | None = None  # dedup: ["text"]; run: whole value
     id_field: str | None = None  # dedup: "id"; run: the message key
-    batch_size: int = Field(1000, ge=1)
+    batch_size: int = Field(2000, ge=1)
     pipeline: bool = True
     state_dir: Path | None = None
     # Kafka
