@@ -83,15 +83,17 @@ def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
     return out
 
 
-#: Answers of a group coordinator that is still loading (a freshly started broker).
-COORDINATOR_NOT_READY = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-                         KafkaError.COORDINATOR_NOT_AVAILABLE}
+#: Answers of a group coordinator that is still loading (a freshly started broker), and
+#: the time-out of a fetch held back by offsets of a transaction still open (a consumer
+#: killed mid-transaction: the broker aborts it after transaction.timeout.ms, 60 s).
+NOT_READY = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+             KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT}
 
 
 def committed_offset(bootstrap: str, group: str, topic: str, partition: int = 0,
-                     timeout_s: float = 60.0) -> int:
+                     timeout_s: float = 120.0) -> int:
     """The consumer group's committed offset of one partition (-1001 when none); asks
-    again while the group coordinator is not ready."""
+    again while the group coordinator is not ready or the offsets are not stable."""
     deadline = time.monotonic() + timeout_s
     while True:
         consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
@@ -99,7 +101,7 @@ def committed_offset(bootstrap: str, group: str, topic: str, partition: int = 0,
         try:
             return consumer.committed([TopicPartition(topic, partition)], timeout=10)[0].offset
         except KafkaException as exc:
-            if exc.args[0].code() not in COORDINATOR_NOT_READY or time.monotonic() > deadline:
+            if exc.args[0].code() not in NOT_READY or time.monotonic() > deadline:
                 raise
         finally:
             consumer.close()
