@@ -1,12 +1,17 @@
 """The detector: a batch of documents in, one verdict per document out, in arrival order.
 
-For each batch: normalise, shingle and MinHash every text at once (numpy), cut the
-signatures into LSH band buckets, fetch the buckets' earlier members from the store in
-one multi-get, then walk the documents in order. A document's candidates are the members
-of its buckets, earlier documents of the same batch included. A candidate is accepted
-when its similarity reaches the threshold: the exact Jaccard (or containment) of the
-stored shingle fingerprints with ``verify="exact"``, the MinHash estimate from the full
-signatures with ``verify="estimate"``.
+For each batch, in passes over the whole batch:
+
+1. ``Preparer`` (state-free, possibly in another process): normalise, shingle and MinHash
+   every text at once (numpy), cut the signatures into LSH band bucket ids.
+2. Candidates: the members of each document's buckets, from the store's bucket index
+   (``neardup.state.index``) and from earlier documents of the same batch, at most
+   ``max_candidates`` per document, those sharing the most buckets first.
+3. Verification of every (document, candidate) pair at once: the exact Jaccard (or
+   containment) of the shingle fingerprint sets with ``verify="exact"``, the MinHash
+   estimate from the full signatures with ``verify="estimate"``. A candidate is
+   accepted when its similarity reaches the threshold.
+4. Clustering, document by document in arrival order.
 
 Accepted pairs form clusters through union-find; a cluster's id is its earliest document
 (the canonical). With the ``components`` policy every accepted pair is joined, so a chain
