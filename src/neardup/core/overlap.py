@@ -45,6 +45,7 @@ def intersection_sizes(sets: list[np.ndarray], left: np.ndarray, right: np.ndarr
         int64, shape (n_pairs,).
 
     Raises:
+        ValueError: ``left`` and ``right`` differ in length.
         IndexError: an index is outside ``sets``.
     """
     if len(left) != len(right):
