@@ -59,16 +59,21 @@ def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
     topic = kafka_topic_factory("outage")
     produce(kafka_bootstrap, topic, _messages(records))
     log = tmp_path / "run.log"
+    # Batches of 50 (60 transactions) so that the freeze lands while the input is
+    # still being processed, however fast the engine is.
     proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
-                     *SHORT_TXN, log=log)
+                     *SHORT_TXN, "--batch-size", "50", log=log)
     try:
         wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc)
+        before = committed_offset(kafka_bootstrap, "g-outage", topic)
         with frozen_broker():
             time.sleep(15)  # longer than the transaction and session timeouts
             assert proc.poll() is None, "the consumer must survive an outage"
         wait_committed(kafka_bootstrap, "g-outage", topic, len(records), proc, timeout_s=240)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
+    print("committed offset when the broker froze:", before, "of", len(records))
+    assert before < len(records), "the broker froze after the whole input was processed"
     _check_exactly_once(kafka_bootstrap, topic, records)
 
 

@@ -39,6 +39,8 @@ error (typically: the broker aborted a transaction that outlived
 client reports as fenced) starts a new producer with the same ``transactional.id``,
 rewinds and retries the same way; after ``MAX_PRODUCER_RESETS`` such errors without a
 committed batch in between (a live second instance with the same id), ``run`` raises.
+A commit or abort that still times out after ``TRANSACTION_RETRY_S`` (a producer wedged
+by an outage) fails the batch the same way, and the abort then starts a new producer.
 
 Rebalances happen only inside ``consume`` (step 1), when no transaction is open, so a
 revoked partition never leaves anything half-done. Verdicts equal those of an
@@ -90,7 +92,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential
 
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
@@ -111,6 +113,12 @@ log = logging.getLogger(__name__)
 #: ``run`` gives up: a live second instance with the same transactional.id would
 #: otherwise fence this one back and forth.
 MAX_PRODUCER_RESETS = 3
+#: Seconds ``commit_transaction`` or ``abort_transaction`` is retried before the producer
+#: is replaced: after a broker outage librdkafka's request to the transaction coordinator
+#: can stay queued and time out forever; a new producer of the same transactional.id
+#: fences the old one and has the broker abort its transaction. Well below
+#: max.poll.interval.ms (300 s).
+TRANSACTION_RETRY_S = 60.0
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -607,22 +615,23 @@ class KafkaDeduplicator:
         for attempt in Retrying(
             retry=retry_if_exception(_retriable),
             wait=wait_exponential(multiplier=0.2, max=10),
-            stop=stop_never,
+            stop=stop_after_delay(TRANSACTION_RETRY_S),
+            reraise=True,
             before_sleep=lambda rs: log.warning("commit_transaction: %s; retrying", rs.outcome.exception()),
         ):
             with attempt:
                 self.producer.commit_transaction(30.0)
 
     def _abort(self) -> None:
-        """Abort the open transaction (retried while the error is not fatal); a fatal
-        error on the way starts a new producer, which aborts it as well."""
+        """Abort the open transaction (retried for ``TRANSACTION_RETRY_S`` while the error is
+        not fatal); a fatal error, or no success in that time, starts a new producer,
+        which aborts it as well."""
         assert self.producer is not None
         try:
             self._abort_transaction()
         except KafkaException as exc:
-            if not _fatal(exc):
-                raise
-            log.warning("abort_transaction failed fatally (%s); starting a new producer", exc)
+            reason = "failed fatally" if _fatal(exc) else f"did not succeed in {TRANSACTION_RETRY_S:.0f} s"
+            log.warning("abort_transaction %s (%s); starting a new producer", reason, exc)
             self._new_producer()
 
     def _abort_transaction(self) -> None:
@@ -630,7 +639,8 @@ class KafkaDeduplicator:
         for attempt in Retrying(
             retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not _fatal(e)),
             wait=wait_exponential(multiplier=0.5, max=30),
-            stop=stop_never,
+            stop=stop_after_delay(TRANSACTION_RETRY_S),
+            reraise=True,
             before_sleep=lambda rs: log.warning("abort_transaction: %s; retrying", rs.outcome.exception()),
         ):
             with attempt:
