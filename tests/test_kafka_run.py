@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from kafka_util import (
     committed_offset,
     excerpt,
@@ -22,11 +26,14 @@ from kafka_util import (
     wait_committed,
 )
 
+from neardup.config import load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
 from neardup.embedded import dedup_files
+from neardup.io.kafka import KafkaDeduplicator
 from neardup.state.memory import MemoryStateStore
+from neardup.state.rocksdb import RocksDBStateStore
 
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
 
@@ -163,6 +170,16 @@ def _edited_copies(records: list[dict], rounds: int, seed: int = 7) -> list[dict
                     del words[rng.randrange(len(words))]
             out.append({"id": f"{rec['id']}-r{r}", "text": " ".join(words)})
     return out
+
+
+def _wait_committed_in_thread(bootstrap: str, group: str, topic: str, target: int,
+                              runner: threading.Thread, timeout_s: float = 180.0) -> None:
+    """Wait until ``group`` has committed ``target`` on ``topic``, while the thread
+    running the consumer is alive."""
+    deadline = time.monotonic() + timeout_s
+    while committed_offset(bootstrap, group, topic) < target:
+        assert runner.is_alive() and time.monotonic() < deadline
+        time.sleep(0.2)
 
 
 def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kafka_topic_factory, tmp_path):
@@ -364,8 +381,6 @@ def _wait(condition, proc, timeout_s: float = 120.0) -> None:
 
 
 def _partition_ends(bootstrap: str, topic: str) -> list[int]:
-    from confluent_kafka import Consumer, TopicPartition
-
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "ends"})
     try:
         return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in (0, 1)]
@@ -378,15 +393,6 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
     """A second member joins the group while the consumer holds a batch read ahead: the
     revocation is served by the read-ahead, the held messages are dropped, and after the
     member leaves every message comes out exactly once with the verdicts of a plain run."""
-    import logging
-    import threading
-
-    from confluent_kafka import Consumer
-
-    from neardup.config import load_settings
-    from neardup.io.kafka import KafkaDeduplicator
-    from neardup.state.rocksdb import RocksDBStateStore
-
     records = _edited_copies(excerpt(1000), rounds=2)  # 2,000 messages, one partition
     topic = kafka_topic_factory("ahead")
     produce(kafka_bootstrap, topic, _json_messages(records))
@@ -423,10 +429,7 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
         runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
         runner.start()
         try:
-            deadline = time.monotonic() + 180
-            while committed_offset(kafka_bootstrap, group, topic) < len(records):
-                assert runner.is_alive() and time.monotonic() < deadline
-                time.sleep(0.2)
+            _wait_committed_in_thread(kafka_bootstrap, group, topic, len(records), runner)
         finally:
             dedup.stop()
             runner.join(60)
@@ -446,13 +449,6 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
 def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_topic_factory, tmp_path, caplog):
     """The worker process is killed mid-run: the consumer prepares its batches itself from
     then on, with the same verdicts, every message exactly once."""
-    import logging
-    import os
-    import threading
-
-    from neardup.config import load_settings
-    from neardup.io.kafka import KafkaDeduplicator
-    from neardup.state.rocksdb import RocksDBStateStore
 
     records = _edited_copies(excerpt(1000), rounds=2)  # 2,000 messages
     topic = kafka_topic_factory("worker")
@@ -477,10 +473,7 @@ def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_to
         runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
         runner.start()
         try:
-            deadline = time.monotonic() + 180
-            while committed_offset(kafka_bootstrap, group, topic) < len(records):
-                assert runner.is_alive() and time.monotonic() < deadline
-                time.sleep(0.2)
+            _wait_committed_in_thread(kafka_bootstrap, group, topic, len(records), runner)
         finally:
             dedup.stop()
             runner.join(60)
