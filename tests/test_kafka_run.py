@@ -172,15 +172,36 @@ def _edited_copies(records: list[dict], rounds: int, seed: int = 7) -> list[dict
     return out
 
 
-def _wait_committed_in_thread(bootstrap: str, group: str, topic: str, target: int,
-                              runner: threading.Thread, timeout_s: float = 180.0) -> None:
-    """Wait until ``group`` has committed ``target`` on ``topic``, while the thread
-    running the consumer is alive."""
-    deadline = time.monotonic() + timeout_s
-    while committed_offset(bootstrap, group, topic) < target:
-        assert runner.is_alive() and time.monotonic() < deadline
-        time.sleep(0.2)
+def _run_in_thread(settings, state_dir: Path, on_batch, target: int,
+                   timeout_s: float = 180.0) -> KafkaDeduplicator:
+    """Run a ``KafkaDeduplicator`` in a thread of this process until its group has
+    committed ``target`` on partition 0 of its input topic, then stop it.
 
+    ``on_batch(dedup, stats)`` is called after every batch."""
+    engine = settings.engine()
+    topic, group = settings.input_topics[0], settings.group_id
+    with RocksDBStateStore(state_dir, engine.state_shape()) as store:
+        dedup = KafkaDeduplicator(settings, Detector(engine, store),
+                                  on_batch=lambda stats: on_batch(dedup, stats))
+        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
+        runner.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while committed_offset(settings.bootstrap_servers, group, topic) < target:
+                assert runner.is_alive() and time.monotonic() < deadline
+                time.sleep(0.2)
+        finally:
+            dedup.stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    return dedup
+
+def _assert_once_with_dedup_verdicts(bootstrap: str, topic: str, records: list[dict]) -> None:
+    """Every record came out exactly once, with the verdict ``dedup`` gives it."""
+    outs = _outputs(bootstrap, topic, len(records))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)) == len(records)
+    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
 
 def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kafka_topic_factory, tmp_path):
     records = _edited_copies(excerpt(), rounds=5)  # 20,000 messages
@@ -317,10 +338,7 @@ def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_f
         wait_committed(kafka_bootstrap, group, topic, len(records), proc)
     finally:
         assert stop(proc) == 0
-    outs = _outputs(kafka_bootstrap, topic, len(records))
-    keys = [o.key.decode() for o in outs]
-    assert len(keys) == len(set(keys)) == len(records)
-    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
 
 
 def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_factory, tmp_path):
@@ -404,7 +422,6 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
         "kafka": fast,
     })
     assert settings.pipeline
-    engine = settings.engine()
 
     def intruder() -> None:  # joins, holds the partition (or nothing) for a while, leaves
         c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group,
@@ -417,33 +434,21 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
 
     joined: list[threading.Thread] = []
 
-    def on_batch(stats) -> None:
+    def on_batch(dedup, stats) -> None:
         if len(joined) == 0 and dedup.batches == 3:
             joined.append(threading.Thread(target=intruder, daemon=True))
             joined[0].start()
             time.sleep(2)  # the group rebalances; the revocation waits in our queue
 
     caplog.set_level(logging.INFO, logger="neardup.io.kafka")
-    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
-        dedup = KafkaDeduplicator(settings, Detector(engine, store), on_batch=on_batch)
-        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
-        runner.start()
-        try:
-            _wait_committed_in_thread(kafka_bootstrap, group, topic, len(records), runner)
-        finally:
-            dedup.stop()
-            runner.join(60)
-    assert not runner.is_alive()
+    dedup = _run_in_thread(settings, tmp_path / "state", on_batch, len(records))
     assert joined, "the second member joined"
     joined[0].join(10)
     log = caplog.text
     assert "rebalanced while reading ahead: messages of revoked partitions dropped" in log
     assert dedup.batches_prepared_ahead > 0
 
-    outs = _outputs(kafka_bootstrap, topic, len(records))
-    keys = [o.key.decode() for o in outs]
-    assert len(keys) == len(set(keys)) == len(records)
-    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
 
 
 def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_topic_factory, tmp_path, caplog):
@@ -458,32 +463,19 @@ def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_to
         "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
         "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 200,
     })
-    engine = settings.engine()
     killed: list[int] = []
 
-    def on_batch(stats) -> None:
+    def on_batch(dedup, stats) -> None:
         if not killed and dedup.batches == 3:
             killed.extend(_workers(os.getpid()))
             for pid in killed:
                 os.kill(pid, signal.SIGKILL)
 
     caplog.set_level(logging.INFO, logger="neardup.io.kafka")
-    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
-        dedup = KafkaDeduplicator(settings, Detector(engine, store), on_batch=on_batch)
-        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
-        runner.start()
-        try:
-            _wait_committed_in_thread(kafka_bootstrap, group, topic, len(records), runner)
-        finally:
-            dedup.stop()
-            runner.join(60)
-    assert not runner.is_alive()
+    dedup = _run_in_thread(settings, tmp_path / "state", on_batch, len(records))
     assert len(killed) == 1
     assert "the preparing worker process died" in caplog.text
     # batches 2 and 3, and maybe 4 (its preparation may have come back before the kill)
     assert 1 <= dedup.batches_prepared_ahead <= 3 < dedup.batches
 
-    outs = _outputs(kafka_bootstrap, topic, len(records))
-    keys = [o.key.decode() for o in outs]
-    assert len(keys) == len(set(keys)) == len(records)
-    assert {o.key.decode(): _verdict_of(o) for o in outs} == _expected(records)
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
