@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from itertools import islice
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
@@ -25,23 +27,8 @@ def _consumer(bootstrap: str, **extra) -> Consumer:
     return Consumer(conf)
 
 
-def _consume(consumer: Consumer, want: int, timeout: float = 30.0) -> list:
-    """Poll until ``want`` messages arrived (or the timeout passed); return them."""
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        msg = consumer.poll(0.5)
-        if msg is None:
-            continue
-        if msg.error():
-            raise KafkaException(msg.error())
-        got.append(msg)
-    return got
-
-
-def _consume_until(consumer: Consumer, last: bytes, timeout: float = 30.0) -> list:
-    """Poll until a message whose value is ``last`` arrived; return all of them."""
-    got = []
+def _polled(consumer: Consumer, timeout: float) -> Iterator:
+    """Messages as they arrive, for ``timeout`` seconds; raises on an error message."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         msg = consumer.poll(0.5)
@@ -49,6 +36,18 @@ def _consume_until(consumer: Consumer, last: bytes, timeout: float = 30.0) -> li
             continue
         if msg.error():
             raise KafkaException(msg.error())
+        yield msg
+
+
+def _consume(consumer: Consumer, want: int, timeout: float = 30.0) -> list:
+    """Poll until ``want`` messages arrived (or the timeout passed); return them."""
+    return list(islice(_polled(consumer, timeout), want))
+
+
+def _consume_until(consumer: Consumer, last: bytes, timeout: float = 30.0) -> list:
+    """Poll until a message whose value is ``last`` arrived; return all of them."""
+    got = []
+    for msg in _polled(consumer, timeout):
         got.append(msg)
         if msg.value() == last:
             return got
