@@ -17,11 +17,16 @@ What is timed, in one process, on the same texts:
    **Per-stage time** comes from wrapping, in this process, the functions the detector
    calls (``neardup.detector.normalize``, ``.shingle_batch``, the ``signatures`` method of
    the detector's hasher class (``MinHasher`` or ``OnePermutationHasher``, whichever the
-   default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``, ``.bucket_ids``, the bucket index
-   look-up ``BucketIndex.lookup`` and the rest of candidate generation ``Detector._candidates``)
-   with timers that keep each stage's *exclusive* time (a timed call inside another
-   is subtracted from the outer one). "rest of detect" is ``detect`` minus the timed
-   stages: the store reads of candidates, verification, union-find, naming. ``store.commit`` (the RocksDB write batch) is timed around the call. A stage
+   default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``,
+   ``.bucket_ids``, the bucket index look-up ``BucketIndex.lookup``, the rest of
+   candidate generation ``Detector._candidates``, the reading of the stored candidates'
+   sets ``Detector._sets``, verification of all pairs ``neardup.detector._similarities``,
+   clustering ``neardup.detector.cluster_batch`` and naming ``Detector._name`` (ids read
+   from the store, ``Verdict`` objects built)) with timers that keep each stage's
+   *exclusive* time (a timed call inside another is subtracted from the outer one).
+   "rest of detect" is ``detect`` minus the timed stages (the forest closure, local
+   nodes, changed nodes, links). ``store.commit`` (the RocksDB write batch) is timed
+   around the call. A stage
    the engine no longer calls under that name shows 0 calls and falls into "rest". The
    wrappers' own cost is estimated (calls x the measured cost of an empty wrapped call)
    and printed.
@@ -84,6 +89,10 @@ STAGE_TARGETS: list[tuple[Any, str, str]] = [
     (neardup.detector, "bucket_ids", "bucket_ids"),
     (neardup.state.index.BucketIndex, "lookup", "BucketIndex.lookup"),
     (neardup.detector.Detector, "_candidates", "candidates (rest of)"),
+    (neardup.detector.Detector, "_sets", "stored sets (multi-get)"),
+    (neardup.detector, "_similarities", "verification"),
+    (neardup.detector, "cluster_batch", "cluster_batch"),
+    (neardup.detector.Detector, "_name", "naming"),
 ]
 REST = "rest of detect"
 COMMIT = "store.commit"

@@ -6,7 +6,6 @@ import hashlib
 import re
 import sys
 import unicodedata
-from collections import deque
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.sparse.csgraph import connected_components
 
+from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Sets, cluster_batch
 from neardup.core.lsh import LshParams, band_hashes, optimal_params
 from neardup.core.minhash import (
     EMPTY,
@@ -26,9 +26,9 @@ from neardup.core.minhash import (
     mulmod61_add,
 )
 from neardup.core.normalize import TextNorm, normalize
-from neardup.core.overlap import intersection_sizes
+from neardup.core.overlap import flatten, intersection_sizes
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
-from neardup.core.unionfind import Node, find, peek_root, root_node, union
+from neardup.core.unionfind import find, peek_root, singletons, union
 
 P = MERSENNE_61
 U64 = st.integers(0, 2**64 - 1)
@@ -453,12 +453,11 @@ def test_band_hashes_order_sensitive_and_checked() -> None:
 # --- union-find -------------------------------------------------------------------------
 
 
-def _parent_chain_is_acyclic(nodes: dict[int, Node], x: int, limit: int) -> bool:
-    for _ in range(limit + 1):
-        node = nodes.get(x)
-        if node is None or node.parent == x:
+def _parent_chain_is_acyclic(parent: np.ndarray, x: int) -> bool:
+    for _ in range(len(parent) + 1):
+        if parent[x] == x:
             return True
-        x = node.parent
+        x = int(parent[x])
     return False
 
 
@@ -473,59 +472,124 @@ def _parent_chain_is_acyclic(nodes: dict[int, Node], x: int, limit: int) -> bool
 )
 def test_union_find_matches_connected_components(case: tuple[int, list[tuple[int, int]]]) -> None:
     n, edges = case
-    nodes: dict[int, Node] = {}
+    parent, size, canonical = singletons(n)
     for x, y in edges:
-        root = union(nodes, x, y)
-        before = dict(nodes)
-        assert peek_root(nodes, x) == peek_root(nodes, y) == peek_root(nodes, root)
-        assert peek_root(nodes, x).parent == root and nodes == before  # reads, never writes
-        assert find(nodes, x) == find(nodes, y) == root
-        assert all(_parent_chain_is_acyclic(nodes, z, n) for z in range(n))
+        root = union(parent, size, canonical, x, y)
+        before = parent.copy()
+        assert peek_root(parent, x) == peek_root(parent, y) == root
+        assert np.array_equal(parent, before)  # peek_root reads, never writes
+        assert find(parent, x) == find(parent, y) == root
+        assert all(_parent_chain_is_acyclic(parent, z) for z in range(n))
     rows, cols = (list(c) for c in zip(*edges)) if edges else ([], [])
     graph = sp.coo_matrix((np.ones(len(rows)), (rows, cols)), shape=(n, n))
     _, labels = connected_components(graph, directed=False)
-    roots = [find(nodes, x) for x in range(n)]
+    roots = [find(parent, x) for x in range(n)]
     for x in range(n):
         for y in range(n):
             assert (roots[x] == roots[y]) == (labels[x] == labels[y])
         component = np.flatnonzero(labels == labels[x])
-        top = root_node(nodes, x)
-        assert top.parent == roots[x]
-        assert top.size == len(component)
-        assert top.canonical == component.min()
-        # Path compressed: x's parent is the root (or x is an untouched singleton).
-        assert nodes.get(x, Node(x, 1, x)).parent == roots[x]
+        assert size[roots[x]] == len(component)
+        assert canonical[roots[x]] == component.min()
+        assert parent[x] == roots[x]  # path compressed by the find above
 
 
 def test_find_on_long_chain_has_no_recursion_and_compresses() -> None:
     n = 100_000
-    nodes = {i: Node(i + 1, 1, i) for i in range(n - 1)}
-    nodes[n - 1] = Node(n - 1, n, 0)
+    parent = np.arange(1, n + 1, dtype=np.int64)
+    parent[-1] = n - 1
     assert n > sys.getrecursionlimit()
-    assert find(nodes, 0) == n - 1
-    assert all(nodes[i].parent == n - 1 for i in range(n))
-    assert root_node(nodes, 12_345) == Node(n - 1, n, 0)
+    assert peek_root(parent, 0) == n - 1 and parent[0] == 1
+    assert find(parent, 0) == n - 1
+    assert (parent == n - 1).all()
 
 
 def test_union_by_size_and_canonical() -> None:
-    nodes: dict[int, Node] = {}
-    union(nodes, 5, 6)
-    union(nodes, 5, 7)
-    big = find(nodes, 5)
-    assert union(nodes, 1, 7) == big  # the larger set's root stays root
-    assert root_node(nodes, 1) == Node(big, 4, 1)
-    assert union(nodes, 6, 1) == big and root_node(nodes, 6).size == 4  # already joined
-    # A BFS over the recorded parent edges reaches every member from the root.
-    children: dict[int, list[int]] = {}
-    for x, node in nodes.items():
-        if node.parent != x:
-            children.setdefault(node.parent, []).append(x)
-    seen, queue = {big}, deque([big])
-    while queue:
-        for c in children.get(queue.popleft(), []):
-            seen.add(c)
-            queue.append(c)
-    assert seen == {1, 5, 6, 7}
+    parent, size, canonical = singletons(8)
+    union(parent, size, canonical, 5, 6)
+    union(parent, size, canonical, 5, 7)
+    big = find(parent, 5)
+    assert union(parent, size, canonical, 1, 7) == big  # the larger set's root stays root
+    assert (size[big], canonical[big]) == (4, 1)
+    assert union(parent, size, canonical, 6, 1) == big and size[find(parent, 6)] == 4  # already joined
+    assert {x for x in range(8) if find(parent, x) == big} == {1, 5, 6, 7}
+    assert all(parent[x] == x and size[x] == 1 for x in (0, 2, 3, 4))
+
+
+def _cluster_reference(n_stored: int, roots: list[int], sets: list[set[int]],
+                       pairs: list[list[int]], threshold: float, policy: int,
+                       measure: int) -> list[tuple[int, int, int, int, int]]:
+    """The clustering rules in plain Python over sets, one document after the other.
+    Stored document k starts in the cluster of canonical ``roots[k]``."""
+    cluster = {k: roots[k] for k in range(n_stored)}  # element -> canonical
+
+    def sim(a: int, b: int) -> float:
+        inter = len(sets[a] & sets[b])
+        return inter / len(sets[a] | sets[b]) if measure == JACCARD else min(inter / len(sets[a]), 1.0)
+
+    out = []
+    for i, cands in enumerate(pairs):
+        x = n_stored + i
+        cluster[x] = x
+        sims = [sim(x, c) for c in cands]
+        accepted = [k for k, v in enumerate(sims) if v >= threshold]
+        if not accepted:
+            out.append((-1, 0, x, 1, -1))
+            continue
+        best = max(accepted, key=sims.__getitem__)  # the first of the most similar
+        related = -1
+        if policy == COMPONENTS:
+            merged = {cluster[cands[k]] for k in accepted} | {x}
+            canonical = min(merged)
+            for e, c in cluster.items():
+                if c in merged:
+                    cluster[e] = canonical
+        else:
+            canonicals = sorted({cluster[cands[k]] for k in accepted})
+            target = max(canonicals, key=lambda c: sim(x, c))
+            if sim(x, target) >= threshold:
+                cluster[x] = target
+            else:
+                related = cluster[cands[best]]
+        size = sum(c == cluster[x] for c in cluster.values())
+        out.append((best, len(accepted), cluster[x], size, related))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from([COMPONENTS, CANONICAL]), st.sampled_from([JACCARD, CONTAINMENT]))
+def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measure: int) -> None:
+    n_stored = data.draw(st.integers(0, 6))
+    n = data.draw(st.integers(1, 8))
+    sets = data.draw(st.lists(st.sets(st.integers(0, 6), min_size=1), min_size=n_stored + n,
+                              max_size=n_stored + n))
+    # stored clusters: each stored document's canonical is an earlier (or the same) one
+    roots: list[int] = []
+    for k in range(n_stored):
+        joins = data.draw(st.integers(0, k))
+        roots.append(k if joins == k else roots[joins])
+    pairs = [sorted(data.draw(st.sets(st.integers(0, n_stored + i - 1), max_size=4))) if n_stored + i else []
+             for i in range(n)]
+    threshold = data.draw(st.sampled_from([0.3, 0.5, 0.8]))
+
+    parent, size, canonical = singletons(n_stored + n)
+    for k, r in enumerate(roots):
+        union(parent, size, canonical, r, k)
+    for k in range(n_stored):
+        assert canonical[find(parent, k)] == roots[k]
+    values, offsets = flatten([np.array(sorted(x), dtype=np.uint32) for x in sets])
+    bounds = np.cumsum([0] + [len(c) for c in pairs]).astype(np.int64)
+    cands = np.array([c for cs in pairs for c in cs], dtype=np.int64)
+    left = np.repeat(np.arange(n_stored, n_stored + n), np.diff(bounds))
+    inter = intersection_sizes(values, offsets, left, cands).astype(float)
+    sizes = np.diff(offsets)
+    sim = inter / (sizes[left] + sizes[cands] - inter) if measure == JACCARD else np.minimum(inter / sizes[left], 1.0)
+
+    got = cluster_batch(parent, size, canonical, n_stored, bounds, cands, sim, threshold, policy,
+                        measure, Sets(sizes, values, offsets, np.empty((len(sets), 0), np.uint64)))
+    expected = _cluster_reference(n_stored, roots, [set(x) for x in sets], pairs, threshold, policy, measure)
+    match = [int(m) - int(bounds[i]) if m >= 0 else -1 for i, m in enumerate(got.match)]
+    assert list(zip(match, got.accepted.tolist(), got.canonical.tolist(), got.cluster_size.tolist(),
+                    got.related.tolist())) == expected
 
 
 # --- exact overlap ------------------------------------------------------------------------
@@ -543,7 +607,7 @@ def test_intersection_sizes_equal_python_sets(sets: list[np.ndarray], data: st.D
                                          st.integers(0, len(sets) - 1)), max_size=20))
     left = np.array([a for a, _ in pairs], dtype=np.int64)
     right = np.array([b for _, b in pairs], dtype=np.int64)
-    got = intersection_sizes(sets, left, right)
+    got = intersection_sizes(*flatten(sets), left, right)
     assert got.dtype == np.int64
     assert got.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in pairs]
 
@@ -551,6 +615,6 @@ def test_intersection_sizes_equal_python_sets(sets: list[np.ndarray], data: st.D
 def test_intersection_sizes_errors() -> None:
     sets = [np.array([1, 2], dtype=np.uint32)]
     with pytest.raises(IndexError):
-        intersection_sizes(sets, np.array([0]), np.array([1]))
+        intersection_sizes(*flatten(sets), np.array([0]), np.array([1]))
     with pytest.raises(ValueError):
-        intersection_sizes(sets, np.array([0]), np.array([], dtype=np.int64))
+        intersection_sizes(*flatten(sets), np.array([0]), np.array([], dtype=np.int64))

@@ -291,15 +291,18 @@ def test_quality_on_reuters_excerpt(
 
 
 def test_prepared_batch_survives_pickling() -> None:
-    """A batch prepared in the worker process arrives whole (fingerprints sent as one
-    array)."""
+    """A batch prepared in the worker process arrives whole, its fingerprints as one
+    array cut by offsets."""
     docs = [Document("a", STORY), Document("e", "  "), Document("b", UNRELATED), Document("c", "x")]
     prepared = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare(docs)
     copy = pickle.loads(pickle.dumps(prepared))
     assert copy.rejected == prepared.rejected == [None, EMPTY_TEXT, None, None]
-    assert [f.tolist() for f in copy.fingerprints] == [f.tolist() for f in prepared.fingerprints]
-    assert all(f.dtype == np.uint32 for f in copy.fingerprints) and len(copy.fingerprints) == 3
-    for name in ("valid", "signatures", "sizes", "buckets"):
+    assert copy.fingerprints.dtype == np.uint32 and len(copy.fingerprint_offsets) == 4
+    for name in ("valid", "signatures", "fingerprints", "fingerprint_offsets", "sizes", "buckets"):
         assert np.array_equal(getattr(copy, name), getattr(prepared, name))
+    sets = np.split(copy.fingerprints, copy.fingerprint_offsets[1:-1])
+    assert [len(f) for f in sets] == copy.sizes.tolist() and all(len(f) > 0 for f in sets)
+    assert all((np.diff(f.astype(np.int64)) > 0).all() for f in sets)  # sorted, distinct
     empty = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare([Document("e", "")])
-    assert pickle.loads(pickle.dumps(empty)).fingerprints == []
+    copy = pickle.loads(pickle.dumps(empty))
+    assert len(copy.fingerprints) == 0 and copy.fingerprint_offsets.tolist() == [0]

@@ -26,6 +26,7 @@ from neardup.state import SettingsMismatchError, StateError, StateStore, StateUp
 from neardup.state import codec
 from neardup.state.memory import MemoryStateStore
 from neardup.state import index as index_module
+from neardup.state.forest import Forest
 from neardup.state.index import BucketIndex
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -67,6 +68,11 @@ def _sigs(n: int, seed: int = 0) -> np.ndarray:
     return sigs
 
 
+def _node_rows(nodes: dict[int, Node]) -> np.ndarray:
+    """``StateUpdate.nodes`` rows (seq, parent, size, canonical) of ``nodes``."""
+    return np.array([(seq, *node) for seq, node in nodes.items()], dtype=np.uint64).reshape(-1, 4)
+
+
 def _first_update() -> StateUpdate:
     return StateUpdate(
         first_seq=0,
@@ -75,7 +81,7 @@ def _first_update() -> StateUpdate:
         bucket_ids=np.array([BUCKET_A, BUCKET_B, BUCKET_A], dtype=np.uint64),
         bucket_seqs=np.array([0, 1, 2], dtype=np.uint64),
         largest_bucket=2,
-        nodes={2: Node(0, 1, 2), 0: Node(0, 2, 0)},
+        nodes=_node_rows({2: Node(0, 1, 2), 0: Node(0, 2, 0)}),
         positions={"input.jsonl": 3, "topic/0": 2**40},
         verdicts={b"input.jsonl:0": b"\x00\xffverdict", b"k": b""},
     )
@@ -125,7 +131,7 @@ def test_round_trip(store: StateStore) -> None:
         bucket_ids=np.array([BUCKET_A], dtype=np.uint64),
         bucket_seqs=np.array([3], dtype=np.uint64),
         largest_bucket=3,
-        nodes={3: Node(0, 1, 3), 0: Node(0, 3, 0)},
+        nodes=_node_rows({3: Node(0, 1, 3), 0: Node(0, 3, 0)}),
         positions={"input.jsonl": 4},
     )
     store.commit(second)
@@ -302,7 +308,7 @@ while True:
         ids=[f"doc-{s}" for s in range(first, first + k)],
         bucket_ids=buckets[seqs % 8],
         bucket_seqs=seqs,
-        nodes=nodes,
+        nodes=np.array([(s, *n) for s, n in nodes.items()], dtype=np.uint64),
         positions={"input": first + k},
         verdicts={b"v%012d" % s: b"x" for s in range(first, first + k)},
     ))
@@ -415,3 +421,21 @@ def test_store_of_another_layout_is_refused(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(SettingsMismatchError, match="layout"):
         RocksDBStateStore(path, SETTINGS.state_shape())
+
+
+def test_forest_closure_reaches_roots_and_canonicals() -> None:
+    forest = Forest()
+    forest.grow(10)
+    # 7 -> 5 -> 2 (root, canonical 1); 1 -> 2; 9 -> 8 (root, canonical 8); the rest alone
+    seqs = np.array([7, 5, 1, 2, 9, 8])
+    forest.set(seqs, np.array([5, 2, 2, 2, 8, 8]), np.array([1, 1, 1, 4, 1, 2]),
+               np.array([7, 5, 1, 1, 9, 8]))
+    reach, canonicals = forest.closure(np.array([7, 3]))
+    assert reach.tolist() == [1, 2, 3, 5, 7] and canonicals.tolist() == [1, 3]
+    assert forest.node(7) == Node(5, 1, 7) and forest.node(3) is None and forest.node(10) is None
+    parent, size, canonical = forest.nodes(np.array([2, 4]))
+    assert (parent.tolist(), size.tolist(), canonical.tolist()) == ([2, 4], [4, 1], [1, 4])
+    forest.grow(12)
+    assert forest.node(11) is None and len(forest) == 12
+    with pytest.raises(IndexError):
+        forest.set(np.array([12]), np.array([0]), np.array([1]), np.array([0]))

@@ -11,7 +11,9 @@ For each batch, in passes over the whole batch:
    containment) of the shingle fingerprint sets with ``verify="exact"``, the MinHash
    estimate from the full signatures with ``verify="estimate"``. A candidate is
    accepted when its similarity reaches the threshold.
-4. Clustering, document by document in arrival order.
+4. Clustering, document by document in arrival order, compiled
+   (``neardup.core.cluster``), on a local copy of the union-find nodes the batch can
+   reach in the store's forest (``neardup.state.forest``).
 
 Accepted pairs form clusters through union-find; a cluster's id is its earliest document
 (the canonical). With the ``components`` policy every accepted pair is joined, so a chain
@@ -25,7 +27,7 @@ Nothing is written until the caller commits the batch's ``StateUpdate``, atomica
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,33 +36,24 @@ import numpy as np
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
+from neardup.core.cluster import (
+    CANONICAL,
+    COMPONENTS,
+    CONTAINMENT,
+    JACCARD,
+    Clustering,
+    Sets,
+    cluster_batch,
+)
 from neardup.core.overlap import intersection_sizes
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
-from neardup.core.unionfind import Node, peek_root, root_node, union
 from neardup.state.base import StateStore, StateUpdate
 from neardup.state.index import concat_ranges
 
 EMPTY_TEXT = "empty text after normalisation"
 NO_TOKENS = "no word tokens after normalisation"
-
-
-class _Outcome(NamedTuple):
-    """A verdict by seqs: what ``Verdict`` holds before the external ids are read
-    (-1: none; a canonical of -1 is the document itself)."""
-
-    seq: int
-    verdict: str = "unique"
-    similarity: float = 0.0
-    candidates: int = 0
-    rejected: int = 0
-    cluster_size: int = 1
-    jaccard: float = 0.0
-    containment: float = 0.0
-    match: int = -1
-    canonical: int = -1
-    related: int = -1
 
 
 class _BucketJoins(NamedTuple):
@@ -71,71 +64,12 @@ class _BucketJoins(NamedTuple):
     largest_bucket: int
 
 
-_UNKNOWN = Node(-1, 0, -1)  # a sentinel: not loaded yet
-
-
-class _StoredNodes(MutableMapping[int, Node]):
-    """Union-find nodes: the store's, overlaid with this batch's changes.
-
-    Documents from ``first_seq`` on belong to the batch: they have no stored node, so
-    they are never looked up.
-    """
-
-    def __init__(self, store: StateStore, first_seq: int) -> None:
-        self._store = store
-        self._first_seq = first_seq
-        self._loaded: dict[int, Node | None] = {}
-        self.changed: dict[int, Node] = {}
-
-    def prefetch(self, seqs: Sequence[int]) -> None:
-        """Load the nodes of ``seqs`` and of their ancestors up to the roots, one
-        multi-get per level of the stored trees."""
-        missing = [s for s in dict.fromkeys(seqs) if s < self._first_seq and s not in self._loaded]
-        while missing:
-            found = self._store.get_nodes(missing)
-            self._loaded.update(zip(missing, found))
-            parents = {n.parent for n in found if n is not None}
-            missing = [p for p in parents if p < self._first_seq and p not in self._loaded]
-
-    def get(self, seq: int, default: Node | None = None) -> Node | None:  # type: ignore[override]
-        node = self._loaded.get(seq, _UNKNOWN)
-        if node is _UNKNOWN:
-            if seq >= self._first_seq:
-                return default
-            self.prefetch([seq])
-            node = self._loaded[seq]
-        return default if node is None else node
-
-    def __getitem__(self, seq: int) -> Node:
-        node = self.get(seq)
-        if node is None:
-            raise KeyError(seq)
-        return node
-
-    def __setitem__(self, seq: int, node: Node) -> None:
-        self._loaded[seq] = node
-        self.changed[seq] = node
-
-    def __delitem__(self, seq: int) -> None:
-        raise TypeError("union-find nodes are never deleted")
-
-    def __iter__(self) -> Iterator[int]:
-        return (s for s, n in self._loaded.items() if n is not None)
-
-    def __len__(self) -> int:
-        return sum(n is not None for n in self._loaded.values())
-
-    def canonicals(self, seqs: Sequence[int]) -> set[int]:
-        """The canonicals of the stored clusters of ``seqs`` (after ``prefetch``), read
-        without path compression."""
-        return {peek_root(self, seq).canonical for seq in seqs}
-
-
-def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarray]:
+def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct shingle fingerprints (low 32 bits of the hashes) of ``docs``.
 
     Returns:
-        One uint32 array per document of ``docs`` (indices into ``shingles``).
+        (values uint32, shape (total,); offsets int64, shape (len(docs) + 1,)): the set of
+        ``docs[k]`` is ``values[offsets[k]:offsets[k + 1]]``.
     """
     counts = shingles.counts[docs]
     starts = shingles.offsets[docs]
@@ -147,64 +81,41 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> list[np.ndarra
     keep = np.ones(len(keys), dtype=bool)
     keep[1:] = keys[1:] != keys[:-1]
     keys = keys[keep]
-    bounds = np.searchsorted(keys >> np.uint64(32), np.arange(len(docs) + 1, dtype=np.uint64))
-    low = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    return [low[bounds[d] : bounds[d + 1]] for d in range(len(docs))]
+    offsets = np.searchsorted(keys >> np.uint64(32), np.arange(len(docs) + 1, dtype=np.uint64))
+    return (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), offsets.astype(np.int64)
 
 
-class _Corpus:
-    """Signatures, set sizes and fingerprints of documents, from the batch or the store."""
+def _similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Jaccard and containment (of set ``left[k]`` in set ``right[k]``) of each pair k.
 
-    def __init__(self, store: StateStore, first_seq: int, signatures: np.ndarray,
-                 sizes: np.ndarray, fingerprints: list[np.ndarray] | None) -> None:
-        self.store = store
-        self._sig = {first_seq + i: row for i, row in enumerate(signatures)}
-        self._size = {first_seq + i: int(n) for i, n in enumerate(sizes)}
-        self._fp = {} if fingerprints is None else {
-            first_seq + i: fp for i, fp in enumerate(fingerprints)
-        }
-        self.exact = fingerprints is not None
+    Args:
+        sets: the sets, by local id.
+        left, right: int64, shape (n_pairs,): local ids.
 
-    def prefetch(self, seqs: list[int]) -> None:
-        seqs = [q for q in seqs if q not in self._size]
-        if not seqs:
-            return
-        if self.exact:  # a set's size is its number of distinct fingerprints
-            fingerprints = self.store.get_fingerprints(seqs)
-            self._fp.update(zip(seqs, fingerprints))
-            self._size.update(zip(seqs, map(len, fingerprints)))
-        else:
-            self._size.update(zip(seqs, self.store.get_sizes(seqs).tolist()))
-            self._sig.update(zip(seqs, self.store.get_signatures(seqs)))
+    Returns:
+        Two float64 arrays of shape (n_pairs,). Exact: from the intersections of the
+        sorted fingerprint sets (``neardup.core.overlap``). Estimate: the share of equal
+        signature slots, and the intersection it implies.
+    """
+    size = sets.sizes[left].astype(np.float64)
+    sizes = sets.sizes[right].astype(np.float64)
+    if sets.signatures.shape[1] == 0:
+        inter = intersection_sizes(sets.values, sets.offsets, left, right).astype(np.float64)
+        jaccard = inter / (size + sizes - inter)
+    else:
+        jaccard = np.mean(sets.signatures[right] == sets.signatures[left], axis=1)
+        # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
+        inter = jaccard * (size + sizes) / (1.0 + jaccard)
+    containment = np.minimum(inter / size, 1.0) if len(left) else np.empty(0)
+    return jaccard, containment
 
-    def similarities(self, left: Sequence[int], right: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Jaccard and containment (of ``left[k]`` in ``right[k]``) of each pair k.
 
-        Args:
-            left, right: seqs of equal length, of the batch or of the store.
-
-        Returns:
-            Two float64 arrays of shape (len(left),). Exact: from the intersections of
-            the sorted fingerprint sets (``neardup.core.overlap``). Estimate: the share
-            of equal signature slots, and the intersection it implies.
-        """
-        if len(left) == 0:
-            return np.empty(0), np.empty(0)
-        self.prefetch(sorted(set(right) | set(left)))
-        size = np.array([self._size[q] for q in left], dtype=np.float64)
-        sizes = np.array([self._size[q] for q in right], dtype=np.float64)
-        if self.exact:
-            seqs, index = np.unique(np.concatenate([left, right]), return_inverse=True)
-            sets = [self._fp[q] for q in seqs.tolist()]
-            inter = intersection_sizes(sets, index[: len(left)], index[len(left) :]).astype(np.float64)
-            jaccard = inter / (size + sizes - inter)
-        else:
-            sigs = np.stack([self._sig[q] for q in right])
-            jaccard = np.mean(sigs == np.stack([self._sig[q] for q in left]), axis=1)
-            # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
-            inter = jaccard * (size + sizes) / (1.0 + jaccard)
-        containment = np.minimum(inter / size, 1.0)
-        return jaccard, containment
+def _at_match(values: np.ndarray, best: np.ndarray, empty: float) -> np.ndarray:
+    """``values[best]``, with ``empty`` where ``best`` is -1 (no match)."""
+    out = np.full(len(best), empty, dtype=values.dtype)
+    hit = best >= 0
+    out[hit] = values[best[hit]]
+    return out
 
 
 @dataclass
@@ -236,7 +147,8 @@ class PreparedBatch:
         rejected: reason per input document, None for a valid one.
         valid: int64, shape (n_valid,): indices of the valid documents.
         signatures: uint64, shape (n_valid, num_perm).
-        fingerprints: sorted uint32 shingle fingerprints per valid document.
+        fingerprints, fingerprint_offsets: the valid documents' sorted shingle
+            fingerprints as one array (``fingerprint_sets``).
         sizes: int64, shape (n_valid,): shingle-set sizes.
         buckets: uint64, shape (n_valid, bands): each document's bucket id in each band
             (``neardup.core.lsh.bucket_ids``).
@@ -245,24 +157,10 @@ class PreparedBatch:
     rejected: list[str | None]
     valid: np.ndarray
     signatures: np.ndarray
-    fingerprints: list[np.ndarray]
+    fingerprints: np.ndarray
+    fingerprint_offsets: np.ndarray
     sizes: np.ndarray
     buckets: np.ndarray
-
-    def __getstate__(self) -> dict[str, object]:
-        """Pickled with the fingerprints as one array (a batch crosses processes in a
-        few milliseconds instead of one pickle per document)."""
-        state = dict(self.__dict__)
-        state["fingerprints"] = (
-            np.concatenate([np.zeros(0, np.uint32), *self.fingerprints]),
-            np.cumsum([len(f) for f in self.fingerprints], dtype=np.int64),
-        )
-        return state
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        values, ends = state["fingerprints"]  # type: ignore[misc]
-        state["fingerprints"] = np.split(values, ends[:-1]) if len(ends) else []
-        self.__dict__.update(state)
 
 
 class Preparer:
@@ -284,7 +182,7 @@ class Preparer:
         counts = shingles.counts
         valid = np.flatnonzero(counts > 0)
         signatures = self.hasher.signatures(shingles)[valid]
-        fingerprints = fingerprint_sets(shingles, valid)
+        fingerprints, offsets = fingerprint_sets(shingles, valid)
         rejected = [
             None if n > 0 else (EMPTY_TEXT if not text else NO_TOKENS)
             for text, n in zip(texts, counts.tolist())
@@ -294,7 +192,8 @@ class Preparer:
             valid=valid,
             signatures=signatures,
             fingerprints=fingerprints,
-            sizes=np.array([len(f) for f in fingerprints], dtype=np.int64),
+            fingerprint_offsets=offsets,
+            sizes=np.diff(offsets),
             buckets=bucket_ids(band_hashes(signatures, s.bands)),
         )
 
@@ -329,64 +228,89 @@ class Detector:
         """
         s = self.settings
         p = prepared if prepared is not None else self.prepare(documents)
-        valid, signatures, fingerprints, sizes = p.valid, p.signatures, p.fingerprints, p.sizes
+        n = len(p.valid)
         first_seq = self.store.next_seq()
 
         # Pass 1: candidates of every document (bucket membership does not depend on
         # verdicts), for the whole batch at once.
-        candidates, joined = self._candidates(p.buckets, first_seq)
+        bounds, candidates, joined = self._candidates(p.buckets, first_seq)
 
-        # Pass 2: fetch what verification needs of the stored candidates, in multi-gets.
-        stored = sorted({c for cands in candidates for c in cands if c < first_seq})
-        corpus = _Corpus(self.store, first_seq, signatures, sizes,
-                         fingerprints if s.verify == "exact" else None)
-        corpus.prefetch(stored)
-        nodes = _StoredNodes(self.store, first_seq)
-        nodes.prefetch(stored)
-        if s.cluster_policy == "canonical":  # _join compares with the canonicals too
-            corpus.prefetch(sorted(nodes.canonicals(stored) - set(stored)))
+        # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
+        # seqs (the stored ones, then the batch), and the sets verification needs.
+        stored = np.unique(candidates[candidates < first_seq])
+        reach, canonicals = self.store.forest.closure(stored)
+        local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
+        first = len(reach)
+        parent, size, canonical = self.store.forest.nodes(reach)
+        parent = np.concatenate([np.searchsorted(reach, parent), np.arange(first, first + n)])
+        size = np.concatenate([size, np.ones(n, dtype=np.int64)])
+        canonical = np.concatenate([np.searchsorted(reach, canonical), np.arange(first, first + n)])
+        before = parent.copy(), size.copy(), canonical.copy()
+        needed = stored if s.cluster_policy == "components" else np.union1d(stored, canonicals)
+        sets = self._sets(p, local, first, needed)
 
         # Pass 3: verify every (document, candidate) pair at once.
-        counts = [len(c) for c in candidates]
-        left = [first_seq + i for i, n in enumerate(counts) for _ in range(n)]
-        jaccard, containment = corpus.similarities(left, [c for cands in candidates for c in cands])
+        pair_local = np.searchsorted(local, candidates)
+        doc_local = first + np.repeat(np.arange(n), np.diff(bounds))
+        jaccard, containment = _similarities(sets, doc_local, pair_local)
         similarity = containment if s.measure == "containment" else jaccard
-        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=bounds[1:])
 
-        # Pass 4: cluster, in arrival order.
-        outcomes: list[_Outcome] = []
-        links: list[tuple[int, int, float]] = []
-        for i, cands in enumerate(candidates):
-            seq = first_seq + i
-            if not cands:  # no candidate: unique, and nothing more to do
-                outcomes.append(_Outcome(seq))
-                continue
-            pairs = slice(bounds[i], bounds[i + 1])
-            outcomes.append(self._decide(seq, cands, similarity[pairs], jaccard[pairs],
-                                         containment[pairs], corpus, nodes, links))
+        # Pass 4: cluster, in arrival order, on the local nodes; the changed ones are stored.
+        decided = cluster_batch(
+            parent, size, canonical, first, bounds, pair_local, similarity, s.threshold,
+            COMPONENTS if s.cluster_policy == "components" else CANONICAL,
+            CONTAINMENT if s.measure == "containment" else JACCARD, sets)
+        changed = np.flatnonzero((parent != before[0]) | (size != before[1]) | (canonical != before[2]))
+        nodes = np.column_stack([local[changed], local[parent[changed]],
+                                 size[changed].astype(np.uint64), local[canonical[changed]]])
+        accepted = similarity >= s.threshold
+        links = list(zip(candidates[accepted].tolist(), local[doc_local[accepted]].tolist(),
+                         similarity[accepted].tolist()))
 
-        ids = [documents[i].id for i in valid]
-        named = iter(self._name(outcomes, ids, first_seq))
+        ids = [documents[i].id for i in p.valid]
+        named = iter(self._name(decided, bounds, candidates, local, similarity, jaccard,
+                                containment, ids, first_seq))
         results: list[Verdict | Rejected] = [
             next(named) if reason is None else Rejected(doc.id, reason)
             for doc, reason in zip(documents, p.rejected)
         ]
+        exact = s.verify == "exact"
         update = StateUpdate(
             first_seq=first_seq,
-            signatures=signatures,
-            store_signatures=s.verify == "estimate",
+            signatures=p.signatures,
+            store_signatures=not exact,
             ids=ids,
-            sizes=sizes,
-            fingerprints=fingerprints if s.verify == "exact" else None,
+            sizes=p.sizes,
+            fingerprints=p.fingerprints if exact else None,
+            fingerprint_offsets=p.fingerprint_offsets if exact else None,
             bucket_ids=joined.bucket_ids,
             bucket_seqs=joined.bucket_seqs,
             largest_bucket=joined.largest_bucket,
-            nodes=nodes.changed,
+            nodes=nodes,
         )
-        return BatchResult(results=results, update=update, signatures=signatures, links=links)
+        return BatchResult(results=results, update=update, signatures=p.signatures, links=links)
 
-    def _candidates(self, buckets: np.ndarray, first_seq: int) -> tuple[list[list[int]], _BucketJoins]:
+    def _sets(self, p: PreparedBatch, local: np.ndarray, first: int, needed: np.ndarray) -> Sets:
+        """The sets of the batch's documents (local ids ``first`` on) and of the stored
+        documents ``needed`` (a sorted subset of ``local[:first]``), read in multi-gets;
+        the other stored local ids get empty sets."""
+        at = np.searchsorted(local[:first], needed)
+        sizes = np.zeros(len(local), dtype=np.int64)
+        sizes[first:] = p.sizes
+        if self.settings.verify == "exact":
+            values, offsets = self.store.get_fingerprints(needed.tolist())
+            sizes[at] = np.diff(offsets)
+            all_offsets = np.zeros(len(local) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=all_offsets[1:])
+            return Sets(sizes, np.concatenate([values, p.fingerprints]), all_offsets,
+                        np.empty((len(local), 0), dtype=np.uint64))
+        sizes[at] = self.store.get_sizes(needed.tolist())
+        signatures = np.zeros((len(local), self.settings.num_perm), dtype=np.uint64)
+        signatures[at] = self.store.get_signatures(needed.tolist())
+        signatures[first:] = p.signatures
+        return Sets(sizes, np.zeros(0, np.uint32), np.zeros(len(local) + 1, np.int64), signatures)
+
+    def _candidates(self, buckets: np.ndarray, first_seq: int) -> tuple[np.ndarray, np.ndarray, _BucketJoins]:
         """Each document's candidates, and the bucket memberships the batch adds.
 
         Args:
@@ -394,9 +318,11 @@ class Detector:
             first_seq: the seq of the batch's first document.
 
         Returns:
-            ``candidates[i]``: ascending seqs of the documents sharing a bucket with
-            document i, stored or earlier in the batch; at most ``max_candidates``, those
-            sharing the most buckets first, earlier ones first among equals. And the
+            ``bounds`` (int64, shape (n + 1,)) and ``candidates`` (uint64): document i's
+            candidates are ``candidates[bounds[i]:bounds[i + 1]]``, the ascending seqs of
+            the documents sharing a bucket with it, stored or earlier in the batch; at
+            most ``max_candidates``, those sharing the most buckets first, earlier ones
+            first among equals. And the
             bucket memberships the batch adds: a document joins a bucket only while the
             bucket has fewer than ``max_bucket_size`` members (it is still compared
             with them).
@@ -440,9 +366,7 @@ class Detector:
             keep = np.zeros(len(pairs), dtype=bool)
             keep[ranked] = np.arange(len(ranked)) - first_of_doc < s.max_candidates
             pair_doc_of, seqs = pair_doc_of[keep], seqs[keep]
-        bounds = np.searchsorted(pair_doc_of, np.arange(n + 1)).tolist()
-        seq_list = seqs.tolist()
-        candidates = [seq_list[bounds[i] : bounds[i + 1]] for i in range(n)]
+        bounds = np.searchsorted(pair_doc_of, np.arange(n + 1))
 
         joins = np.sort(order[rank < room])  # document-major: seqs ascending per bucket
         added = np.bincount(inv[joins], minlength=len(keys))
@@ -451,64 +375,33 @@ class Detector:
             bucket_seqs=first_seq + doc[joins].astype(np.uint64),
             largest_bucket=int((stored.counts + added).max(initial=0)),
         )
-        return candidates, joined
+        return bounds, seqs, joined
 
-    def _decide(self, seq: int, candidates: list[int], similarity: np.ndarray,
-                jaccard: np.ndarray, containment: np.ndarray, corpus: _Corpus,
-                nodes: _StoredNodes, links: list[tuple[int, int, float]]) -> _Outcome:
-        """Accept ``seq``'s candidates by their similarities (float64, one per candidate)
-        and cluster it."""
-        s = self.settings
-        accepted = np.flatnonzero(similarity >= s.threshold).tolist()
-        if not accepted:
-            return _Outcome(seq, candidates=len(candidates), rejected=len(candidates))
-        values = similarity.tolist()
-        links += [(candidates[j], seq, values[j]) for j in accepted]
-        best = max(accepted, key=values.__getitem__)
-        match = candidates[best]
-        canonical, related, size = self._join(
-            seq, [candidates[j] for j in accepted], dict(zip(candidates, values)), match,
-            nodes, corpus)
-        return _Outcome(
-            seq, "duplicate", values[best], len(candidates), len(candidates) - len(accepted),
-            size, float(jaccard[best]), float(containment[best]), match, canonical, related)
-
-    def _join(self, seq: int, accepted: list[int], known: dict[int, float], match: int,
-              nodes: _StoredNodes, corpus: _Corpus) -> tuple[int, int, int]:
-        """Put ``seq`` into a cluster, given its accepted candidates and the similarity of
-        every candidate; returns (canonical, related canonical or -1, cluster size)."""
-        if self.settings.cluster_policy == "components":
-            for other in accepted:
-                union(nodes, other, seq)
-            root = root_node(nodes, seq)
-            return root.canonical, -1, root.size
-        # canonical policy: join the cluster whose canonical is most similar, if similar enough
-        canonicals = sorted({peek_root(nodes, c).canonical for c in accepted})
-        unknown = [c for c in canonicals if c not in known]
-        if unknown:
-            jaccard, containment = corpus.similarities([seq] * len(unknown), unknown)
-            computed = containment if self.settings.measure == "containment" else jaccard
-            known = {**known, **dict(zip(unknown, computed.tolist()))}
-        similarity = [known[c] for c in canonicals]
-        best = max(range(len(canonicals)), key=similarity.__getitem__)
-        if similarity[best] >= self.settings.threshold:
-            union(nodes, canonicals[best], seq)
-            root = root_node(nodes, seq)
-            return root.canonical, -1, root.size
-        return seq, peek_root(nodes, match).canonical, 1
-
-    def _name(self, outcomes: list[_Outcome], ids: list[str], first_seq: int) -> list[Verdict]:
+    def _name(self, decided: Clustering, bounds: np.ndarray, candidates: np.ndarray,
+              local: np.ndarray, similarity: np.ndarray, jaccard: np.ndarray,
+              containment: np.ndarray, ids: list[str], first_seq: int) -> list[Verdict]:
         """The verdicts, with the external ids of each document, match, cluster, related."""
-        wanted = sorted({q for o in outcomes for q in (o.match, o.canonical, o.related)
-                         if 0 <= q < first_seq})
-        known = dict(zip(wanted, self.store.get_ids(wanted)))
+        n = len(ids)
+        best = decided.match
+        duplicate = best >= 0
+        match = _at_match(candidates.astype(np.int64), best, -1)
+        cluster = local[decided.canonical].astype(np.int64)
+        related = np.where(decided.related >= 0, local[np.maximum(decided.related, 0)].astype(np.int64), -1)
+        wanted = np.unique(np.concatenate([match, cluster, related]))
+        wanted = wanted[(wanted >= 0) & (wanted < first_seq)].tolist()
+        known: dict[int, str | None] = dict(zip(wanted, self.store.get_ids(wanted)))
         known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
         known[-1] = None
+        counts = np.diff(bounds)
         return [
-            Verdict(doc_id, o.seq, o.verdict, known[o.seq if o.canonical < 0 else o.canonical],
-                    known[o.match], o.similarity, o.candidates, o.rejected, o.cluster_size,
-                    o.jaccard, o.containment, known[o.related])
-            for o, doc_id in zip(outcomes, ids)
+            Verdict(doc_id, seq, "duplicate" if dup else "unique", known[c], known[m], sim,
+                    k, k - a, size, j, con, known[r])
+            for doc_id, seq, dup, c, m, sim, k, a, size, j, con, r in zip(
+                ids, range(first_seq, first_seq + n), duplicate.tolist(), cluster.tolist(),
+                match.tolist(), _at_match(similarity, best, 0.0).tolist(), counts.tolist(),
+                decided.accepted.tolist(), decided.cluster_size.tolist(),
+                _at_match(jaccard, best, 0.0).tolist(), _at_match(containment, best, 0.0).tolist(),
+                related.tolist())
         ]
 
     def process(

@@ -13,40 +13,58 @@ from numba import njit
 
 
 @njit(nogil=True, cache=False)
+def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
+    """|set a ∩ set b| of flat sets (``values[offsets[a]:offsets[a + 1]]`` is set a)."""
+    i, i_end = offsets[a], offsets[a + 1]
+    j, j_end = offsets[b], offsets[b + 1]
+    n = 0
+    while i < i_end and j < j_end:
+        x, y = values[i], values[j]
+        if x == y:
+            n += 1
+            i += 1
+            j += 1
+        elif x < y:
+            i += 1
+        else:
+            j += 1
+    return n
+
+
+@njit(nogil=True, cache=False)
 def _merge_counts(values: np.ndarray, offsets: np.ndarray, left: np.ndarray,
                   right: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.empty(len(left), dtype=np.int64)
     for k in range(len(left)):
-        a, a_end = offsets[left[k]], offsets[left[k] + 1]
-        b, b_end = offsets[right[k]], offsets[right[k] + 1]
-        n = 0
-        while a < a_end and b < b_end:
-            x, y = values[a], values[b]
-            if x == y:
-                n += 1
-                a += 1
-                b += 1
-            elif x < y:
-                a += 1
-            else:
-                b += 1
-        out[k] = n
+        out[k] = merge_count(values, offsets, left[k], right[k])
     return out
 
 
-def intersection_sizes(sets: list[np.ndarray], left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    """|sets[left[k]] ∩ sets[right[k]]| for each pair k.
+def flatten(sets: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Sets as one array: (values uint32, shape (total,); offsets int64, shape
+    (len(sets) + 1,)), set k being ``values[offsets[k]:offsets[k + 1]]``."""
+    offsets = np.zeros(len(sets) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, sets), dtype=np.int64, count=len(sets)), out=offsets[1:])
+    values = np.concatenate(sets).astype(np.uint32, copy=False) if sets else np.zeros(0, np.uint32)
+    return values, offsets
+
+
+def intersection_sizes(values: np.ndarray, offsets: np.ndarray, left: np.ndarray,
+                       right: np.ndarray) -> np.ndarray:
+    """|set left[k] ∩ set right[k]| for each pair k.
 
     Args:
-        sets: sorted, distinct uint32 fingerprints per set.
-        left, right: int64, shape (n_pairs,): indices into ``sets``.
+        values: uint32, shape (total,): the sets' sorted, distinct fingerprints, one set
+            after the other.
+        offsets: int64, shape (n_sets + 1,): set k is ``values[offsets[k]:offsets[k + 1]]``.
+        left, right: int64, shape (n_pairs,): set indices.
 
     Returns:
         int64, shape (n_pairs,).
 
     Raises:
         ValueError: ``left`` and ``right`` differ in length.
-        IndexError: an index is outside ``sets``.
+        IndexError: an index is outside the sets.
     """
     if len(left) != len(right):
         raise ValueError(f"{len(left)} left and {len(right)} right indices")
@@ -54,10 +72,8 @@ def intersection_sizes(sets: list[np.ndarray], left: np.ndarray, right: np.ndarr
         return np.zeros(0, dtype=np.int64)
     left = np.asarray(left, dtype=np.int64)
     right = np.asarray(right, dtype=np.int64)
+    n_sets = len(offsets) - 1
     for side in (left, right):
-        if side.min() < 0 or side.max() >= len(sets):
-            raise IndexError(f"set index outside 0..{len(sets) - 1}")
-    offsets = np.zeros(len(sets) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, sets), dtype=np.int64, count=len(sets)), out=offsets[1:])
-    values = np.concatenate(sets).astype(np.uint32, copy=False) if sets else np.zeros(0, np.uint32)
+        if side.min() < 0 or side.max() >= n_sets:
+            raise IndexError(f"set index outside 0..{n_sets - 1}")
     return _merge_counts(values, offsets, left, right)

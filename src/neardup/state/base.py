@@ -11,6 +11,7 @@ import numpy as np
 from neardup.core.unionfind import Node
 
 if TYPE_CHECKING:
+    from neardup.state.forest import Forest
     from neardup.state.index import BucketMembers
 
 
@@ -44,13 +45,16 @@ class StateUpdate:
             verification): they are then checked for shape but not written.
         ids: external ids of the new documents, in sequence order.
         sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
-        fingerprints: their sorted shingle fingerprints (uint32 arrays), kept for exact
-            verification; None when the store keeps signatures only.
+        fingerprints, fingerprint_offsets: their sorted shingle fingerprints, kept for
+            exact verification, as one uint32 array and int64 offsets of shape
+            (n_new + 1,) (document k's are ``fingerprints[offsets[k]:offsets[k + 1]]``);
+            None when the store keeps signatures only.
         bucket_ids, bucket_seqs: uint64, shape (k,) each: the batch's new bucket
             memberships, document ``bucket_seqs[i]`` in bucket ``bucket_ids[i]``, seqs
             ascending among equal bucket ids.
         largest_bucket: members of the fullest bucket the batch added to.
-        nodes: union-find entries that changed.
+        nodes: uint64, shape (k, 4): the union-find entries that changed, one row
+            (seq, parent, size, canonical) each.
         positions: input source -> next position to read (line, offset, ...).
         verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
         verdict_deletes: keys of ``verdicts`` records no longer needed.
@@ -61,11 +65,12 @@ class StateUpdate:
     ids: list[str]
     store_signatures: bool = True
     sizes: np.ndarray | None = None
-    fingerprints: list[np.ndarray] | None = None
+    fingerprints: np.ndarray | None = None
+    fingerprint_offsets: np.ndarray | None = None
     bucket_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
     bucket_seqs: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
     largest_bucket: int = 0
-    nodes: dict[int, Node] = field(default_factory=dict)
+    nodes: np.ndarray = field(default_factory=lambda: np.empty((0, 4), np.uint64))
     positions: dict[str, int] = field(default_factory=dict)
     verdicts: dict[bytes, bytes] = field(default_factory=dict)
     verdict_deletes: list[bytes] = field(default_factory=list)
@@ -91,6 +96,11 @@ class StateStore(Protocol):
         """uint64, shape (len(seqs), num_perm). Raises KeyError for an unknown seq."""
         ...
 
+    @property
+    def forest(self) -> Forest:
+        """The committed union-find forest (``neardup.state.forest``); read-only."""
+        ...
+
     def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:
         """Union-find entries; None for a document never linked (a singleton)."""
         ...
@@ -103,9 +113,11 @@ class StateStore(Protocol):
         """int64, shape (len(seqs),): shingle-set sizes. Raises KeyError if unknown."""
         ...
 
-    def get_fingerprints(self, seqs: Sequence[int]) -> list[np.ndarray]:
-        """Sorted uint32 shingle fingerprints of each document. Raises KeyError if a
-        document has none stored (unknown, or a store without exact verification)."""
+    def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted shingle fingerprints of each document, as one array: (values
+        uint32, shape (total,); offsets int64, shape (len(seqs) + 1,)), document k's
+        being ``values[offsets[k]:offsets[k + 1]]``. Raises KeyError if a document has
+        none stored (unknown, or a store without exact verification)."""
         ...
 
     def get_position(self, source: str) -> int | None:

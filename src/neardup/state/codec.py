@@ -94,6 +94,20 @@ def decode_node(raw: bytes | None) -> Node | None:
     return None if raw is None else Node(*_NODE.unpack(raw))
 
 
+def encode_nodes(nodes: np.ndarray) -> list[bytes]:
+    """Node values of ``nodes`` (integers, shape (k, 3): parent, size, canonical)."""
+    raw = np.ascontiguousarray(nodes, dtype="<u8").tobytes()
+    width = _NODE.size
+    return [raw[i : i + width] for i in range(0, len(raw), width)]
+
+
+def decode_nodes(keys: list[bytes], values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """(seqs uint64 shape (k,), nodes uint64 shape (k, 3)) of ``nodes`` records."""
+    seqs = np.frombuffer(b"".join(keys), dtype=">u8").astype(np.uint64)
+    nodes = np.frombuffer(b"".join(values), dtype="<u8").astype(np.uint64).reshape(-1, 3)
+    return seqs, nodes
+
+
 _SIZE = struct.Struct("<I")
 
 
@@ -113,6 +127,22 @@ def encode_fingerprints(fingerprints: np.ndarray) -> bytes:
 def decode_fingerprints(raw: bytes) -> np.ndarray:
     """uint32, shape (set_size,), sorted."""
     return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
+
+
+def encode_fingerprint_sets(values: np.ndarray, offsets: np.ndarray) -> list[bytes]:
+    """One ``shingles`` value per set of ``values`` (uint32) cut at ``offsets`` (int64,
+    shape (n_sets + 1,))."""
+    raw = np.asarray(values, dtype="<u4").tobytes()
+    ends = (4 * np.asarray(offsets, dtype=np.int64)).tolist()
+    return [raw[a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+
+def decode_fingerprint_sets(raws: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Several ``shingles`` values as one array: (values uint32, shape (total,); offsets
+    int64, shape (len(raws) + 1,)), set k being ``values[offsets[k]:offsets[k + 1]]``."""
+    offsets = np.zeros(len(raws) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) // 4, out=offsets[1:])
+    return np.frombuffer(b"".join(raws), dtype="<u4").astype(np.uint32), offsets
 
 
 def encode_settings(settings: dict[str, Any]) -> bytes:

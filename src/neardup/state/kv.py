@@ -14,6 +14,7 @@ import numpy as np
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
+from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
 
 Put = tuple[str, bytes, bytes]  # (family, key, value)
@@ -82,6 +83,18 @@ class KeyValueStateStore:
         self.index = BucketIndex()
         for _, raw in self._scan("buckets"):
             self.index.add(*codec.decode_memberships(raw))
+        self._forest = Forest()
+        self._forest.grow(self._next_seq)
+        keys, values = [], []
+        for key, raw in self._scan("nodes"):
+            keys.append(key)
+            values.append(raw)
+        seqs, nodes = codec.decode_nodes(keys, values)
+        self._forest.set(seqs, nodes[:, 0], nodes[:, 1], nodes[:, 2])
+
+    @property
+    def forest(self) -> Forest:
+        return self._forest
 
     def next_seq(self) -> int:
         return self._next_seq
@@ -101,7 +114,7 @@ class KeyValueStateStore:
         return codec.decode_signatures(raws, self.num_perm)  # type: ignore[arg-type]
 
     def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:
-        return [codec.decode_node(r) for r in self._get_many("nodes", codec.seq_keys(list(seqs)))]
+        return [self._forest.node(seq) for seq in seqs]
 
     def _documents(self, seqs: Sequence[int]) -> list[tuple[int, str]]:
         raws = self._get_many("documents", codec.seq_keys(list(seqs)))
@@ -115,11 +128,11 @@ class KeyValueStateStore:
     def get_sizes(self, seqs: Sequence[int]) -> np.ndarray:
         return np.array([size for size, _ in self._documents(seqs)], dtype=np.int64)
 
-    def get_fingerprints(self, seqs: Sequence[int]) -> list[np.ndarray]:
+    def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         raws = self._get_many("shingles", codec.seq_keys(list(seqs)))
         if any(raw is None for raw in raws):
             raise KeyError("no shingle fingerprints stored for a document")
-        return [codec.decode_fingerprints(raw) for raw in raws]  # type: ignore[arg-type]
+        return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
 
     def get_position(self, source: str) -> int | None:
         raw = self._get("positions", source.encode("utf-8"))
@@ -152,14 +165,15 @@ class KeyValueStateStore:
             puts += [("signatures", key, sig_bytes[i * width : (i + 1) * width])
                      for i, key in enumerate(keys)]
         if update.fingerprints is not None:
-            puts += [("shingles", key, codec.encode_fingerprints(fp))
-                     for key, fp in zip(keys, update.fingerprints)]
+            puts += [("shingles", key, value) for key, value in
+                     zip(keys, codec.encode_fingerprint_sets(update.fingerprints, update.fingerprint_offsets))]
         if len(update.bucket_ids):
             puts.append(("buckets", codec.seq_key(update.first_seq),
                          codec.encode_memberships(update.bucket_ids, update.bucket_seqs)))
         max_bucket = max(self._max_bucket, update.largest_bucket)
-        for seq, node in update.nodes.items():
-            puts.append(("nodes", codec.seq_key(seq), codec.encode_node(node)))
+        nodes = np.asarray(update.nodes, dtype=np.uint64).reshape(-1, 4)
+        puts += [("nodes", key, value) for key, value in
+                 zip(codec.seq_keys(nodes[:, 0]), codec.encode_nodes(nodes[:, 1:]))]
         for source, position in update.positions.items():
             puts.append(("positions", source.encode("utf-8"), codec.encode_u64(position)))
         for key, value in update.verdicts.items():
@@ -170,3 +184,5 @@ class KeyValueStateStore:
         self._next_seq = update.next_seq
         self._max_bucket = max_bucket
         self.index.add(update.bucket_ids, update.bucket_seqs)
+        self._forest.grow(update.next_seq)
+        self._forest.set(nodes[:, 0], nodes[:, 1], nodes[:, 2], nodes[:, 3])

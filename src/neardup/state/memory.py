@@ -33,7 +33,8 @@ class MemoryStateStore(KeyValueStateStore):
 
     def stats(self) -> dict[str, int]:
         out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
-               "index_entries": len(self.index), "index_bytes": self.index.nbytes}
+               "index_entries": len(self.index), "index_bytes": self.index.nbytes,
+               "forest_bytes": self.forest.nbytes}
         for name, table in self._data.items():
             out[f"keys_{name}"] = len(table)
         out["bytes"] = sum(len(k) + len(v) for t in self._data.values() for k, v in t.items())

@@ -102,7 +102,8 @@ class RocksDBStateStore(KeyValueStateStore):
     def stats(self) -> dict[str, int]:
         """Documents, estimated keys per family, bytes of SST files and of memtables."""
         out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
-               "index_entries": len(self.index), "index_bytes": self.index.nbytes}
+               "index_entries": len(self.index), "index_bytes": self.index.nbytes,
+               "forest_bytes": self.forest.nbytes}
         sst = memtables = 0
         for name in ("default", *codec.FAMILIES):
             family = self._families[name]

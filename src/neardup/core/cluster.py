@@ -1,0 +1,182 @@
+"""Clustering a batch of verified candidates, document by document (compiled with numba).
+
+Accepted pairs (similarity at least the threshold) form clusters through union-find
+(``neardup.core.unionfind``); a cluster's id is its earliest document, the canonical.
+Two policies:
+
+- ``COMPONENTS``: every accepted pair is joined, so a chain A~B, B~C puts A and C
+  together however unlike they are (the connected components of the similarity graph).
+- ``CANONICAL`` (against that chaining): a document joins the cluster, among those of its
+  accepted candidates, whose canonical is most similar to it, and only when that
+  similarity reaches the threshold too. Otherwise it is still a duplicate of its best
+  match but starts its own cluster, and records its match's cluster as ``related``.
+  Clusters therefore never merge, and every member is similar to its canonical.
+
+Elements are local ids, ordered like the documents' arrival (so the smallest id is the
+earliest document). A similarity that the candidates did not give (a document against a
+canonical it did not meet in a bucket) is computed here from the documents' sets: exact,
+from sorted fingerprints (``neardup.core.overlap``), or estimated from MinHash signatures.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from neardup.core.overlap import merge_count
+from neardup.core.unionfind import find, peek_root, union
+
+COMPONENTS, CANONICAL = 0, 1
+JACCARD, CONTAINMENT = 0, 1
+
+
+class Sets(NamedTuple):
+    """The documents' sets, by local id, for similarities computed while clustering.
+
+    Attributes:
+        sizes: int64, shape (n,): shingle-set sizes.
+        values, offsets: the exact sets (``neardup.core.overlap.flatten``): uint32 sorted
+            fingerprints, and int64 offsets of shape (n + 1,). Empty when estimating.
+        signatures: uint64, shape (n, num_perm) when estimating; shape (n, 0) for exact.
+    """
+
+    sizes: np.ndarray
+    values: np.ndarray
+    offsets: np.ndarray
+    signatures: np.ndarray
+
+
+class Clustering(NamedTuple):
+    """What ``cluster_batch`` decided for each document of the batch (int64, shape (n,)).
+
+    Attributes:
+        match: index (into the pair arrays) of the best accepted candidate; -1 when no
+            candidate was accepted (a unique document).
+        accepted: candidates accepted.
+        canonical: local id of the canonical of the document's cluster (itself if alone).
+        cluster_size: documents in that cluster right after this document joined.
+        related: local id of the canonical of the match's cluster when the document
+            started its own cluster under ``CANONICAL``; -1 otherwise.
+    """
+
+    match: np.ndarray
+    accepted: np.ndarray
+    canonical: np.ndarray
+    cluster_size: np.ndarray
+    related: np.ndarray
+
+
+@njit(nogil=True, cache=False)
+def _similarity(a: int, b: int, measure: int, sizes: np.ndarray, values: np.ndarray,
+                offsets: np.ndarray, signatures: np.ndarray) -> float:  # pragma: no cover - compiled
+    """Jaccard of sets a and b, or the containment of a in b."""
+    size_a, size_b = sizes[a], sizes[b]
+    if signatures.shape[1] == 0:
+        inter = float(merge_count(values, offsets, a, b))
+        jaccard = inter / (size_a + size_b - inter)
+    else:
+        equal = 0
+        for k in range(signatures.shape[1]):
+            equal += signatures[a, k] == signatures[b, k]
+        jaccard = equal / signatures.shape[1]
+        # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
+        inter = jaccard * (size_a + size_b) / (1.0 + jaccard)
+    if measure == JACCARD:
+        return jaccard
+    return min(inter / size_a, 1.0)
+
+
+@njit(nogil=True, cache=False)
+def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
+             bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
+             threshold: float, policy: int, measure: int, sizes: np.ndarray,
+             values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
+    n = len(bounds) - 1
+    match = np.full(n, -1, dtype=np.int64)
+    accepted = np.zeros(n, dtype=np.int64)
+    cluster = np.arange(first, first + n).astype(np.int64)
+    cluster_size = np.ones(n, dtype=np.int64)
+    related = np.full(n, -1, dtype=np.int64)
+    seen = np.empty(max(len(candidates), 1), dtype=np.int64)
+    for i in range(n):
+        x = first + i
+        lo, hi = bounds[i], bounds[i + 1]
+        best = -1
+        for k in range(lo, hi):
+            if similarity[k] >= threshold:
+                accepted[i] += 1
+                if best < 0 or similarity[k] > similarity[best]:
+                    best = k
+        match[i] = best
+        if best < 0:
+            continue
+        if policy == COMPONENTS:
+            for k in range(lo, hi):
+                if similarity[k] >= threshold:
+                    union(parent, size, canonical, candidates[k], x)
+        else:
+            # the canonicals of the accepted candidates' clusters, ascending, distinct
+            m = 0
+            for k in range(lo, hi):
+                if similarity[k] >= threshold:
+                    seen[m] = canonical[peek_root(parent, candidates[k])]
+                    m += 1
+            ordered = np.sort(seen[:m])
+            target, target_similarity = -1, -1.0
+            for j in range(m):
+                c = ordered[j]
+                if j > 0 and c == ordered[j - 1]:
+                    continue
+                s = -1.0
+                for k in range(lo, hi):  # a candidate's similarity is known already
+                    if candidates[k] == c:
+                        s = similarity[k]
+                        break
+                if s < 0.0:
+                    s = _similarity(x, c, measure, sizes, values, offsets, signatures)
+                if s > target_similarity:
+                    target, target_similarity = c, s
+            if target_similarity < threshold:
+                related[i] = canonical[peek_root(parent, candidates[best])]
+                continue
+            union(parent, size, canonical, target, x)
+        root = find(parent, x)
+        cluster[i] = canonical[root]
+        cluster_size[i] = size[root]
+    return match, accepted, cluster, cluster_size, related
+
+
+def cluster_batch(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
+                  bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
+                  threshold: float, policy: int, measure: int, sets: Sets) -> Clustering:
+    """Cluster the documents ``first``, ``first + 1``, … in that order, updating the forest.
+
+    Args:
+        parent, size, canonical: int64, shape (n_local,): the union-find forest over local
+            ids (``neardup.core.unionfind``), changed in place. It must hold every
+            candidate with its ancestors and the canonicals of their clusters.
+        first: local id of the batch's first document; the batch's documents are
+            ``first`` to ``first + len(bounds) - 2``, after every other local id.
+        bounds: int64, shape (n + 1,): the candidates of document ``first + i`` are the
+            pairs ``bounds[i]`` to ``bounds[i + 1]``.
+        candidates: int64, shape (n_pairs,): local id of each pair's candidate.
+        similarity: float64, shape (n_pairs,): each pair's similarity (``measure``).
+        threshold: a pair is accepted when its similarity is at least this.
+        policy: ``COMPONENTS`` or ``CANONICAL``.
+        measure: ``JACCARD`` or ``CONTAINMENT`` (of the document in the other).
+        sets: the sets of the batch's documents and of the canonicals, for similarities
+            the pairs do not give (``CANONICAL`` only).
+
+    Returns:
+        The decisions per document (``Clustering``).
+    """
+    n = len(bounds) - 1
+    if len(candidates) != len(similarity) or (n >= 0 and bounds[-1] != len(candidates)):
+        raise ValueError("bounds, candidates and similarity disagree")
+    if policy not in (COMPONENTS, CANONICAL) or measure not in (JACCARD, CONTAINMENT):
+        raise ValueError(f"unknown policy {policy} or measure {measure}")
+    return Clustering(*_cluster(parent, size, canonical, first, bounds, candidates, similarity,
+                                float(threshold), policy, measure, sets.sizes, sets.values,
+                                sets.offsets, sets.signatures))
