@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.sparse.csgraph import connected_components
 
+from neardup.core.arrays import equal_ranges, sorted_unique
 from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Sets, cluster_batch
 from neardup.core.lsh import LshParams, band_hashes, optimal_params
 from neardup.core.minhash import (
@@ -590,6 +591,30 @@ def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measu
     match = [int(m) - int(bounds[i]) if m >= 0 else -1 for i, m in enumerate(got.match)]
     assert list(zip(match, got.accepted.tolist(), got.canonical.tolist(), got.cluster_size.tolist(),
                     got.related.tolist())) == expected
+
+
+# --- sorted arrays ----------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(st.integers(0, 30) | st.integers(0, 2**64 - 1), max_size=80),
+       st.sets(st.integers(0, 32) | st.integers(0, 2**64 - 1), max_size=30))
+def test_equal_ranges_match_searchsorted(haystack: list[int], needles: set[int]) -> None:
+    hay = np.array(sorted(haystack), dtype=np.uint64)
+    wanted = np.array(sorted(needles), dtype=np.uint64)
+    starts, counts = equal_ranges(hay, wanted)
+    assert starts.tolist() == np.searchsorted(hay, wanted, side="left").tolist()
+    assert counts.tolist() == (np.searchsorted(hay, wanted, side="right") - starts).tolist()
+    assert sorted_unique(hay).tolist() == sorted(set(haystack))
+
+
+def test_equal_ranges_refuse_unsorted_needles() -> None:
+    with pytest.raises(ValueError):
+        equal_ranges(np.arange(5, dtype=np.uint64), np.array([3, 1], dtype=np.uint64))
+    with pytest.raises(ValueError):
+        equal_ranges(np.arange(5, dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
+    with pytest.raises(ValueError):
+        equal_ranges(np.arange(5, dtype=np.uint64), np.array([1], dtype=np.int64))
 
 
 # --- exact overlap ------------------------------------------------------------------------

@@ -402,6 +402,13 @@ def test_bucket_index_matches_a_dict_of_lists(max_run: int, monkeypatch: pytest.
         assert found.counts.tolist() == [len(reference.get(b, [])) for b in asked.tolist()]
         assert [found.seqs[found.owner == i].tolist() for i in range(len(asked))] == [
             reference.get(b, []) for b in asked.tolist()]
+        shuffled = rng.permutation(asked)  # any order of distinct ids answers alike
+        found = index.lookup(shuffled)
+        assert (np.diff(found.owner) >= 0).all()
+        assert [found.seqs[found.owner == i].tolist() for i in range(len(shuffled))] == [
+            reference.get(b, []) for b in shuffled.tolist()]
+    with pytest.raises(ValueError):
+        index.lookup(np.array([5, 5], dtype=np.uint64))
     assert len(index) == seq
     if max_run > seq:
         assert index.runs <= 8  # merged into O(log n) runs

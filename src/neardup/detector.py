@@ -36,6 +36,7 @@ import numpy as np
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
+from neardup.core.arrays import concat_ranges, sorted_unique
 from neardup.core.cluster import (
     CANONICAL,
     COMPONENTS,
@@ -50,7 +51,6 @@ from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.state.base import StateStore, StateUpdate
-from neardup.state.index import concat_ranges
 
 EMPTY_TEXT = "empty text after normalisation"
 NO_TOKENS = "no word tokens after normalisation"
@@ -237,7 +237,7 @@ class Detector:
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
-        stored = np.unique(candidates[candidates < first_seq])
+        stored = sorted_unique(candidates[candidates < first_seq])
         reach, canonicals = self.store.forest.closure(stored)
         local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
         first = len(reach)
@@ -246,7 +246,7 @@ class Detector:
         size = np.concatenate([size, np.ones(n, dtype=np.int64)])
         canonical = np.concatenate([np.searchsorted(reach, canonical), np.arange(first, first + n)])
         before = parent.copy(), size.copy(), canonical.copy()
-        needed = stored if s.cluster_policy == "components" else np.union1d(stored, canonicals)
+        needed = stored if s.cluster_policy == "components" else sorted_unique(np.concatenate([stored, canonicals]))
         sets = self._sets(p, local, first, needed)
 
         # Pass 3: verify every (document, candidate) pair at once.
@@ -387,7 +387,7 @@ class Detector:
         match = _at_match(candidates.astype(np.int64), best, -1)
         cluster = local[decided.canonical].astype(np.int64)
         related = np.where(decided.related >= 0, local[np.maximum(decided.related, 0)].astype(np.int64), -1)
-        wanted = np.unique(np.concatenate([match, cluster, related]))
+        wanted = sorted_unique(np.concatenate([match, cluster, related]))
         wanted = wanted[(wanted >= 0) & (wanted < first_seq)].tolist()
         known: dict[int, str | None] = dict(zip(wanted, self.store.get_ids(wanted)))
         known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from neardup.core.arrays import sorted_unique
 from neardup.core.unionfind import Node
 
 
@@ -85,21 +86,21 @@ class Forest:
             their ancestors up to the roots, the roots' canonicals and those canonicals'
             ancestors; ``canonicals`` the roots' canonicals alone.
         """
-        seqs = np.unique(np.asarray(seqs, dtype=np.int64))
+        seqs = sorted_unique(np.asarray(seqs, dtype=np.int64))
         parent = self._parent
         reach = [seqs]
         frontier = seqs
         while len(frontier):  # one level of ancestors per step; trees are shallow
             up = parent[frontier].astype(np.int64)
-            frontier = np.unique(up[up != frontier])
+            frontier = sorted_unique(up[up != frontier])
             reach.append(frontier)
-        nodes = np.unique(np.concatenate(reach))
+        nodes = sorted_unique(np.concatenate(reach))
         roots = nodes[parent[nodes] == nodes]
-        canonicals = np.unique(self._canonical[roots].astype(np.int64))
+        canonicals = sorted_unique(self._canonical[roots].astype(np.int64))
         reach.append(canonicals)
         frontier = canonicals
         while len(frontier):
             up = parent[frontier].astype(np.int64)
-            frontier = np.unique(up[up != frontier])
+            frontier = sorted_unique(up[up != frontier])
             reach.append(frontier)
-        return np.unique(np.concatenate(reach)).astype(np.uint64), canonicals.astype(np.uint64)
+        return sorted_unique(np.concatenate(reach)).astype(np.uint64), canonicals.astype(np.uint64)
