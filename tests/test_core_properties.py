@@ -29,6 +29,7 @@ from neardup.core.minhash import (
 from neardup.core.normalize import TextNorm, normalize
 from neardup.core.overlap import flatten, intersection_sizes
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
+from neardup.core.xxh3 import xxh3_spans
 from neardup.core.unionfind import find, peek_root, singletons, union
 
 P = MERSENNE_61
@@ -164,7 +165,7 @@ def test_shingle_batch_equals_concatenated_single_documents(
 @given(st.lists(st.one_of(ANY_TEXTS, st.text(st.characters(codec="utf-8"), max_size=30),
                           st.text(st.characters(categories=["Cs", "Mn", "Lo", "Nd", "Zs"]), max_size=12)),
                 max_size=8))
-@example(["naïve café", "", "日本語のテキスト", "emoji 😀x😀 ok", "e\u0301\ud800x", "a_b-c"])
+@example(["naïve café", "", "日本語のテキスト", "emoji 😀x😀 ok", "e\u0301\ud800x", "a_b-c", "ü" * 70 + " " + "x" * 300])
 def test_word_tokens_are_regex_tokens_hashed_with_xxh3(texts: list[str]) -> None:
     """Word 1-grams are the ``\\w+`` tokens of each text, each hashed with xxh3-64 of its
     UTF-8 bytes (lone surrogates passed through)."""
@@ -173,6 +174,30 @@ def test_word_tokens_are_regex_tokens_hashed_with_xxh3(texts: list[str]) -> None
         expected = [xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass"))
                     for t in re.findall(r"\w+", text)]
         assert _doc_hashes(batch, d) == expected
+
+
+@FAST
+@given(st.binary(max_size=400), st.lists(st.tuples(st.integers(0, 400), st.integers(0, 300)), max_size=30))
+def test_xxh3_spans_equal_the_library(data: bytes, spans: list[tuple[int, int]]) -> None:
+    """Every length class of XXH3 (0, 1-3, 4-8, 9-16, 17-128 compiled; longer by the
+    library) gives the library's value."""
+    spans = [(min(a, len(data)), min(a + n, len(data))) for a, n in spans]
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    ends = np.array([b for _, b in spans], dtype=np.int64)
+    got = xxh3_spans(np.frombuffer(data, dtype=np.uint8), starts, ends)
+    assert got.dtype == np.uint64
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in spans]
+
+
+def test_xxh3_spans_every_short_length() -> None:
+    data = np.random.default_rng(3).integers(0, 256, 600, dtype=np.uint8)
+    lengths = np.arange(0, 260)
+    got = xxh3_spans(data, 7 + lengths * 0, 7 + lengths)
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(data[7 : 7 + n].tobytes()) for n in lengths]
+    with pytest.raises(ValueError):
+        xxh3_spans(data, np.array([5]), np.array([4]))
+    with pytest.raises(ValueError):
+        xxh3_spans(data, np.array([0]), np.array([601]))
 
 
 @FAST

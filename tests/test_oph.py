@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neardup.core.hashing import mix64
 from neardup.core.minhash import MinHasher, jaccard_estimate, make_hasher
 from neardup.core.oph import EMPTY, OnePermutationHasher
 from neardup.core.shingle import ShingleBatch
@@ -69,3 +71,33 @@ def test_batch_equals_single_and_empty_documents_stay_empty():
 def test_make_hasher():
     assert isinstance(make_hasher("oph", 32, 1), OnePermutationHasher)
     assert isinstance(make_hasher("classic", 32, 1), MinHasher)
+
+
+def _reference_signatures(hasher: OnePermutationHasher, batch: ShingleBatch) -> np.ndarray:
+    """The definition in plain numpy: least hash per bin, then each empty bin of a
+    non-empty document from its first reached probe, else from the first reached bin."""
+    k = hasher.num_perm
+    h = mix64(batch.hashes ^ hasher._salt) >> np.uint64(1)
+    bins = (((h >> np.uint64(31)) * np.uint64(k)) >> np.uint64(32)).astype(np.int64)
+    docs = np.repeat(np.arange(len(batch)), batch.counts)
+    raw = np.full(len(batch) * k, EMPTY, dtype=np.uint64)
+    np.minimum.at(raw, docs * k + bins, h)
+    raw = raw.reshape(len(batch), k)
+    out = raw.copy()
+    for d in np.flatnonzero(batch.counts > 0):
+        reached = np.flatnonzero(raw[d] != EMPTY)
+        for j in np.flatnonzero(raw[d] == EMPTY):
+            probes = hasher._probes[j]
+            hit = probes[raw[d, probes] != EMPTY]
+            out[d, j] = raw[d, hit[0] if len(hit) else reached[0]]
+    return out
+
+
+@pytest.mark.parametrize("num_perm", [1, 16, 128])
+def test_signatures_follow_the_definition(num_perm: int) -> None:
+    rng = np.random.default_rng(num_perm)
+    counts = np.array([0, 1, 2, 3, 50, 0, 400, 128, 5])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    batch = ShingleBatch(rng.integers(0, 2**64, int(offsets[-1]), dtype=np.uint64), offsets)
+    hasher = OnePermutationHasher(num_perm, seed=5)
+    assert np.array_equal(hasher.signatures(batch), _reference_signatures(hasher, batch))

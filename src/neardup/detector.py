@@ -46,7 +46,7 @@ from neardup.core.cluster import (
     Sets,
     cluster_batch,
 )
-from neardup.core.overlap import intersection_sizes
+from neardup.core.overlap import fingerprints, intersection_sizes
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
@@ -69,20 +69,9 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> tuple[np.ndarr
 
     Returns:
         (values uint32, shape (total,); offsets int64, shape (len(docs) + 1,)): the set of
-        ``docs[k]`` is ``values[offsets[k]:offsets[k + 1]]``.
+        ``docs[k]`` is ``values[offsets[k]:offsets[k + 1]]`` (``neardup.core.overlap.fingerprints``).
     """
-    counts = shingles.counts[docs]
-    starts = shingles.offsets[docs]
-    idx = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-    idx += np.arange(int(counts.sum()))
-    owner = np.repeat(np.arange(len(docs), dtype=np.uint64), counts)
-    keys = (owner << np.uint64(32)) | (shingles.hashes[idx] & np.uint64(0xFFFFFFFF))
-    keys.sort()
-    keep = np.ones(len(keys), dtype=bool)
-    keep[1:] = keys[1:] != keys[:-1]
-    keys = keys[keep]
-    offsets = np.searchsorted(keys >> np.uint64(32), np.arange(len(docs) + 1, dtype=np.uint64))
-    return (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), offsets.astype(np.int64)
+    return fingerprints(shingles.hashes, shingles.offsets, docs)
 
 
 def _similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

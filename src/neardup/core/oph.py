@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 from neardup.core.hashing import mix64
 from neardup.core.shingle import ShingleBatch
@@ -27,6 +28,46 @@ EMPTY = np.uint64(np.iinfo(np.uint64).max)
 #: shingles, with probability about (1 - 1/num_perm)^MAX_PROBES) takes the value of the
 #: document's first reached bin.
 MAX_PROBES = 4096
+
+
+@njit(nogil=True)
+def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) -> np.ndarray:  # pragma: no cover - compiled
+    """uint64, shape (n_docs, k): the least ``h`` of each document in each bin
+    (``EMPTY`` where none), documents being the ranges of ``offsets``."""
+    n_docs = len(offsets) - 1
+    raw = np.full((n_docs, k), EMPTY, dtype=np.uint64)
+    for d in range(n_docs):
+        for i in range(offsets[d], offsets[d + 1]):
+            if h[i] < raw[d, bins[i]]:
+                raw[d, bins[i]] = h[i]
+    return raw
+
+
+
+@njit(nogil=True)
+def _densify(raw: np.ndarray, nonempty: np.ndarray, probes: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Fill each empty bin j of a non-empty document from bin ``probes[j, t]`` for the
+    first t that was reached, else from the document's first reached bin."""
+    out = raw.copy()
+    n_docs, k = raw.shape
+    for d in range(n_docs):
+        if not nonempty[d]:
+            continue
+        first = -1
+        for j in range(k):
+            if raw[d, j] != EMPTY:
+                first = j
+                break
+        for j in range(k):
+            if raw[d, j] != EMPTY:
+                continue
+            out[d, j] = raw[d, first]
+            for t in range(probes.shape[1]):
+                src = probes[j, t]
+                if raw[d, src] != EMPTY:
+                    out[d, j] = raw[d, src]
+                    break
+    return out
 
 
 @dataclass(frozen=True)
@@ -65,26 +106,11 @@ class OnePermutationHasher:
         k, n_docs = self.num_perm, len(batch)
         h = mix64(batch.hashes ^ self._salt) >> np.uint64(1)
         bins = ((h >> np.uint64(31)) * np.uint64(k)) >> np.uint64(32)  # Lemire's range map
-        docs = np.repeat(np.arange(n_docs, dtype=np.int64), batch.counts)
-        raw = np.full(n_docs * k, EMPTY, dtype=np.uint64)
-        np.minimum.at(raw, docs * k + bins.astype(np.int64), h)
-        raw = raw.reshape(n_docs, k)
+        raw = _bin_minima(h, bins.astype(np.int64), batch.offsets, k)
         return self._densify(raw, batch.counts > 0)
 
     def _densify(self, raw: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
-        out = raw.copy()
-        reached = raw != EMPTY
-        rows, cols = np.nonzero(~reached & nonempty[:, None])
-        for t in range(MAX_PROBES):
-            if len(rows) == 0:
-                return out
-            src = self._probes[cols, t]
-            hit = reached[rows, src]
-            out[rows[hit], cols[hit]] = raw[rows[hit], src[hit]]
-            rows, cols = rows[~hit], cols[~hit]
-        first = np.argmax(reached[rows], axis=1)
-        out[rows, cols] = raw[rows, first]
-        return out
+        return _densify(raw, nonempty, self._probes)
 
     def signature(self, shingle_hashes: np.ndarray) -> np.ndarray:
         """The signature (uint64, shape (num_perm,)) of one set of shingle hashes."""

@@ -40,6 +40,38 @@ def _merge_counts(values: np.ndarray, offsets: np.ndarray, left: np.ndarray,
     return out
 
 
+@njit(nogil=True, cache=False)
+def _distinct_low32(hashes: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    values = np.empty(offsets[-1], dtype=np.uint32)
+    out = np.zeros(len(docs) + 1, dtype=np.int64)
+    n = 0
+    for i in range(len(docs)):
+        d = docs[i]
+        part = (hashes[offsets[d] : offsets[d + 1]] & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        part.sort()
+        for j in range(len(part)):
+            if j == 0 or part[j] != part[j - 1]:
+                values[n] = part[j]
+                n += 1
+        out[i + 1] = n
+    return values[:n].copy(), out
+
+
+def fingerprints(hashes: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted distinct fingerprints (low 32 bits of the hashes) of documents ``docs``.
+
+    Args:
+        hashes: uint64, shape (total,): every document's hashes, one after the other.
+        offsets: int64, shape (n_docs + 1,): document d's are ``hashes[offsets[d]:offsets[d + 1]]``.
+        docs: int64, shape (k,): the documents wanted, in output order.
+
+    Returns:
+        (values uint32, offsets int64 of shape (k + 1,)): the sets, as in ``flatten``.
+    """
+    return _distinct_low32(np.asarray(hashes, dtype=np.uint64), np.asarray(offsets, dtype=np.int64),
+                           np.asarray(docs, dtype=np.int64))
+
+
 def flatten(sets: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Sets as one array: (values uint32, shape (total,); offsets int64, shape
     (len(sets) + 1,)), set k being ``values[offsets[k]:offsets[k + 1]]``."""

@@ -3,7 +3,7 @@
 A document's shingles are its word n-grams over Unicode word tokens (``\\w+``) or its
 character n-grams. Word tokens are found for the whole batch at once (a table of the
 code points ``\\w`` matches, applied with numpy) and hashed once each with xxh3-64 of
-their UTF-8 bytes; character shingles use the code points. An n-gram's hash is the
+their UTF-8 bytes (compiled, ``neardup.core.xxh3``); character shingles use the code points. An n-gram's hash is the
 order-sensitive ``combine`` of its n token hashes, computed with n - 1 vectorised passes
 over the whole batch. A document with fewer than n
 tokens gives one shingle of all its tokens; a document with no token gives none (callers
@@ -20,9 +20,9 @@ from functools import cache
 from typing import Literal
 
 import numpy as np
-import xxhash
 
 from neardup.core.hashing import combine, mix64
+from neardup.core.xxh3 import xxh3_spans
 
 _WORD = re.compile(r"\w+")
 
@@ -105,41 +105,45 @@ def _word_characters() -> np.ndarray:
     return table
 
 
-def _word_tokens(texts: Sequence[str]) -> tuple[list[bytes], np.ndarray]:
-    """The ``\\w+`` tokens of ``texts`` as UTF-8 bytes, all documents' in one list, and
-    the number of tokens of each document (int64, shape (n_texts,)).
+def _word_spans(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where the ``\\w+`` tokens of ``texts`` lie in their UTF-8 bytes, all at once.
 
-    One pass over the batch instead of a regex per text: every code point outside
-    ``\\w`` becomes a space in the UTF-8 bytes (each byte of a multi-byte character takes
-    its character's class), then one ``bytes.split``.
+    One pass over the batch instead of a regex per text: the texts are joined by spaces
+    (no word character, so no token spans two texts) and encoded once; each byte of a
+    multi-byte character takes its character's class from a table of the code points
+    ``\\w`` matches.
+
+    Returns:
+        (data, starts, ends, counts): the joined UTF-8 bytes (uint8); each token's byte
+        span (int64 starts and ends, text order); the number of tokens of each text
+        (int64, shape (n_texts,)).
     """
-    joined = " ".join(texts)  # a space is no word character: no token spans two texts
+    joined = " ".join(texts)
     lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)) + 1
     text_starts = np.zeros(len(texts), dtype=np.int64)
     np.cumsum(lengths[:-1], out=text_starts[1:])
     if joined.isascii():
-        raw = np.frombuffer(joined.encode("ascii"), dtype=np.uint8)
-        word = _word_characters()[raw]
+        data = np.frombuffer(joined.encode("ascii"), dtype=np.uint8)
+        word = _word_characters()[data]
     else:
         points = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
         byte_starts = np.zeros(len(points) + 1, dtype=np.int64)
         np.cumsum(widths, out=byte_starts[1:])
         text_starts = byte_starts[text_starts]
-        raw = np.frombuffer(joined.encode("utf-8", "surrogatepass"), dtype=np.uint8)
+        data = np.frombuffer(joined.encode("utf-8", "surrogatepass"), dtype=np.uint8)
         word = np.repeat(_word_characters()[points], widths)
-    token_starts = np.flatnonzero(word & ~np.concatenate([[False], word[:-1]]))
-    counts = np.diff(np.searchsorted(token_starts, text_starts), append=len(token_starts))
-    return np.where(word, raw, np.uint8(32)).tobytes().split(), counts
+    edges = np.flatnonzero(np.diff(word, prepend=False, append=False))  # starts, ends alternate
+    starts, ends = edges[0::2], edges[1::2]
+    counts = np.diff(np.searchsorted(starts, text_starts), append=len(starts))
+    return data, starts, ends, counts
 
 
 def _token_hashes(texts: Sequence[str], shingling: Shingling) -> tuple[np.ndarray, np.ndarray]:
     """Token hashes (uint64, shape (n_tokens,)) and per-document token offsets."""
     if shingling.kind == "word":
-        tokens, counts = _word_tokens(texts)
-        hashes = np.fromiter(
-            map(xxhash.xxh3_64_intdigest, tokens), dtype=np.uint64, count=len(tokens)
-        )
+        data, starts, ends, counts = _word_spans(texts)
+        hashes = xxh3_spans(data, starts, ends)  # = xxhash.xxh3_64_intdigest of each token
     else:
         counts = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         codepoints = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
