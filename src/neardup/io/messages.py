@@ -38,6 +38,9 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 
 
+_VERDICT_HEADERS = {name: (HEADER_VERDICT, name.encode()) for name in ("unique", "duplicate")}
+
+
 def _key_field(key: str) -> bytes:
     """A header key as stored in an outcome record: length u16 LE, then UTF-8."""
     raw = key.encode("utf-8")
@@ -180,17 +183,26 @@ class Outcome:
 
     @classmethod
     def of_verdict(cls, verdict: Verdict) -> Outcome:
+        """The outcome of a verdict: target unique or duplicate; headers verdict,
+        cluster, match (empty when None), similarity, jaccard and containment (decimal
+        text, 6 decimals), and related when not None; ids in UTF-8.
+
+        Raises:
+            UnicodeEncodeError: an id with lone surrogates.
+        """
+        name = verdict.verdict
+        match = verdict.match
         headers: Headers = [
-            (HEADER_VERDICT, verdict.verdict.encode()),
-            (HEADER_CLUSTER, verdict.cluster.encode("utf-8")),
-            (HEADER_MATCH, (verdict.match or "").encode("utf-8")),
-            (HEADER_SIMILARITY, f"{verdict.similarity:.6f}".encode()),
-            (HEADER_JACCARD, f"{verdict.jaccard:.6f}".encode()),
-            (HEADER_CONTAINMENT, f"{verdict.containment:.6f}".encode()),
+            _VERDICT_HEADERS.get(name) or (HEADER_VERDICT, name.encode()),
+            (HEADER_CLUSTER, verdict.cluster.encode()),
+            (HEADER_MATCH, b"" if match is None else match.encode()),
+            (HEADER_SIMILARITY, b"%.6f" % verdict.similarity),
+            (HEADER_JACCARD, b"%.6f" % verdict.jaccard),
+            (HEADER_CONTAINMENT, b"%.6f" % verdict.containment),
         ]
         if verdict.related is not None:
-            headers.append((HEADER_RELATED, verdict.related.encode("utf-8")))
-        return cls("duplicate" if verdict.is_duplicate else "unique", headers)
+            headers.append((HEADER_RELATED, verdict.related.encode()))
+        return cls("duplicate" if name == "duplicate" else "unique", headers)
 
     @classmethod
     def of_error(cls, kind: str, reason: str, topic: str, partition: int, offset: int) -> Outcome:
