@@ -34,6 +34,8 @@ RECORD_VERSION = 1
 _TARGETS: tuple[Target, ...] = ("unique", "duplicate", "dlq")
 _TARGET_CODES = {t: i for i, t in enumerate(_TARGETS)}
 _RECORD_HEAD = struct.Struct("<BBHH")  # version, target, error kind length + 1, headers
+#: A message offset in ``verdict_key``: u64 BE.
+OFFSET_BE = struct.Struct(">Q")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 
@@ -221,8 +223,18 @@ def source_name(topic: str, partition: int) -> str:
 
 
 def verdict_key(topic: str, partition: int, offset: int) -> bytes:
-    """Key of a message's stored ``Outcome``: ``topic:partition``, NUL, offset u64 BE."""
-    return f"{topic}:{partition}".encode() + b"\0" + struct.pack(">Q", offset)
+    """Key of a message's stored ``Outcome``: ``topic:partition`` (UTF-8), NUL, offset
+    u64 BE (``verdict_key_prefix`` + ``OFFSET_BE.pack(offset)``).
+
+    Raises:
+        struct.error: an offset outside 0 .. 2**64 - 1.
+    """
+    return verdict_key_prefix(topic, partition) + OFFSET_BE.pack(offset)
+
+
+def verdict_key_prefix(topic: str, partition: int) -> bytes:
+    """The part of ``verdict_key`` shared by a partition's messages, NUL included."""
+    return f"{topic}:{partition}".encode() + b"\0"
 
 
 def to_document(
