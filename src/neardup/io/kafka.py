@@ -98,11 +98,13 @@ from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, PreparedBatch
 from neardup.io.messages import (
+    OFFSET_BE,
     MessageError,
     Outcome,
     source_name,
     to_document,
     verdict_key,
+    verdict_key_prefix,
 )
 from neardup.pipeline import PrepareWorker, WorkerDied
 from neardup.state.base import StateStore
@@ -140,6 +142,19 @@ class BatchStats:
     verdicts: list[Verdict] = field(default_factory=list)
     timestamps_ms: list[int] = field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Partition:
+    """What ``_process`` needs of one input partition of a batch: its verdict key prefix,
+    state source name and output topics (by target); the next offset to commit and the
+    new input position (last offset of a message processed anew + 1, None if none)."""
+
+    key_prefix: bytes
+    source: str
+    topics: dict[str, str]
+    next_offset: int = 0
+    position: int | None = None
 
 
 @dataclass
@@ -550,42 +565,67 @@ class KafkaDeduplicator:
         assert self.producer is not None and self.consumer is not None
         self._delivery_errors.clear()
         self.producer.begin_transaction()
-        next_offsets: dict[tuple[str, int], int] = {}
+        # Per message: the hot loop. What depends on the partition only is looked up once.
+        partitions: dict[tuple[str, int], _Partition] = {}
+        keys: list[bytes] = []  # verdict keys of all the batch's messages (items are 1:1)
         update = result.update
+        stored = update.verdicts
+        timestamps = stats.timestamps_ms
+        dead_letter = stats.dead_letter
+        unique = duplicate = 0
+        produce, delivered = self.producer.produce, self._delivered
+        pack_offset = OFFSET_BE.pack
         for it in items:
             m = it.message
+            offset = m.offset()
             tp = (m.topic(), m.partition())
-            next_offsets[tp] = max(next_offsets.get(tp, 0), m.offset() + 1)
-            if it.outcome is None:
+            part = partitions.get(tp)
+            if part is None:
+                part = partitions[tp] = self._partition(*tp)
+            key = part.key_prefix + pack_offset(offset)
+            keys.append(key)
+            if offset >= part.next_offset:
+                part.next_offset = offset + 1
+            outcome = it.outcome
+            if outcome is None:
                 continue
             if not it.replay:
-                update.verdicts[verdict_key(*tp, m.offset())] = it.outcome.to_bytes()
-                update.positions[source_name(*tp)] = m.offset() + 1
-            self._produce(m, it.outcome)
-            if it.outcome.target == "dlq":
-                kind = it.outcome.error_kind or "unknown"
-                stats.dead_letter[kind] = stats.dead_letter.get(kind, 0) + 1
-            elif it.outcome.target == "duplicate":
-                stats.duplicate += 1
+                stored[key] = outcome.to_bytes()
+                part.position = offset + 1
+            target = outcome.target
+            input_headers = m.headers()
+            headers = input_headers + outcome.headers if input_headers else outcome.headers
+            topic = part.topics[target]
+            try:
+                produce(topic, value=m.value(), key=m.key(), headers=headers, on_delivery=delivered)
+            except BufferError:
+                self._produce_when_room(topic, m, headers)
+            if target == "unique":
+                unique += 1
+            elif target == "duplicate":
+                duplicate += 1
             else:
-                stats.unique += 1
+                kind = outcome.error_kind or "unknown"
+                dead_letter[kind] = dead_letter.get(kind, 0) + 1
             ts_type, ts = m.timestamp()
             if ts_type != 0:
-                stats.timestamps_ms.append(ts)
+                timestamps.append(ts)
+        stats.unique, stats.duplicate = unique, duplicate
+        for part in partitions.values():
+            if part.position is not None:
+                update.positions[part.source] = part.position
         update.verdict_deletes = self._committed_keys
         self.store.commit(update)
         for source, position in update.positions.items():
             _, topic, partition = source.rsplit(":", 2)
             self._positions[(topic, int(partition))] = position
 
-        offsets = [TopicPartition(t, p, o) for (t, p), o in next_offsets.items()]
+        offsets = [TopicPartition(t, p, part.next_offset) for (t, p), part in partitions.items()]
         self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 30.0)
         self._commit_transaction()
         if self._delivery_errors:
             log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
-        self._committed_keys = [
-            verdict_key(m.topic(), m.partition(), m.offset()) for m in messages
-        ]
+        self._committed_keys = keys
         stats.seconds = time.perf_counter() - started
         self.batches += 1
         self.batches_prepared_ahead += batch.prepared is not None
@@ -594,17 +634,26 @@ class KafkaDeduplicator:
             self.on_batch(stats)
         return stats
 
-    def _produce(self, message: Message, outcome: Outcome) -> None:
+    def _partition(self, topic: str, partition: int) -> _Partition:
+        """A new ``_Partition`` of an input partition (for one batch)."""
+        return _Partition(
+            key_prefix=verdict_key_prefix(topic, partition),
+            source=source_name(topic, partition),
+            topics={target: self.target_topic(topic, target) for target in ("unique", "duplicate", "dlq")},
+        )
+
+    def _produce_when_room(self, topic: str, message: Message, headers: list[tuple[str, bytes]]) -> None:
+        """Produce ``message`` to ``topic``, serving delivery reports while the
+        producer's queue is full."""
         assert self.producer is not None
-        headers = list(message.headers() or []) + outcome.headers
-        topic = self.target_topic(message.topic(), outcome.target)
         while True:
+            self.producer.poll(0.05)
             try:
                 self.producer.produce(topic, value=message.value(), key=message.key(),
                                       headers=headers, on_delivery=self._delivered)
                 return
             except BufferError:
-                self.producer.poll(0.05)
+                pass
 
     def _delivered(self, err: KafkaError | None, msg: Message) -> None:
         if err is not None:

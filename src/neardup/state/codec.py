@@ -17,7 +17,8 @@ documents  seq u64 BE                                shingle-set size u32 LE + e
 shingles   seq u64 BE                                sorted distinct shingle fingerprints
                                                      (low 32 bits of the hashes), u32 LE
 positions  source name, UTF-8                        next position, u64 LE
-verdicts   caller-defined bytes                      caller-defined bytes
+verdicts   caller-defined bytes                      caller-defined bytes (Kafka: the
+                                                     ``Outcome`` record, neardup.io.messages)
 ========== ========================================= ==================================
 
 Big-endian keys sort numerically, so a scan of ``buckets`` or ``signatures`` runs in
