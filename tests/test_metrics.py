@@ -23,9 +23,6 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import create_topics
@@ -33,7 +30,7 @@ from neardup.cli import main
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Rejected, Verdict
 from neardup.embedded import dedup_files
-from neardup.metrics import DEAD_LETTER_REASONS, BatchHistogram, Metrics
+from neardup.metrics import DEAD_LETTER_REASONS, Metrics
 from neardup.server import MetricsServer, Readiness
 
 DATA = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
@@ -289,51 +286,3 @@ def test_two_registries_do_not_clash():
     a, b = Metrics(), Metrics()
     a.documents.labels("unique").inc(3)
     assert _value(_samples(b.exposition().decode()), "neardup_documents_total", verdict="unique") == 0
-
-
-BOUNDS = (0, 0.005, 0.5, 1, 2, 4, 1024, 3600)
-OBSERVED = st.lists(
-    st.one_of(st.sampled_from(BOUNDS), st.floats(-1.0, 5000.0), st.integers(0, 5000)), max_size=60
-)
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(OBSERVED, max_size=4))
-def test_batch_histogram_exposes_what_a_histogram_does(batches):
-    """BatchHistogram fed batches == prometheus_client's Histogram fed the values one by one:
-    the same exposition, but for the _created time and the sum's rounding."""
-    ours, theirs = CollectorRegistry(), CollectorRegistry()
-    batch_histogram = BatchHistogram("h_seconds", "help text.", BOUNDS, ours)
-    histogram = Histogram("h_seconds", "help text.", buckets=BOUNDS, registry=theirs)
-    for batch in batches:
-        batch_histogram.observe_many(batch)
-        for value in batch:
-            histogram.observe(value)
-
-    def lines(registry):
-        out = []
-        for line in generate_latest(registry).decode().splitlines():
-            if line.startswith(("h_seconds_created ", "h_seconds_sum ")):
-                out.append((line.split()[0], float(line.split()[1])))
-            else:
-                out.append(line)
-        return out
-
-    a, b = lines(ours), lines(theirs)
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        if isinstance(x, tuple):
-            assert x[0] == y[0]
-            if x[0] == "h_seconds_sum":
-                assert x[1] == pytest.approx(y[1], rel=1e-12, abs=1e-9)
-        else:
-            assert x == y
-
-
-def test_batch_histogram_refuses_a_taken_name():
-    registry = CollectorRegistry()
-    Histogram("h", "help.", registry=registry)
-    with pytest.raises(ValueError):
-        BatchHistogram("h", "help.", (1, 2), registry)
-    with pytest.raises(ValueError):
-        BatchHistogram("g", "help.", (2, 1), registry)

@@ -15,27 +15,15 @@ Feeding it:
 - ``transaction_aborted()`` from ``on_abort``.
 - ``refresh_state(store)`` after batches: reads ``store.stats()`` at most every
   ``state_interval`` seconds.
-
-The per-message histograms (latency, candidates, match similarity, cluster size) are
-``BatchHistogram``s: a batch's values are counted at once with numpy, for the same series
-as prometheus_client's ``Histogram``.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
 from neardup import __version__
 from neardup.core.types import Rejected, Verdict
@@ -56,76 +44,6 @@ BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 CANDIDATE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0)
 CLUSTER_BUCKETS = (2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 1024, 4096)
-
-
-class BatchHistogram(Collector):
-    """A Prometheus histogram fed a batch of observations at a time (``observe_many``).
-
-    prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in
-    Python for every value; for the per-message histograms this one counts a whole batch
-    with numpy and takes its lock once. It is a custom collector (the way
-    prometheus_client documents for observations counted elsewhere) that exposes the
-    same series as a ``Histogram`` without labels: ``_bucket`` (cumulative, ``le`` as
-    prometheus_client formats it, ``+Inf`` last), ``_count``, ``_sum`` and, unless
-    ``PROMETHEUS_DISABLE_CREATED_SERIES`` is true (read at construction), ``_created``.
-
-    Args:
-        name: the metric name, without suffix.
-        documentation: its help text.
-        buckets: upper bounds, increasing and all >= 0; ``+Inf`` is added if missing.
-        registry: where it is registered.
-
-    Raises:
-        ValueError: bounds not increasing, a negative bound, or a name already
-            registered in ``registry``.
-    """
-
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
-                 registry: CollectorRegistry) -> None:
-        bounds = [float(b) for b in buckets]
-        if not bounds or bounds[-1] != math.inf:
-            bounds.append(math.inf)
-        if any(b >= c for b, c in zip(bounds, bounds[1:])) or bounds[0] < 0:
-            raise ValueError(f"{name}: buckets must increase from 0 or more, got {buckets}")
-        self.name = name
-        self.documentation = documentation
-        self._bounds = np.array(bounds)
-        self._le = [floatToGoString(b) for b in bounds]
-        self._counts = np.zeros(len(bounds), dtype=np.int64)
-        self._sum = 0.0
-        self._created = time.time()
-        self._with_created = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in (
-            "true", "1", "t")
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe_many(self, values: Sequence[float] | np.ndarray) -> None:
-        """Count ``values`` (any numbers, converted to float64): each goes to the first
-        bucket whose bound is >= it, as ``Histogram.observe`` does; a NaN only goes to the
-        sum (it makes it NaN)."""
-        v = np.asarray(values, dtype=np.float64)
-        if v.size == 0:
-            return
-        n = len(self._bounds)
-        counts = np.bincount(np.searchsorted(self._bounds, v, side="left"), minlength=n + 1)[:n]
-        total = float(v.sum())
-        with self._lock:
-            self._counts += counts
-            self._sum += total
-
-    def describe(self) -> list[Metric]:
-        return [HistogramMetricFamily(self.name, self.documentation)]
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            counts, total = self._counts.copy(), self._sum
-        family = HistogramMetricFamily(
-            self.name, self.documentation, buckets=list(zip(self._le, np.cumsum(counts).tolist())),
-            sum_value=total,
-        )
-        if self._with_created:
-            family.samples.append(Sample(self.name + "_created", {}, self._created))
-        yield family
 
 
 class _HasStats(Protocol):
@@ -158,21 +76,21 @@ class Metrics:
         self.batch_seconds = Histogram(
             "neardup_batch_seconds", "Time to process and commit one batch, seconds.",
             buckets=BATCH_BUCKETS, registry=r)
-        self.latency = BatchHistogram(
+        self.latency = Histogram(
             "neardup_latency_seconds", "From a message's Kafka timestamp to the commit of its output, seconds.",
-            LATENCY_BUCKETS, r)
-        self.candidates = BatchHistogram(
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.candidates = Histogram(
             "neardup_candidates", "LSH candidates (bucket collisions) checked per document.",
-            CANDIDATE_BUCKETS, r)
+            buckets=CANDIDATE_BUCKETS, registry=r)
         self.candidates_rejected = Counter(
             "neardup_candidates_rejected", "Candidates whose estimated Jaccard similarity fell below the threshold.",
             registry=r)
-        self.match_similarity = BatchHistogram(
+        self.match_similarity = Histogram(
             "neardup_match_similarity", "Similarity of a duplicate to its best accepted match (exact or estimated, per --verify).",
-            SIMILARITY_BUCKETS, r)
-        self.cluster_size = BatchHistogram(
+            buckets=SIMILARITY_BUCKETS, registry=r)
+        self.cluster_size = Histogram(
             "neardup_cluster_size", "Size of the cluster a duplicate joins, itself included.",
-            CLUSTER_BUCKETS, r)
+            buckets=CLUSTER_BUCKETS, registry=r)
         self.consumer_lag = Gauge(
             "neardup_consumer_lag", "Messages behind: high watermark minus consumer position, after the last batch.",
             ["topic", "partition"], registry=r)
@@ -216,13 +134,13 @@ class Metrics:
     # --- batches -----------------------------------------------------------------------
     def observe_verdicts(self, verdicts: Iterable[Verdict]) -> None:
         """Per-document engine metrics (candidates, rejected, similarity, cluster size)."""
-        if not isinstance(verdicts, (list, tuple)):
-            verdicts = list(verdicts)
-        self.candidates.observe_many([v.candidates for v in verdicts])
-        duplicates = [v for v in verdicts if v.verdict == "duplicate"]
-        self.match_similarity.observe_many([v.similarity for v in duplicates])
-        self.cluster_size.observe_many([v.cluster_size for v in duplicates])
-        rejected = sum([v.rejected for v in verdicts])
+        rejected = 0
+        for v in verdicts:
+            self.candidates.observe(v.candidates)
+            rejected += v.rejected
+            if v.is_duplicate:
+                self.match_similarity.observe(v.similarity)
+                self.cluster_size.observe(v.cluster_size)
         if rejected:
             self.candidates_rejected.inc(rejected)
 
@@ -242,9 +160,8 @@ class Metrics:
         if stats.replayed:
             self.replayed.inc(stats.replayed)
         self.batch_seconds.observe(stats.seconds)
-        if stats.timestamps_ms:
-            ages = now - np.array(stats.timestamps_ms, dtype=np.float64) / 1000.0
-            self.latency.observe_many(np.maximum(ages, 0.0))
+        for ts_ms in stats.timestamps_ms:
+            self.latency.observe(max(0.0, now - ts_ms / 1000.0))
         self.observe_verdicts(stats.verdicts)
         self.transactions.labels("committed").inc()
 
