@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scipy.sparse.csgraph import connected_components
 
 from neardup.core.arrays import equal_ranges, sorted_unique
+from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Sets, cluster_batch
 from neardup.core.lsh import LshParams, band_hashes, optimal_params
 from neardup.core.minhash import (
@@ -616,6 +617,48 @@ def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measu
     match = [int(m) - int(bounds[i]) if m >= 0 else -1 for i, m in enumerate(got.match)]
     assert list(zip(match, got.accepted.tolist(), got.canonical.tolist(), got.cluster_size.tolist(),
                     got.related.tolist())) == expected
+
+
+def _candidates_reference(buckets: list[list[int]], stored: dict[int, list[int]], cap: int,
+                          first_seq: int, most: int) -> tuple[list[list[int]], list[bool]]:
+    """The bucket rules in plain Python: members met, joins, top ``most`` by shared buckets."""
+    members = {k: list(v) for k, v in stored.items()}
+    found, joined = [], []
+    for d, row in enumerate(buckets):
+        shared: dict[int, int] = {}
+        for k in row:
+            for q in members.get(k, []):
+                shared[q] = shared.get(q, 0) + 1
+            joins = len(members.get(k, [])) < cap
+            joined.append(joins)
+            if joins:
+                members.setdefault(k, []).append(first_seq + d)
+        ranked = sorted(shared, key=lambda q: (-shared[q], q))[:most]
+        found.append(sorted(ranked))
+    return found, joined
+
+
+@FAST
+@given(st.data(), st.integers(1, 3), st.integers(1, 4), st.integers(1, 5))
+def test_batch_candidates_follow_the_bucket_rules(data: st.DataObject, bands: int, cap: int,
+                                                   most: int) -> None:
+    n_buckets = data.draw(st.integers(1, 6))
+    first_seq = data.draw(st.integers(0, 5))
+    stored = {k: sorted(data.draw(st.sets(st.integers(0, first_seq - 1), max_size=cap + 1)))
+              if first_seq else [] for k in range(n_buckets)}
+    n = data.draw(st.integers(0, 6))
+    # distinct buckets across the bands of one document, as bucket ids are
+    buckets = [data.draw(st.permutations(range(n_buckets)))[:bands] for _ in range(n)]
+    if any(len(row) < bands for row in buckets):
+        return
+    counts = np.array([len(stored[k]) for k in range(n_buckets)], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    seqs = np.array([q for k in range(n_buckets) for q in stored[k]], dtype=np.uint64)
+    got = batch_candidates(np.array([k for row in buckets for k in row], dtype=np.int64), bands,
+                           starts, counts, seqs, cap, first_seq, most)
+    found, joined = _candidates_reference(buckets, stored, cap, first_seq, most)
+    assert [got.seqs[got.bounds[i] : got.bounds[i + 1]].tolist() for i in range(n)] == found
+    assert got.joined.tolist() == joined
 
 
 # --- sorted arrays ----------------------------------------------------------------------

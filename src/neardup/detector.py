@@ -36,7 +36,8 @@ import numpy as np
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
-from neardup.core.arrays import concat_ranges, sorted_unique
+from neardup.core.arrays import sorted_unique
+from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import (
     CANONICAL,
     COMPONENTS,
@@ -300,7 +301,8 @@ class Detector:
         return Sets(sizes, np.zeros(0, np.uint32), np.zeros(len(local) + 1, np.int64), signatures)
 
     def _candidates(self, buckets: np.ndarray, first_seq: int) -> tuple[np.ndarray, np.ndarray, _BucketJoins]:
-        """Each document's candidates, and the bucket memberships the batch adds.
+        """Each document's candidates (``neardup.core.candidates``), and the bucket
+        memberships the batch adds.
 
         Args:
             buckets: uint64, shape (n, bands): the batch's bucket ids.
@@ -308,63 +310,27 @@ class Detector:
 
         Returns:
             ``bounds`` (int64, shape (n + 1,)) and ``candidates`` (uint64): document i's
-            candidates are ``candidates[bounds[i]:bounds[i + 1]]``, the ascending seqs of
-            the documents sharing a bucket with it, stored or earlier in the batch; at
-            most ``max_candidates``, those sharing the most buckets first, earlier ones
-            first among equals. And the
-            bucket memberships the batch adds: a document joins a bucket only while the
-            bucket has fewer than ``max_bucket_size`` members (it is still compared
-            with them).
+            candidates are ``candidates[bounds[i]:bounds[i + 1]]``, ascending seqs; and
+            the memberships (``_BucketJoins``).
         """
         s = self.settings
         n, bands = buckets.shape
         flat = buckets.ravel()
-        doc = np.repeat(np.arange(n, dtype=np.int64), bands)
         keys, inv = np.unique(flat, return_inverse=True)
         inv = inv.ravel()
         stored = self.store.bucket_members(keys)
-
-        # Stored members: every entry (document, band) meets all members of its bucket.
         starts = np.zeros(len(keys), dtype=np.int64)
         np.cumsum(stored.counts[:-1], out=starts[1:])
-        per_entry = stored.counts[inv]
-        pair_doc = [np.repeat(doc, per_entry)]
-        pair_seq = [stored.seqs[concat_ranges(starts[inv], per_entry)]]
-
-        # Earlier documents of the batch: the entries of one bucket in arrival order; the
-        # first ``room`` of them join the bucket, and each entry meets those before it.
-        order = np.argsort(inv, kind="stable")
-        group = inv[order]
-        at = np.arange(len(order), dtype=np.int64)
-        group_start = np.maximum.accumulate(np.where(np.diff(group, prepend=-1) != 0, at, 0))
-        rank = at - group_start
-        room = np.maximum(s.max_bucket_size - stored.counts[group], 0)
-        before = np.minimum(rank, room)
-        pair_doc.append(np.repeat(doc[order], before))
-        pair_seq.append(first_seq + doc[order][concat_ranges(group_start, before)].astype(np.uint64))
-
-        pairs, shared = np.unique(
-            (np.concatenate(pair_doc).astype(np.uint64) << np.uint64(32)) | np.concatenate(pair_seq),
-            return_counts=True,
-        )
-        pair_doc_of = (pairs >> np.uint64(32)).astype(np.int64)
-        seqs = pairs & np.uint64(0xFFFFFFFF)
-        if np.bincount(pair_doc_of, minlength=n).max(initial=0) > s.max_candidates:
-            ranked = np.lexsort((seqs, -shared, pair_doc_of))
-            first_of_doc = np.searchsorted(pair_doc_of[ranked], pair_doc_of[ranked])
-            keep = np.zeros(len(pairs), dtype=bool)
-            keep[ranked] = np.arange(len(ranked)) - first_of_doc < s.max_candidates
-            pair_doc_of, seqs = pair_doc_of[keep], seqs[keep]
-        bounds = np.searchsorted(pair_doc_of, np.arange(n + 1))
-
-        joins = np.sort(order[rank < room])  # document-major: seqs ascending per bucket
+        found = batch_candidates(inv, bands, starts, stored.counts, stored.seqs, s.max_bucket_size,
+                                 first_seq, s.max_candidates)
+        joins = np.flatnonzero(found.joined)  # document-major: seqs ascending per bucket
         added = np.bincount(inv[joins], minlength=len(keys))
         joined = _BucketJoins(
             bucket_ids=flat[joins],
-            bucket_seqs=first_seq + doc[joins].astype(np.uint64),
+            bucket_seqs=first_seq + (joins // bands).astype(np.uint64),
             largest_bucket=int((stored.counts + added).max(initial=0)),
         )
-        return bounds, seqs, joined
+        return found.bounds, found.seqs, joined
 
     def _name(self, decided: Clustering, bounds: np.ndarray, candidates: np.ndarray,
               local: np.ndarray, similarity: np.ndarray, jaccard: np.ndarray,

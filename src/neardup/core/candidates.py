@@ -1,0 +1,124 @@
+"""Candidates of a batch from its LSH buckets, document by document (compiled with numba).
+
+A document's candidates are the documents sharing at least one band bucket with it
+(Leskovec, Rajaraman, Ullman, Mining of Massive Datasets, §3.4.1): the bucket's stored
+members and the documents of the same batch that joined the bucket before it. A bucket
+takes new members only while it holds fewer than ``max_bucket_size`` (a cap against the
+buckets of boilerplate that every document shares); a document that finds a bucket full
+is still compared with its members. When more than ``max_candidates`` documents qualify,
+those sharing the most buckets are kept, earlier ones first among equals.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+
+class Candidates(NamedTuple):
+    """The candidates of a batch and the bucket memberships it adds.
+
+    Attributes:
+        bounds: int64, shape (n + 1,): document i's candidates are
+            ``seqs[bounds[i]:bounds[i + 1]]``.
+        seqs: uint64, shape (n_pairs,): candidate seqs, ascending per document.
+        joined: bool, shape (n * bands,): which (document, band) entries join their bucket.
+    """
+
+    bounds: np.ndarray
+    seqs: np.ndarray
+    joined: np.ndarray
+
+
+@njit(nogil=True)
+def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+                member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
+                first_seq: int, max_candidates: int):  # pragma: no cover - compiled
+    n = len(entry_bucket) // bands
+    head = np.full(len(member_starts), -1, dtype=np.int64)  # last entry that joined a bucket
+    below = np.full(len(entry_bucket), -1, dtype=np.int64)  # the entry that joined before it
+    taken = np.zeros(len(member_starts), dtype=np.int64)
+    joined = np.zeros(len(entry_bucket), dtype=np.bool_)
+    bounds = np.zeros(n + 1, dtype=np.int64)
+    out = np.empty(n * max_candidates, dtype=np.uint64)
+    met = np.empty(1024, dtype=np.uint64)
+    filled = 0
+    for d in range(n):
+        m = 0
+        for e in range(d * bands, (d + 1) * bands):
+            k = entry_bucket[e]
+            need = m + member_counts[k] + taken[k]
+            if need > len(met):
+                grown = np.empty(2 * need, dtype=np.uint64)
+                grown[:m] = met[:m]
+                met = grown
+            for j in range(member_starts[k], member_starts[k] + member_counts[k]):
+                met[m] = member_seqs[j]
+                m += 1
+            x = head[k]
+            while x >= 0:
+                met[m] = first_seq + x // bands
+                m += 1
+                x = below[x]
+            if taken[k] < room[k]:
+                below[e] = head[k]
+                head[k] = e
+                taken[k] += 1
+                joined[e] = True
+        met[:m].sort()
+        seqs = np.empty(m, dtype=np.uint64)
+        shared = np.empty(m, dtype=np.int64)
+        u = 0
+        for j in range(m):
+            if j > 0 and met[j] == met[j - 1]:
+                shared[u - 1] += 1
+            else:
+                seqs[u] = met[j]
+                shared[u] = 1
+                u += 1
+        if u > max_candidates:  # most shared buckets first, then earliest; stable sort
+            keep = np.argsort(-shared[:u], kind="mergesort")[:max_candidates]
+            chosen = np.sort(seqs[keep])
+        else:
+            chosen = seqs[:u]
+        out[filled : filled + len(chosen)] = chosen
+        filled += len(chosen)
+        bounds[d + 1] = filled
+    return bounds, out[:filled].copy(), joined
+
+
+def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+                     member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
+                     first_seq: int, max_candidates: int) -> Candidates:
+    """Candidates of documents ``first_seq``, ``first_seq + 1``, … in arrival order.
+
+    Args:
+        entry_bucket: int64, shape (n * bands,): for document i's band b, the index of its
+            bucket (0 … n_buckets - 1) in the member arrays (document-major).
+        bands: bands per document.
+        member_starts, member_counts: int64, shape (n_buckets,): each bucket's stored
+            members are ``member_seqs[start:start + count]``.
+        member_seqs: uint64: the stored members' seqs (all below ``first_seq``).
+        max_bucket_size: a bucket takes new members while it holds fewer.
+        first_seq: the seq of the batch's first document.
+        max_candidates: the most candidates kept per document (at least 1).
+
+    Returns:
+        ``Candidates``.
+
+    Raises:
+        ValueError: ``entry_bucket`` is not a whole number of documents, or
+            ``max_candidates`` is below 1.
+    """
+    entry_bucket = np.asarray(entry_bucket, dtype=np.int64)
+    if bands < 1 or len(entry_bucket) % bands:
+        raise ValueError(f"{len(entry_bucket)} bucket entries for documents of {bands} bands")
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates must be at least 1, not {max_candidates}")
+    room = np.maximum(max_bucket_size - np.asarray(member_counts, dtype=np.int64), 0)
+    return Candidates(*_candidates(entry_bucket, bands, np.asarray(member_starts, dtype=np.int64),
+                                   np.asarray(member_counts, dtype=np.int64),
+                                   np.asarray(member_seqs, dtype=np.uint64), room, first_seq,
+                                   max_candidates))
