@@ -27,7 +27,12 @@ WRITE_BUFFER_BYTES = 16 << 20
 DB_WRITE_BUFFER_BYTES = 64 << 20
 
 
-def _options(cache: Cache) -> Options:
+#: Families of hash values, which LZ4 cannot shrink: stored uncompressed, which spares
+#: the attempt at every flush and compaction.
+INCOMPRESSIBLE = ("shingles", "signatures", "buckets")
+
+
+def _options(cache: Cache, compress: bool = True) -> Options:
     """Options tuned for point lookups: most bucket lookups miss, so a Bloom filter (10
     bits per key) answers them without reading a data block; LZ4 keeps SST files small
     at little CPU."""
@@ -39,7 +44,7 @@ def _options(cache: Cache) -> Options:
     options.set_max_write_buffer_number(2)
     options.set_db_write_buffer_size(DB_WRITE_BUFFER_BYTES)
     options.set_level_compaction_dynamic_level_bytes(True)
-    options.set_compression_type(DBCompressionType.lz4())
+    options.set_compression_type(DBCompressionType.lz4() if compress else DBCompressionType.none())
     # A Bloom filter over the memtables too: a lookup that misses skips their skiplists.
     options.set_memtable_prefix_bloom_ratio(0.1)
     options.set_memtable_whole_key_filtering(True)
@@ -69,7 +74,7 @@ class RocksDBStateStore(KeyValueStateStore):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         cache = Cache(BLOCK_CACHE_BYTES)
-        families = {name: _options(cache) for name in codec.FAMILIES}
+        families = {name: _options(cache, compress=name not in INCOMPRESSIBLE) for name in codec.FAMILIES}
         try:
             self._db = Rdict(str(self.path), _options(cache), column_families=families)
         except Exception as exc:  # rocksdict raises plain Exception
