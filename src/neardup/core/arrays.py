@@ -29,7 +29,7 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def _equal_ranges(haystack: np.ndarray, needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     starts = np.empty(len(needles), dtype=np.int64)
     counts = np.zeros(len(needles), dtype=np.int64)

@@ -32,7 +32,7 @@ class Candidates(NamedTuple):
     joined: np.ndarray
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
                 first_seq: int, max_candidates: int):  # pragma: no cover - compiled

@@ -68,7 +68,7 @@ class Clustering(NamedTuple):
     related: np.ndarray
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def _similarity(a: int, b: int, measure: int, sizes: np.ndarray, values: np.ndarray,
                 offsets: np.ndarray, signatures: np.ndarray) -> float:  # pragma: no cover - compiled
     """Jaccard of sets a and b, or the containment of a in b."""
@@ -88,7 +88,7 @@ def _similarity(a: int, b: int, measure: int, sizes: np.ndarray, values: np.ndar
     return min(inter / size_a, 1.0)
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
              bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
              threshold: float, policy: int, measure: int, sizes: np.ndarray,

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
     """|set a ∩ set b| of flat sets (``values[offsets[a]:offsets[a + 1]]`` is set a)."""
     i, i_end = offsets[a], offsets[a + 1]
@@ -31,7 +31,7 @@ def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
     return n
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def _merge_counts(values: np.ndarray, offsets: np.ndarray, left: np.ndarray,
                   right: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.empty(len(left), dtype=np.int64)
@@ -40,7 +40,7 @@ def _merge_counts(values: np.ndarray, offsets: np.ndarray, left: np.ndarray,
     return out
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def _distinct_low32(hashes: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     values = np.empty(offsets[-1], dtype=np.uint32)
     out = np.zeros(len(docs) + 1, dtype=np.int64)

@@ -33,7 +33,7 @@ def singletons(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def find(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     """The root of ``x``'s set; points every element of the path from ``x`` at it."""
     root = x
@@ -46,7 +46,7 @@ def find(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     return root
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def peek_root(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     """The root of ``x``'s set, without writing (no path compression)."""
     while parent[x] != x:
@@ -54,7 +54,7 @@ def peek_root(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     return x
 
 
-@njit(nogil=True, cache=False)
+@njit(nogil=True, cache=True)
 def union(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, x: int, y: int) -> int:  # pragma: no cover - compiled
     """Merge the sets of ``x`` and ``y``; return the new root.
 

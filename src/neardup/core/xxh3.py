@@ -37,7 +37,7 @@ _MX2 = np.uint64(0x9FB21C651E98DF25)
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _read64(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compiled
     v = np.uint64(0)
     for k in range(8):
@@ -45,7 +45,7 @@ def _read64(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compil
     return v
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _read32(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compiled
     v = np.uint64(0)
     for k in range(4):
@@ -53,23 +53,23 @@ def _read32(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compil
     return v
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _swap32(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return (((x & np.uint64(0xFF)) << np.uint64(24)) | ((x & np.uint64(0xFF00)) << np.uint64(8))
             | ((x >> np.uint64(8)) & np.uint64(0xFF00)) | ((x >> np.uint64(24)) & np.uint64(0xFF)))
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _swap64(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return (_swap32(x & _M32) << np.uint64(32)) | _swap32(x >> np.uint64(32))
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _rotl(x: np.uint64, r: int) -> np.uint64:  # pragma: no cover - compiled
     return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     a_lo, a_hi = a & _M32, a >> np.uint64(32)
     b_lo, b_hi = b & _M32, b >> np.uint64(32)
@@ -83,7 +83,7 @@ def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover
     return lower ^ upper
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _xxh64_avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     h ^= h >> np.uint64(33)
     h *= _P64_2
@@ -93,7 +93,7 @@ def _xxh64_avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return h
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     h ^= h >> np.uint64(37)
     h *= _MX1
@@ -101,12 +101,12 @@ def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return h
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _mix16(data: np.ndarray, p: int, secret: np.ndarray, s: int) -> np.uint64:  # pragma: no cover - compiled
     return _mul128_fold64(_read64(data, p) ^ _read64(secret, s), _read64(data, p + 8) ^ _read64(secret, s + 8))
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint64:  # pragma: no cover - compiled
     length = np.uint64(n)
     if n == 0:
@@ -148,7 +148,7 @@ def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint
     return _avalanche(acc)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _hash_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                 secret: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.zeros(len(starts), dtype=np.uint64)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from neardup.core.arrays import concat_ranges, equal_ranges
 from neardup.state.base import StateError
@@ -133,12 +134,21 @@ class BucketIndex:
 
 def _merge(older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Merge two runs; among equal bucket ids the older run's members come first."""
-    (a_buckets, a_seqs), (b_buckets, b_seqs) = older, newer
-    at = np.searchsorted(a_buckets, b_buckets, side="right") + np.arange(len(b_buckets))
-    from_a = np.ones(len(a_buckets) + len(b_buckets), dtype=bool)
-    from_a[at] = False
-    buckets = np.empty(len(from_a), dtype=np.uint64)
-    seqs = np.empty(len(from_a), dtype=np.uint32)
-    buckets[at], seqs[at] = b_buckets, b_seqs
-    buckets[from_a], seqs[from_a] = a_buckets, a_seqs
+    return _merge_runs(older[0], older[1], newer[0], newer[1])
+
+
+@njit(nogil=True, cache=True)
+def _merge_runs(a_buckets: np.ndarray, a_seqs: np.ndarray, b_buckets: np.ndarray,
+                b_seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    n = len(a_buckets) + len(b_buckets)
+    buckets = np.empty(n, dtype=np.uint64)
+    seqs = np.empty(n, dtype=np.uint32)
+    i = j = 0
+    for k in range(n):
+        if j == len(b_buckets) or (i < len(a_buckets) and a_buckets[i] <= b_buckets[j]):
+            buckets[k], seqs[k] = a_buckets[i], a_seqs[i]
+            i += 1
+        else:
+            buckets[k], seqs[k] = b_buckets[j], b_seqs[j]
+            j += 1
     return buckets, seqs

@@ -6,7 +6,7 @@ them into the ``StateStore`` protocol with the layouts of ``neardup.state.codec`
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +17,8 @@ from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
 from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
 
-Put = tuple[str, bytes, bytes]  # (family, key, value)
-Delete = tuple[str, bytes]  # (family, key)
+Puts = dict[str, Iterable[tuple[bytes, bytes]]]  # family -> (key, value) pairs
+Deletes = dict[str, Iterable[bytes]]  # family -> keys
 
 
 class KeyValueStateStore:
@@ -31,7 +31,7 @@ class KeyValueStateStore:
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         raise NotImplementedError
 
-    def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
+    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
         """Apply ``deletes`` then ``puts`` atomically."""
         raise NotImplementedError
 
@@ -58,12 +58,8 @@ class KeyValueStateStore:
         requested = {**requested, "layout": codec.LAYOUT}
         raw = self._get("default", codec.SETTINGS_KEY)
         if raw is None:
-            self._write(
-                [
-                    ("default", codec.SETTINGS_KEY, codec.encode_settings(requested)),
-                    ("default", codec.NEXT_SEQ_KEY, codec.encode_u64(0)),
-                ]
-            )
+            self._write({"default": [(codec.SETTINGS_KEY, codec.encode_settings(requested)),
+                                     (codec.NEXT_SEQ_KEY, codec.encode_u64(0))]})
             stored = requested
         else:
             stored = codec.decode_settings(raw)
@@ -157,30 +153,24 @@ class KeyValueStateStore:
         sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
         width = 8 * self.num_perm
         sizes = update.sizes.tolist() if update.sizes is not None else [0] * len(keys)
-        puts: list[Put] = [
-            ("documents", key, codec.encode_document(size, doc_id))
-            for key, size, doc_id in zip(keys, sizes, update.ids)
-        ]
+        puts: Puts = {"documents": zip(keys, map(codec.encode_document, sizes, update.ids))}
         if update.store_signatures:
-            puts += [("signatures", key, sig_bytes[i * width : (i + 1) * width])
-                     for i, key in enumerate(keys)]
+            puts["signatures"] = ((key, sig_bytes[i * width : (i + 1) * width]) for i, key in enumerate(keys))
         if update.fingerprints is not None:
-            puts += [("shingles", key, value) for key, value in
-                     zip(keys, codec.encode_fingerprint_sets(update.fingerprints, update.fingerprint_offsets))]
+            puts["shingles"] = zip(keys, codec.encode_fingerprint_sets(update.fingerprints,
+                                                                        update.fingerprint_offsets))
         if len(update.bucket_ids):
-            puts.append(("buckets", codec.seq_key(update.first_seq),
-                         codec.encode_memberships(update.bucket_ids, update.bucket_seqs)))
+            puts["buckets"] = [(codec.seq_key(update.first_seq),
+                                codec.encode_memberships(update.bucket_ids, update.bucket_seqs))]
         max_bucket = max(self._max_bucket, update.largest_bucket)
         nodes = np.asarray(update.nodes, dtype=np.uint64).reshape(-1, 4)
-        puts += [("nodes", key, value) for key, value in
-                 zip(codec.seq_keys(nodes[:, 0]), codec.encode_nodes(nodes[:, 1:]))]
-        for source, position in update.positions.items():
-            puts.append(("positions", source.encode("utf-8"), codec.encode_u64(position)))
-        for key, value in update.verdicts.items():
-            puts.append(("verdicts", key, value))
-        puts.append(("default", codec.NEXT_SEQ_KEY, codec.encode_u64(update.next_seq)))
-        puts.append(("default", codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket)))
-        self._write(puts, [("verdicts", key) for key in update.verdict_deletes])
+        puts["nodes"] = zip(codec.seq_keys(nodes[:, 0]), codec.encode_nodes(nodes[:, 1:]))
+        puts["positions"] = [(source.encode("utf-8"), codec.encode_u64(position))
+                             for source, position in update.positions.items()]
+        puts["verdicts"] = update.verdicts.items()
+        puts["default"] = [(codec.NEXT_SEQ_KEY, codec.encode_u64(update.next_seq)),
+                           (codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket))]
+        self._write(puts, {"verdicts": update.verdict_deletes})
         self._next_seq = update.next_seq
         self._max_bucket = max_bucket
         self.index.add(update.bucket_ids, update.bucket_seqs)

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from neardup.state import codec
-from neardup.state.kv import Delete, KeyValueStateStore, Put
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts
 
 
 class MemoryStateStore(KeyValueStateStore):
@@ -25,11 +25,12 @@ class MemoryStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return iter(sorted(self._data[family].items()))
 
-    def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
-        for family, key in deletes:
-            self._data[family].pop(key, None)
-        for family, key, value in puts:
-            self._data[family][key] = value
+    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
+        for family, keys in (deletes or {}).items():
+            for key in keys:
+                self._data[family].pop(key, None)
+        for family, pairs in puts.items():
+            self._data[family].update(pairs)
 
     def stats(self) -> dict[str, int]:
         out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,

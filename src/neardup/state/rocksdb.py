@@ -17,7 +17,7 @@ from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdic
 
 from neardup.state import codec
 from neardup.state.base import StateError
-from neardup.state.kv import Delete, KeyValueStateStore, Put
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts
 
 
 #: Memory bounds: a shared block cache; per column family at most two memtables, and
@@ -95,13 +95,16 @@ class RocksDBStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return self._families[family].items()
 
-    def _write(self, puts: list[Put], deletes: list[Delete] = ()) -> None:  # type: ignore[assignment]
+    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
         batch = WriteBatch(raw_mode=True)
-        handles = self._handles
-        for family, key in deletes:
-            batch.delete(key, handles[family])
-        for family, key, value in puts:
-            batch.put(key, value, handles[family])
+        for family, keys in (deletes or {}).items():
+            handle, delete = self._handles[family], batch.delete
+            for key in keys:
+                delete(key, handle)
+        for family, pairs in puts.items():
+            handle, put = self._handles[family], batch.put
+            for key, value in pairs:
+                put(key, value, handle)
         self._db.write(batch)
 
     def stats(self) -> dict[str, int]:
