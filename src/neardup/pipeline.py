@@ -10,7 +10,10 @@ worker itself, which the Kafka consumer drives (``neardup.io.kafka``).
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import signal
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection
 from typing import TypeVar
@@ -31,49 +34,92 @@ class _Failed:
         self.exc = exc
 
 
-def _serve(conn: Connection, settings: EngineSettings) -> None:
-    """The worker: prepare each batch of texts received, send the result back, until EOF."""
+class _Ready:
+    """The worker's first message: imported and compiled, it can take batches."""
+
+
+def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettings) -> None:
+    """The worker: prepare each batch of texts received, send the result back, until EOF.
+
+    A thread reads the incoming batches as they arrive, so the parent never blocks on
+    sending one while this process is busy: it can keep several batches in flight.
+    """
     # Ctrl-C reaches the whole process group: the parent decides when the worker stops
     # (it finishes its batch first), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inbox: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+
+    def receive() -> None:
+        while True:
+            try:
+                inbox.put(texts_in.recv())
+            except (EOFError, OSError):  # the parent closed the pipe, or died
+                inbox.put(None)
+                return
+
+    threading.Thread(target=receive, name="neardup-prepare-inbox", daemon=True).start()
     preparer = Preparer(settings)
-    while True:
-        try:
-            texts = conn.recv()
-        except (EOFError, OSError):  # the parent closed the pipe, or died
-            return
+    preparer.texts(["ready"])  # loads (or compiles) the numba kernels before saying so
+    try:
+        results_out.send(_Ready())
+    except OSError:
+        return
+    while (texts := inbox.get()) is not None:
         try:
             out: PreparedBatch | _Failed = preparer.texts(texts)
         except Exception as exc:  # noqa: BLE001 - raised again in the parent
             out = _Failed(exc)
         try:
-            conn.send(out)
+            results_out.send(out)
         except OSError:
             return
 
 
 class PrepareWorker:
-    """One spawned process holding a ``Preparer``: ``submit`` a batch, later take its
-    ``result``; results come back in submit order. Hold at most one batch in flight
-    beyond the one whose result is taken next (a pipe, not a queue, links the two).
+    """One spawned process holding a ``Preparer``: ``submit`` batches, later take their
+    ``result``s, in submit order. Any number of batches may be in flight; the worker
+    takes them in as they are sent and prepares them one after the other.
 
-    A plain pipe (no ``ProcessPoolExecutor``): if the worker dies, even in the middle
+    Plain pipes (no ``ProcessPoolExecutor``): if the worker dies, even in the middle
     of sending a result, this end sees EOF and raises ``WorkerDied`` instead of waiting
     forever; if this process dies, the worker sees EOF and exits.
     """
 
     def __init__(self, settings: EngineSettings) -> None:
         context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, settings),
+        texts_in, self._texts = context.Pipe(duplex=False)
+        self._results, results_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=_serve, args=(texts_in, results_out, settings),
                                         name="neardup-prepare", daemon=True)
         self._process.start()  # at once: the imports (about a second) overlap other work
-        child.close()  # the worker's end lives in the worker only, so its death is EOF here
+        # The worker's ends live in the worker only, so its death is EOF here.
+        texts_in.close()
+        results_out.close()
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Whether the worker has started (imported and compiled), without waiting.
+
+        Raises:
+            WorkerDied: the worker process is gone.
+        """
+        if not self._ready and self._results.poll():
+            self._receive()
+        return self._ready
+
+    def _receive(self) -> object:
+        try:
+            out = self._results.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerDied(f"exit code {self._process.exitcode}") from exc
+        if isinstance(out, _Ready):
+            self._ready = True
+        return out
 
     def submit(self, documents: list[Document]) -> None:
         """Send ``documents`` to be prepared. Raises ``WorkerDied``."""
         try:
-            self._conn.send([d.text for d in documents])  # texts pickle fast
+            self._texts.send([d.text for d in documents])  # texts pickle fast
         except OSError as exc:
             raise WorkerDied(str(exc)) from exc
 
@@ -83,17 +129,17 @@ class PrepareWorker:
         Raises:
             WorkerDied: the worker process is gone.
         """
-        try:
-            out = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise WorkerDied(f"exit code {self._process.exitcode}") from exc
+        out = self._receive()
+        if isinstance(out, _Ready):
+            out = self._receive()
         if isinstance(out, _Failed):
             raise out.exc
         return out
 
     def close(self) -> None:
         """Stop the worker, dropping what it was preparing."""
-        self._conn.close()
+        self._texts.close()
+        self._results.close()
         self._process.join(5)
         if self._process.is_alive():
             self._process.kill()
@@ -111,13 +157,19 @@ def prepared_ahead(
     documents_of: Callable[[T], list[Document]],
     settings: EngineSettings,
     parallel: bool = True,
+    depth: int = 2,
 ) -> Iterator[tuple[T, PreparedBatch]]:
-    """Yield each batch with its ``PreparedBatch``, preparing one batch ahead.
+    """Yield each batch with its ``PreparedBatch``, preparing up to ``depth`` batches ahead.
+
+    Until the worker has started (about a second of imports and compiled code loading),
+    batches are prepared here rather than waited for.
 
     Args:
         batches: any batches, in order.
         documents_of: the documents of a batch.
         parallel: prepare in a worker process (spawned); False prepares inline.
+        depth: batches in the worker's hands while the caller handles one (at least 1);
+            2 absorbs a batch that takes the worker longer than the caller.
     """
     if not parallel:
         preparer = Preparer(settings)
@@ -125,12 +177,16 @@ def prepared_ahead(
             yield batch, preparer(documents_of(batch))
         return
     with PrepareWorker(settings) as worker:
-        pending: T | None = None
+        pending: deque[T] = deque()
+        preparer: Preparer | None = None
         for batch in batches:
-            done = (pending, worker.result()) if pending is not None else None
-            worker.submit(documents_of(batch))  # prepared while the caller handles ``done``
-            pending = batch
-            if done is not None:
-                yield done
-        if pending is not None:
-            yield pending, worker.result()
+            if not pending and not worker.ready():  # still starting: do not wait for it
+                preparer = preparer or Preparer(settings)
+                yield batch, preparer(documents_of(batch))
+                continue
+            worker.submit(documents_of(batch))
+            pending.append(batch)
+            if len(pending) > max(depth, 1):
+                yield pending.popleft(), worker.result()
+        while pending:
+            yield pending.popleft(), worker.result()
