@@ -303,10 +303,13 @@ def read_outputs(bootstrap: str, topics: list[str], expected: int, idle_s: float
 
 
 def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, batch_size: int | None,
-                    pipeline: bool | None = None) -> list[str]:
+                    pipeline: bool | None = None, profile: Path | None = None) -> list[str]:
     exe = Path(sys.executable).parent / "neardup"
     head = [str(exe)] if exe.exists() else ([shutil.which("neardup")] if shutil.which("neardup") else
                                              [sys.executable, "-m", "neardup.cli"])
+    if profile is not None:  # the console script is a Python file: run it under cProfile
+        head = [sys.executable, "-m", "cProfile", "-o", str(profile),
+                *(head[1:] if head[0] == sys.executable else head)]
     cmd = [*head, "run", "--bootstrap-servers", bootstrap, "--input-topic", topic, "--group-id", group,
            "--state-dir", str(state_dir), "--from-beginning", "--text-field", "text", "--id-field", "id",
            "--metrics-port", "0"]
@@ -404,6 +407,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         ".cache/kafka-bench")
     p.add_argument("--keep-topics", action="store_true", help="do not delete the topics at the end")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--profile", type=Path,
+                   help="run neardup under cProfile and write its stats here (main process only; slows it)")
     args = p.parse_args(argv)
     if args.messages < 1 or args.paced < 0 or args.rate <= 0:
         p.error("--messages must be at least 1, --paced at least 0, --rate positive")
@@ -499,7 +504,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
 
         with tempfile.TemporaryDirectory(prefix="neardup-bench-e2e-") as tmp:
             log = Path(tmp) / "neardup-run.log"
-            cmd = neardup_command(bootstrap, topic, group, Path(tmp) / "state", args.batch_size, args.pipeline)
+            cmd = neardup_command(bootstrap, topic, group, Path(tmp) / "state", args.batch_size, args.pipeline,
+                                  args.profile)
             git = benchlib.git_state()
             print(f"neardup at {benchlib.describe_git(git)}")
             print("$ " + " ".join(cmd[:1] + [c if c != str(Path(tmp) / "state") else "<tmp>/state" for c in cmd[1:]]),

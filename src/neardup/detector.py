@@ -33,9 +33,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from neardup.core.lsh import band_hashes, bucket_ids
-from neardup.core.minhash import make_hasher
-from neardup.core.normalize import normalize
 from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import (
@@ -47,6 +44,9 @@ from neardup.core.cluster import (
     Sets,
     cluster_batch,
 )
+from neardup.core.lsh import band_hashes, bucket_ids
+from neardup.core.minhash import make_hasher
+from neardup.core.normalize import normalize
 from neardup.core.overlap import fingerprints, intersection_sizes
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
@@ -368,3 +368,16 @@ class Detector:
             result.update.positions.update(positions)
         self.store.commit(result.update)
         return result.results
+
+
+def warm_up(settings: EngineSettings) -> None:
+    """Load the compiled kernels (numba: from its on-disk cache, or compiled on the very
+    first run) by passing a story and its copy through a ``Detector`` over a throwaway
+    in-memory store. About 0.5 s with the cache; a caller can overlap it with other
+    start-up work in a thread (the kernels are process-wide)."""
+    from neardup.state.memory import MemoryStateStore  # noqa: PLC0415 - only here
+
+    detector = Detector(settings, MemoryStateStore(settings.state_shape()))
+    text = "the quick brown fox jumps over the lazy dog near the river bank at dawn"
+    detector.store.commit(detector.detect([Document("original", text)]).update)
+    detector.detect([Document("copy", text)])

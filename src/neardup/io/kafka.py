@@ -54,7 +54,8 @@ share the machine's cores. When batch k is full (a backlog), batch k + 1 is cons
 *ahead*, before batch k's step 2, taking only what the consumer has already fetched (no
 wait); its replays are marked and its messages decoded, and its documents go to the
 worker. A batch that is not full is prepared in this process as before, so a consumer
-that keeps up waits for no one. Batch k + 1 is only held in memory until its turn:
+that keeps up waits for no one; so is every batch until the worker has started (its
+imports and compiled code take about a second). Batch k + 1 is only held in memory until its turn:
 
 - a crash loses it like any message consumed and not committed: the restart consumes it
   again from the committed offsets.
@@ -96,7 +97,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never,
 
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
-from neardup.detector import Detector, PreparedBatch
+from neardup.detector import Detector, PreparedBatch, warm_up
 from neardup.io.messages import (
     OFFSET_BE,
     MessageError,
@@ -331,6 +332,9 @@ class KafkaDeduplicator:
             signal.signal(signal.SIGINT, self.stop)
         if self.settings.pipeline:
             self.worker = PrepareWorker(self.detector.settings)
+        # The compiled kernels load while the producer and consumer connect.
+        threading.Thread(target=warm_up, args=(self.detector.settings,), name="neardup-warm-up",
+                         daemon=True).start()
         try:
             self._connect()
             self._loop()
@@ -458,8 +462,9 @@ class KafkaDeduplicator:
             log.info("rebalanced while reading ahead: messages of revoked partitions dropped")
         if ahead is not None and self.worker is not None:
             try:
-                self.worker.submit(ahead.documents)
-                ahead.in_worker = True
+                if self.worker.ready():  # until it has started, batches are prepared here
+                    self.worker.submit(ahead.documents)
+                    ahead.in_worker = True
             except WorkerDied as exc:
                 self._worker_died(exc)
         return batch, ahead
