@@ -228,6 +228,7 @@ class KafkaDeduplicator:
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
         self.worker: PrepareWorker | None = None
+        self._worker_started = False
         self.batches = 0  # committed
         self.batches_prepared_ahead = 0  # of them, prepared in the worker
         self._revoked_while_reading: set[tuple[str, int]] | None = None
@@ -350,6 +351,10 @@ class KafkaDeduplicator:
             batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
             ahead = None
             if batch is None:
+                try:
+                    self._worker_ready()  # idle: take the worker's start-up notice
+                except WorkerDied as exc:
+                    self._worker_died(exc)
                 continue
             self._take_prepared(batch)  # first: the worker holds one batch at a time
             if batch.full and self.worker is not None and not self._stop.is_set():
@@ -462,7 +467,7 @@ class KafkaDeduplicator:
             log.info("rebalanced while reading ahead: messages of revoked partitions dropped")
         if ahead is not None and self.worker is not None:
             try:
-                if self.worker.ready():  # until it has started, batches are prepared here
+                if self._worker_ready():  # until it has started, batches are prepared here
                     self.worker.submit(ahead.documents)
                     ahead.in_worker = True
             except WorkerDied as exc:
@@ -531,6 +536,21 @@ class KafkaDeduplicator:
             batch.prepared = self.worker.result()
         except WorkerDied as exc:
             self._worker_died(exc)
+
+    def _worker_ready(self) -> bool:
+        """Whether the worker has started (logged once); False without a worker.
+
+        Raises:
+            WorkerDied: the worker process is gone.
+        """
+        if self.worker is None:
+            return False
+        if self._worker_started:
+            return True
+        self._worker_started = self.worker.ready()
+        if self._worker_started:
+            log.info("preparing worker started: full batches are prepared ahead in it from now on")
+        return self._worker_started
 
     def _worker_died(self, exc: WorkerDied) -> None:
         assert self.worker is not None
