@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from neardup.core.normalize import TextNorm, normalize
 from neardup.core.settings import EngineSettings
@@ -306,3 +308,22 @@ def test_prepared_batch_survives_pickling() -> None:
     empty = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare([Document("e", "")])
     copy = pickle.loads(pickle.dumps(empty))
     assert len(copy.fingerprints) == 0 and copy.fingerprint_offsets.tolist() == [0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from(list("ab_ Ç1\t\n\u00a0\u2003\u3000.-")), max_size=40),
+                min_size=1, max_size=6))
+def test_prepare_equals_shingling_the_normalised_texts(texts: list[str]) -> None:
+    """The preparer skips collapsing white space for word shingles (it changes no word
+    token): fingerprints and reject reasons are those of the fully normalised texts."""
+    prepared = Detector(SETTINGS, MemoryStateStore(SETTINGS.state_shape())).prepare.texts(texts)
+    normalised = [normalize(t, SETTINGS.norm) for t in texts]
+    batch = shingle_batch(normalised, SETTINGS.shingling)
+    valid = np.flatnonzero(batch.counts > 0)
+    assert prepared.valid.tolist() == valid.tolist()
+    expected = [sorted({int(h) & 0xFFFFFFFF for h in batch.hashes[batch.offsets[d]:batch.offsets[d + 1]]})
+                for d in valid]
+    got = np.split(prepared.fingerprints, prepared.fingerprint_offsets[1:-1]) if len(valid) else []
+    assert [f.tolist() for f in got] == expected
+    assert prepared.rejected == [None if n else (EMPTY_TEXT if not t else NO_TOKENS)
+                                 for t, n in zip(normalised, batch.counts.tolist())]

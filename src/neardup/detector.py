@@ -28,7 +28,7 @@ Nothing is written until the caller commits the batch's ``StateUpdate``, atomica
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -160,6 +160,12 @@ class Preparer:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self.hasher = make_hasher(settings.minhash, settings.num_perm, settings.seed)
+        norm = settings.norm
+        if settings.shingling.kind == "word" and norm.collapse_whitespace:
+            # No white space is a word character, so collapsing it changes no word
+            # shingle: skipped (6 of 7 us per Reuters story of normalisation).
+            norm = replace(norm, collapse_whitespace=False)
+        self._norm = norm
 
     def __call__(self, documents: Sequence[Document]) -> PreparedBatch:
         return self.texts([d.text for d in documents])
@@ -167,14 +173,15 @@ class Preparer:
     def texts(self, raw: Sequence[str]) -> PreparedBatch:
         """The ``PreparedBatch`` of documents with texts ``raw``."""
         s = self.settings
-        texts = [normalize(text, s.norm) for text in raw]
+        norm = self._norm
+        texts = [normalize(text, norm) for text in raw]
         shingles = shingle_batch(texts, s.shingling)
         counts = shingles.counts
         valid = np.flatnonzero(counts > 0)
         signatures = self.hasher.signatures(shingles)[valid]
         fingerprints, offsets = fingerprint_sets(shingles, valid)
         rejected = [
-            None if n > 0 else (EMPTY_TEXT if not text else NO_TOKENS)
+            None if n > 0 else (EMPTY_TEXT if text.isspace() or not text else NO_TOKENS)
             for text, n in zip(texts, counts.tolist())
         ]
         return PreparedBatch(
