@@ -140,8 +140,10 @@ class PreparedBatch:
         fingerprints, fingerprint_offsets: the valid documents' sorted shingle
             fingerprints as one array (``fingerprint_sets``).
         sizes: int64, shape (n_valid,): shingle-set sizes.
-        buckets: uint64, shape (n_valid, bands): each document's bucket id in each band
-            (``neardup.core.lsh.bucket_ids``).
+        bucket_keys: uint64, shape (n_buckets,): the distinct bucket ids of the batch
+            (``neardup.core.lsh.bucket_ids``), ascending.
+        bucket_entries: int64, shape (n_valid, bands): each document's bucket in each
+            band, as an index into ``bucket_keys``.
     """
 
     rejected: list[str | None]
@@ -150,7 +152,13 @@ class PreparedBatch:
     fingerprints: np.ndarray
     fingerprint_offsets: np.ndarray
     sizes: np.ndarray
-    buckets: np.ndarray
+    bucket_keys: np.ndarray
+    bucket_entries: np.ndarray
+
+    @property
+    def buckets(self) -> np.ndarray:
+        """uint64, shape (n_valid, bands): each document's bucket id in each band."""
+        return self.bucket_keys[self.bucket_entries]
 
 
 class Preparer:
@@ -180,6 +188,8 @@ class Preparer:
         valid = np.flatnonzero(counts > 0)
         signatures = self.hasher.signatures(shingles)[valid]
         fingerprints, offsets = fingerprint_sets(shingles, valid)
+        buckets = bucket_ids(band_hashes(signatures, s.bands))
+        keys, entries = np.unique(buckets, return_inverse=True)  # grouped here, off the state's path
         rejected = [
             None if n > 0 else (EMPTY_TEXT if text.isspace() or not text else NO_TOKENS)
             for text, n in zip(texts, counts.tolist())
@@ -191,7 +201,8 @@ class Preparer:
             fingerprints=fingerprints,
             fingerprint_offsets=offsets,
             sizes=np.diff(offsets),
-            buckets=bucket_ids(band_hashes(signatures, s.bands)),
+            bucket_keys=keys,
+            bucket_entries=entries.ravel().reshape(buckets.shape),
         )
 
 
@@ -230,7 +241,7 @@ class Detector:
 
         # Pass 1: candidates of every document (bucket membership does not depend on
         # verdicts), for the whole batch at once.
-        bounds, candidates, joined = self._candidates(p.buckets, first_seq)
+        bounds, candidates, joined = self._candidates(p.bucket_keys, p.bucket_entries, first_seq)
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
@@ -307,12 +318,15 @@ class Detector:
         signatures[first:] = p.signatures
         return Sets(sizes, np.zeros(0, np.uint32), np.zeros(len(local) + 1, np.int64), signatures)
 
-    def _candidates(self, buckets: np.ndarray, first_seq: int) -> tuple[np.ndarray, np.ndarray, _BucketJoins]:
+    def _candidates(self, keys: np.ndarray, entries: np.ndarray,
+                    first_seq: int) -> tuple[np.ndarray, np.ndarray, _BucketJoins]:
         """Each document's candidates (``neardup.core.candidates``), and the bucket
         memberships the batch adds.
 
         Args:
-            buckets: uint64, shape (n, bands): the batch's bucket ids.
+            keys: uint64, shape (n_buckets,): the batch's distinct bucket ids, ascending.
+            entries: int64, shape (n, bands): each document's bucket in each band, as an
+                index into ``keys``.
             first_seq: the seq of the batch's first document.
 
         Returns:
@@ -321,10 +335,8 @@ class Detector:
             the memberships (``_BucketJoins``).
         """
         s = self.settings
-        n, bands = buckets.shape
-        flat = buckets.ravel()
-        keys, inv = np.unique(flat, return_inverse=True)
-        inv = inv.ravel()
+        n, bands = entries.shape
+        inv = entries.ravel()
         stored = self.store.bucket_members(keys)
         starts = np.zeros(len(keys), dtype=np.int64)
         np.cumsum(stored.counts[:-1], out=starts[1:])
@@ -333,7 +345,7 @@ class Detector:
         joins = np.flatnonzero(found.joined)  # document-major: seqs ascending per bucket
         added = np.bincount(inv[joins], minlength=len(keys))
         joined = _BucketJoins(
-            bucket_ids=flat[joins],
+            bucket_ids=keys[inv[joins]],
             bucket_seqs=first_seq + (joins // bands).astype(np.uint64),
             largest_bucket=int((stored.counts + added).max(initial=0)),
         )

@@ -1,5 +1,5 @@
-"""Array helpers shared by the detector and the state: distinct values, ranges, and
-searches in sorted arrays."""
+"""Array helpers shared by the detector and the state: distinct values, and searches in
+sorted arrays."""
 
 from __future__ import annotations
 
@@ -20,13 +20,6 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(out[1:], out[:-1], out=keep[1:])
     return out[keep]
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """int64: the concatenation of ``arange(s, s + n)`` for each start s and length n."""
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
 
 
 @njit(nogil=True, cache=True)

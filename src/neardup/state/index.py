@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from neardup.core.arrays import concat_ranges, equal_ranges
+from neardup.core.arrays import equal_ranges
 from neardup.state.base import StateError
 
 #: A run is merged into the previous one while that one is at most FANOUT times larger
@@ -113,23 +113,28 @@ class BucketIndex:
             counts = np.empty(len(buckets), dtype=np.int64)
             counts[order] = found.counts
             return BucketMembers(counts, owner[regroup], found.seqs[regroup])
+        ranges = [equal_ranges(run_buckets, buckets) for run_buckets, _ in self._runs]
         counts = np.zeros(len(buckets), dtype=np.int64)
-        owners, members = [], []
-        for run_buckets, run_seqs in self._runs:
-            starts, found = equal_ranges(run_buckets, buckets)
-            hit = np.flatnonzero(found)
-            if len(hit) == 0:
-                continue
-            start, n = starts[hit], found[hit]
-            counts[hit] += n
-            owners.append(np.repeat(hit, n))
-            members.append(run_seqs[concat_ranges(start, n)])
-        if not owners:
-            return BucketMembers(counts, np.empty(0, np.int64), np.empty(0, np.uint64))
-        owner = np.concatenate(owners)
-        seqs = np.concatenate(members).astype(np.uint64)
-        order = np.argsort(owner, kind="stable")  # runs are oldest first: seqs ascend
-        return BucketMembers(counts, owner[order], seqs[order])
+        for _, found in ranges:
+            counts += found
+        fill = np.zeros(len(buckets), dtype=np.int64)  # where each bucket's members go next
+        np.cumsum(counts[:-1], out=fill[1:])
+        seqs = np.empty(int(counts.sum()), dtype=np.uint64)
+        for (starts, found), (_, run_seqs) in zip(ranges, self._runs):  # oldest first
+            _gather(run_seqs, starts, found, seqs, fill)
+        owner = np.repeat(np.arange(len(buckets), dtype=np.int64), counts)
+        return BucketMembers(counts, owner, seqs)
+
+
+@njit(nogil=True, cache=True)
+def _gather(run_seqs: np.ndarray, starts: np.ndarray, counts: np.ndarray, out: np.ndarray,
+            fill: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Append each bucket's members of one run at ``fill`` (advanced)."""
+    for k in range(len(starts)):
+        at = fill[k]
+        for j in range(counts[k]):
+            out[at + j] = run_seqs[starts[k] + j]
+        fill[k] = at + counts[k]
 
 
 def _merge(older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
