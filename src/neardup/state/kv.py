@@ -114,7 +114,7 @@ class KeyValueStateStore:
 
     def _documents(self, seqs: Sequence[int]) -> list[tuple[int, str]]:
         raws = self._get_many("documents", codec.seq_keys(list(seqs)))
-        if any(raw is None for raw in raws):
+        if None in raws:
             raise KeyError("unknown document sequence number")
         return [codec.decode_document(raw) for raw in raws]  # type: ignore[arg-type]
 
@@ -126,7 +126,7 @@ class KeyValueStateStore:
 
     def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         raws = self._get_many("shingles", codec.seq_keys(list(seqs)))
-        if any(raw is None for raw in raws):
+        if None in raws:
             raise KeyError("no shingle fingerprints stored for a document")
         return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
 
