@@ -116,17 +116,26 @@ class BatchResult:
         results: one Verdict or Rejected per input document, in input order.
         update: the state changes; the caller commits it.
         signatures: uint64, shape (n_valid, num_perm).
-        links: every accepted pair as (earlier seq, later seq, similarity).
+        accepted: every accepted pair as three arrays of one length: earlier seq and
+            later seq (uint64), similarity (float64); see ``links``.
     """
 
     results: list[Verdict | Rejected]
     update: StateUpdate
     signatures: np.ndarray = field(repr=False)
-    links: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
+    accepted: tuple[np.ndarray, np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0)),
+        repr=False)
 
     @property
     def verdicts(self) -> list[Verdict]:
         return [r for r in self.results if isinstance(r, Verdict)]
+
+    @property
+    def links(self) -> list[tuple[int, int, float]]:
+        """Every accepted pair as (earlier seq, later seq, similarity), built on demand."""
+        earlier, later, similarity = self.accepted
+        return list(zip(earlier.tolist(), later.tolist(), similarity.tolist()))
 
 
 @dataclass
@@ -272,8 +281,7 @@ class Detector:
         nodes = np.column_stack([local[changed], local[parent[changed]],
                                  size[changed].astype(np.uint64), local[canonical[changed]]])
         accepted = similarity >= s.threshold
-        links = list(zip(candidates[accepted].tolist(), local[doc_local[accepted]].tolist(),
-                         similarity[accepted].tolist()))
+        links = (candidates[accepted], local[doc_local[accepted]], similarity[accepted])
 
         ids = [documents[i].id for i in p.valid]
         named = iter(self._name(decided, bounds, candidates, local, similarity, jaccard,
@@ -296,7 +304,7 @@ class Detector:
             largest_bucket=joined.largest_bucket,
             nodes=nodes,
         )
-        return BatchResult(results=results, update=update, signatures=p.signatures, links=links)
+        return BatchResult(results=results, update=update, signatures=p.signatures, accepted=links)
 
     def _sets(self, p: PreparedBatch, local: np.ndarray, first: int, needed: np.ndarray) -> Sets:
         """The sets of the batch's documents (local ids ``first`` on) and of the stored
