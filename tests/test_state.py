@@ -414,8 +414,8 @@ def test_bucket_index_matches_a_dict_of_lists(max_run: int, monkeypatch: pytest.
         assert index.runs <= 8  # merged into O(log n) runs
     else:  # runs stop growing at max_run
         assert index.runs >= seq // max_run
-        assert all(len(b) <= max(max_run, 400) for b, _ in index._runs)
-    assert index.nbytes == 12 * seq
+        assert all(len(run.buckets) <= max(max_run, 400) for run in index._runs)
+    assert 12 * seq < index.nbytes <= 14 * seq + 8 * (4 + 4 * index.runs)  # runs and directories
 
 
 def test_store_of_another_layout_is_refused(tmp_path: Path) -> None:

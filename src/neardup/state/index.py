@@ -6,27 +6,28 @@ layout of a log-structured merge tree (O'Neil et al., "The log-structured merge-
 Acta Informatica 1996) kept in numpy arrays: each committed batch adds a small run, and
 the newest run is merged into the one before it while that one is at most ``FANOUT``
 times larger, so there are O(log n) runs and each membership is merged O(log n) times
-(runs stop growing at ``MAX_RUN``). A lookup is one binary search per run for a whole batch of bucket ids.
+(runs stop growing at ``MAX_RUN``). Each run has a directory indexed by the top bits of
+the bucket id (ids are hashes, so about 2 to 4 members per entry): a lookup is one
+directory probe and a short scan per bucket id and run, compiled, for a whole batch.
 
 The store owns the index: it writes each batch's memberships to RocksDB in the batch's
 atomic write, adds them to the index only after that write, and rebuilds the index from
 those records when it opens. The index is therefore a cache of committed state, never
 ahead of it.
 
-Memory: 12 bytes per membership (uint64 bucket id, uint32 seq), plus up to twice
-``MAX_RUN`` memberships for a moment while two runs merge. At 1,000,000 documents of 21
-bands (21 million memberships) that is 252 MB in 5 runs; looking up the 21,000 buckets of a
-batch of 1,000 documents then takes about 25 ms.
+Memory: 12 bytes per membership (uint64 bucket id, uint32 seq) and 1 to 2 for the
+directories, plus up to twice ``MAX_RUN`` memberships for a moment while two runs merge.
+At 1,000,000 documents of 21 bands (21 million memberships) that is about 280 MB.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-from neardup.core.arrays import equal_ranges
 from neardup.state.base import StateError
 
 #: A run is merged into the previous one while that one is at most FANOUT times larger
@@ -53,14 +54,36 @@ class BucketMembers:
     seqs: np.ndarray
 
 
+class _Run(NamedTuple):
+    """A sorted run: bucket ids (uint64, ascending), their seqs (uint32), and a directory
+    (uint32, shape (2**k + 1,)): the members whose bucket id has top k bits d are
+    ``directory[d]:directory[d + 1]``, with ``shift`` = 64 - k."""
+
+    buckets: np.ndarray
+    seqs: np.ndarray
+    directory: np.ndarray
+    shift: np.uint64
+
+
+def _run(buckets: np.ndarray, seqs: np.ndarray) -> _Run:
+    """A run with its directory of about one entry per 2 to 4 members (bucket ids are
+    hashes, so the members spread evenly over it)."""
+    k = min(max(len(buckets).bit_length() - 2, 4), 32)
+    shift = np.uint64(64 - k)
+    counts = np.bincount((buckets >> shift).astype(np.int64), minlength=1 << k)
+    directory = np.zeros((1 << k) + 1, dtype=np.uint32)
+    np.cumsum(counts, out=directory[1:])
+    return _Run(buckets, seqs, directory, shift)
+
+
 class BucketIndex:
     """Sorted runs of (bucket id, seq) memberships; see the module docstring."""
 
     def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (buckets u64, seqs u32), oldest first
+        self._runs: list[_Run] = []  # oldest first
 
     def __len__(self) -> int:
-        return sum(len(buckets) for buckets, _ in self._runs)
+        return sum(len(run.buckets) for run in self._runs)
 
     @property
     def runs(self) -> int:
@@ -68,8 +91,8 @@ class BucketIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the runs."""
-        return sum(b.nbytes + s.nbytes for b, s in self._runs)
+        """Bytes held by the runs and their directories."""
+        return sum(r.buckets.nbytes + r.seqs.nbytes + r.directory.nbytes for r in self._runs)
 
     def add(self, buckets: np.ndarray, seqs: np.ndarray) -> None:
         """File ``seqs[i]`` under bucket ``buckets[i]``.
@@ -87,43 +110,58 @@ class BucketIndex:
         if int(seqs.max()) > MAX_SEQ:
             raise StateError(f"the bucket index holds seqs up to {MAX_SEQ:,}")
         order = np.argsort(buckets, kind="stable")
-        self._runs.append((buckets[order], seqs[order].astype(np.uint32)))
+        self._runs.append(_run(np.asarray(buckets, dtype=np.uint64)[order], seqs[order].astype(np.uint32)))
         while len(self._runs) > 1:
-            older, newer = len(self._runs[-2][0]), len(self._runs[-1][0])
+            older, newer = len(self._runs[-2].buckets), len(self._runs[-1].buckets)
             if older > FANOUT * newer or older + newer > MAX_RUN:
                 break
-            newer = self._runs.pop()
-            self._runs[-1] = _merge(self._runs[-1], newer)
+            newer_run = self._runs.pop()
+            self._runs[-1] = _run(*_merge_runs(self._runs[-1].buckets, self._runs[-1].seqs,
+                                               newer_run.buckets, newer_run.seqs))
 
     def lookup(self, buckets: np.ndarray) -> BucketMembers:
-        """Members of each bucket in ``buckets`` (uint64, shape (n,), distinct; fastest
-        ascending); a galloping search per run (``neardup.core.arrays.equal_ranges``).
+        """Members of each bucket in ``buckets`` (uint64, shape (n,), distinct): one
+        directory probe and a short scan per bucket and run.
 
         Raises:
             ValueError: ``buckets`` holds a bucket id twice.
         """
         buckets = np.asarray(buckets, dtype=np.uint64)
         if len(buckets) > 1 and not (buckets[1:] > buckets[:-1]).all():
-            order = np.argsort(buckets)
-            if (buckets[order][1:] == buckets[order][:-1]).any():
+            ordered = np.sort(buckets)
+            if (ordered[1:] == ordered[:-1]).any():
                 raise ValueError("a bucket id asked for twice")
-            found = self.lookup(buckets[order])
-            owner = order[found.owner]
-            regroup = np.argsort(owner, kind="stable")
-            counts = np.empty(len(buckets), dtype=np.int64)
-            counts[order] = found.counts
-            return BucketMembers(counts, owner[regroup], found.seqs[regroup])
-        ranges = [equal_ranges(run_buckets, buckets) for run_buckets, _ in self._runs]
+        ranges = [_ranges(run.buckets, run.directory, run.shift, buckets) for run in self._runs]
         counts = np.zeros(len(buckets), dtype=np.int64)
         for _, found in ranges:
             counts += found
         fill = np.zeros(len(buckets), dtype=np.int64)  # where each bucket's members go next
         np.cumsum(counts[:-1], out=fill[1:])
         seqs = np.empty(int(counts.sum()), dtype=np.uint64)
-        for (starts, found), (_, run_seqs) in zip(ranges, self._runs):  # oldest first
-            _gather(run_seqs, starts, found, seqs, fill)
+        for (starts, found), run in zip(ranges, self._runs):  # oldest first
+            _gather(run.seqs, starts, found, seqs, fill)
         owner = np.repeat(np.arange(len(buckets), dtype=np.int64), counts)
         return BucketMembers(counts, owner, seqs)
+
+
+@njit(nogil=True, cache=True)
+def _ranges(run: np.ndarray, directory: np.ndarray, shift: np.uint64,
+            needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Start and count of each needle's members in a run, through its directory."""
+    starts = np.empty(len(needles), dtype=np.int64)
+    counts = np.zeros(len(needles), dtype=np.int64)
+    for i in range(len(needles)):
+        x = needles[i]
+        d = x >> shift
+        j = np.int64(directory[d])
+        end = np.int64(directory[d + 1])
+        while j < end and run[j] < x:
+            j += 1
+        starts[i] = j
+        while j < end and run[j] == x:
+            j += 1
+        counts[i] = j - starts[i]
+    return starts, counts
 
 
 @njit(nogil=True, cache=True)
@@ -135,11 +173,6 @@ def _gather(run_seqs: np.ndarray, starts: np.ndarray, counts: np.ndarray, out: n
         for j in range(counts[k]):
             out[at + j] = run_seqs[starts[k] + j]
         fill[k] = at + counts[k]
-
-
-def _merge(older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Merge two runs; among equal bucket ids the older run's members come first."""
-    return _merge_runs(older[0], older[1], newer[0], newer[1])
 
 
 @njit(nogil=True, cache=True)
