@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.sparse.csgraph import connected_components
 
-from neardup.core.arrays import equal_ranges, sorted_unique
+from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Sets, cluster_batch
 from neardup.core.lsh import LshParams, band_hashes, optimal_params
@@ -665,24 +665,10 @@ def test_batch_candidates_follow_the_bucket_rules(data: st.DataObject, bands: in
 
 
 @FAST
-@given(st.lists(st.integers(0, 30) | st.integers(0, 2**64 - 1), max_size=80),
-       st.sets(st.integers(0, 32) | st.integers(0, 2**64 - 1), max_size=30))
-def test_equal_ranges_match_searchsorted(haystack: list[int], needles: set[int]) -> None:
-    hay = np.array(sorted(haystack), dtype=np.uint64)
-    wanted = np.array(sorted(needles), dtype=np.uint64)
-    starts, counts = equal_ranges(hay, wanted)
-    assert starts.tolist() == np.searchsorted(hay, wanted, side="left").tolist()
-    assert counts.tolist() == (np.searchsorted(hay, wanted, side="right") - starts).tolist()
-    assert sorted_unique(hay).tolist() == sorted(set(haystack))
-
-
-def test_equal_ranges_refuse_unsorted_needles() -> None:
-    with pytest.raises(ValueError):
-        equal_ranges(np.arange(5, dtype=np.uint64), np.array([3, 1], dtype=np.uint64))
-    with pytest.raises(ValueError):
-        equal_ranges(np.arange(5, dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
-    with pytest.raises(ValueError):
-        equal_ranges(np.arange(5, dtype=np.uint64), np.array([1], dtype=np.int64))
+@given(st.lists(st.integers(0, 30) | st.integers(0, 2**64 - 1), max_size=80))
+def test_sorted_unique_is_numpy_unique(values: list[int]) -> None:
+    array = np.array(values, dtype=np.uint64)
+    assert sorted_unique(array).tolist() == sorted(set(values)) == np.unique(array).tolist()
 
 
 # --- exact overlap ------------------------------------------------------------------------
