@@ -32,6 +32,26 @@ class Candidates(NamedTuple):
     joined: np.ndarray
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # multiplicative hashing (Knuth, TAOCP vol. 3, §6.4)
+
+
+@njit(nogil=True, cache=True)
+def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
+           shift: np.uint64, x: np.uint64) -> int:  # pragma: no cover - compiled
+    """Count ``x`` in an open-addressing table (linear probing); returns the number of
+    distinct keys, ``used`` listing their slots."""
+    mask = len(table_keys) - 1
+    h = np.int64((x * _GOLDEN) >> shift)
+    while table_counts[h] != 0 and table_keys[h] != x:
+        h = (h + 1) & mask
+    if table_counts[h] == 0:
+        table_keys[h] = x
+        used[u] = h
+        u += 1
+    table_counts[h] += 1
+    return u
+
+
 @njit(nogil=True, cache=True)
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
@@ -43,46 +63,44 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     joined = np.zeros(len(entry_bucket), dtype=np.bool_)
     bounds = np.zeros(n + 1, dtype=np.int64)
     out = np.empty(n * max_candidates, dtype=np.uint64)
-    met = np.empty(1024, dtype=np.uint64)
+    bits = 10
+    table_keys = np.empty(1 << bits, dtype=np.uint64)
+    table_counts = np.zeros(1 << bits, dtype=np.int64)
+    used = np.empty(1 << bits, dtype=np.int64)
     filled = 0
     for d in range(n):
-        m = 0
+        met = 0  # members met, with repeats: at most half the table's slots
+        for e in range(d * bands, (d + 1) * bands):
+            met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
+        if 2 * met > (1 << bits):
+            while 2 * met > (1 << bits):
+                bits += 1
+            table_keys = np.empty(1 << bits, dtype=np.uint64)
+            table_counts = np.zeros(1 << bits, dtype=np.int64)
+            used = np.empty(1 << bits, dtype=np.int64)
+        shift = np.uint64(64 - bits)
+        u = 0
         for e in range(d * bands, (d + 1) * bands):
             k = entry_bucket[e]
-            need = m + member_counts[k] + taken[k]
-            if need > len(met):
-                grown = np.empty(2 * need, dtype=np.uint64)
-                grown[:m] = met[:m]
-                met = grown
             for j in range(member_starts[k], member_starts[k] + member_counts[k]):
-                met[m] = member_seqs[j]
-                m += 1
+                u = _count(table_keys, table_counts, used, u, shift, member_seqs[j])
             x = head[k]
             while x >= 0:
-                met[m] = first_seq + x // bands
-                m += 1
+                u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
                 x = below[x]
             if taken[k] < room[k]:
                 below[e] = head[k]
                 head[k] = e
                 taken[k] += 1
                 joined[e] = True
-        met[:m].sort()
-        seqs = np.empty(m, dtype=np.uint64)
-        shared = np.empty(m, dtype=np.int64)
-        u = 0
-        for j in range(m):
-            if j > 0 and met[j] == met[j - 1]:
-                shared[u - 1] += 1
-            else:
-                seqs[u] = met[j]
-                shared[u] = 1
-                u += 1
-        if u > max_candidates:  # most shared buckets first, then earliest; stable sort
-            keep = np.argsort(-shared[:u], kind="mergesort")[:max_candidates]
-            chosen = np.sort(seqs[keep])
-        else:
-            chosen = seqs[:u]
+        # most shared buckets first, then earliest: one sort of (bands - shared, seq) keys
+        keys = np.empty(u, dtype=np.uint64)
+        for i in range(u):
+            h = used[i]
+            keys[i] = (np.uint64(bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
+            table_counts[h] = 0
+        keys.sort()
+        chosen = np.sort(keys[:max_candidates] & np.uint64(0xFFFFFFFF))
         out[filled : filled + len(chosen)] = chosen
         filled += len(chosen)
         bounds[d + 1] = filled
