@@ -70,10 +70,24 @@ def _run(buckets: np.ndarray, seqs: np.ndarray) -> _Run:
     hashes, so the members spread evenly over it)."""
     k = min(max(len(buckets).bit_length() - 2, 4), 32)
     shift = np.uint64(64 - k)
-    counts = np.bincount((buckets >> shift).astype(np.int64), minlength=1 << k)
-    directory = np.zeros((1 << k) + 1, dtype=np.uint32)
-    np.cumsum(counts, out=directory[1:])
-    return _Run(buckets, seqs, directory, shift)
+    return _Run(buckets, seqs, _directory(buckets, shift, 1 << k), shift)
+
+
+@njit(nogil=True, cache=True)
+def _directory(buckets: np.ndarray, shift: np.uint64, size: int) -> np.ndarray:  # pragma: no cover - compiled
+    """uint32, shape (size + 1,): entry d is the first position whose bucket id has top
+    bits d or more (one pass over the sorted run, no temporary of its length)."""
+    directory = np.empty(size + 1, dtype=np.uint32)
+    d = 0
+    for i in range(len(buckets)):
+        top = np.int64(buckets[i] >> shift)
+        while d <= top:
+            directory[d] = i
+            d += 1
+    while d <= size:
+        directory[d] = len(buckets)
+        d += 1
+    return directory
 
 
 class BucketIndex:
