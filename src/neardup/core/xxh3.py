@@ -38,17 +38,10 @@ _M32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(nogil=True, cache=True)
-def _read64(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compiled
+def _read(data: np.ndarray, p: int, width: int) -> np.uint64:  # pragma: no cover - compiled
+    """The ``width``-byte little-endian integer at ``data[p]``."""
     v = np.uint64(0)
-    for k in range(8):
-        v |= np.uint64(data[p + k]) << np.uint64(8 * k)
-    return v
-
-
-@njit(nogil=True, cache=True)
-def _read32(data: np.ndarray, p: int) -> np.uint64:  # pragma: no cover - compiled
-    v = np.uint64(0)
-    for k in range(4):
+    for k in range(width):
         v |= np.uint64(data[p + k]) << np.uint64(8 * k)
     return v
 
@@ -103,25 +96,25 @@ def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True)
 def _mix16(data: np.ndarray, p: int, secret: np.ndarray, s: int) -> np.uint64:  # pragma: no cover - compiled
-    return _mul128_fold64(_read64(data, p) ^ _read64(secret, s), _read64(data, p + 8) ^ _read64(secret, s + 8))
+    return _mul128_fold64(_read(data, p, 8) ^ _read(secret, s, 8), _read(data, p + 8, 8) ^ _read(secret, s + 8, 8))
 
 
 @njit(nogil=True, cache=True)
 def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint64:  # pragma: no cover - compiled
     length = np.uint64(n)
     if n == 0:
-        return _xxh64_avalanche(_read64(secret, 56) ^ _read64(secret, 64))
+        return _xxh64_avalanche(_read(secret, 56, 8) ^ _read(secret, 64, 8))
     if n <= 3:
         c1 = np.uint64(data[p])
         c2 = np.uint64(data[p + (n >> 1)])
         c3 = np.uint64(data[p + n - 1])
         combined = (c1 << np.uint64(16)) | (c2 << np.uint64(24)) | c3 | (length << np.uint64(8))
-        bitflip = (_read32(secret, 0) ^ _read32(secret, 4)) & _M32
+        bitflip = (_read(secret, 0, 4) ^ _read(secret, 4, 4)) & _M32
         return _xxh64_avalanche(combined ^ bitflip)
     if n <= 8:
-        input1 = _read32(data, p)
-        input2 = _read32(data, p + n - 4)
-        bitflip = _read64(secret, 8) ^ _read64(secret, 16)
+        input1 = _read(data, p, 4)
+        input2 = _read(data, p + n - 4, 4)
+        bitflip = _read(secret, 8, 8) ^ _read(secret, 16, 8)
         x = (input2 + (input1 << np.uint64(32))) ^ bitflip
         # XXH3_rrmxmx
         x ^= _rotl(x, 49) ^ _rotl(x, 24)
@@ -130,8 +123,8 @@ def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint
         x *= _MX2
         return x ^ (x >> np.uint64(28))
     if n <= 16:
-        lo = _read64(data, p) ^ (_read64(secret, 24) ^ _read64(secret, 32))
-        hi = _read64(data, p + n - 8) ^ (_read64(secret, 40) ^ _read64(secret, 48))
+        lo = _read(data, p, 8) ^ (_read(secret, 24, 8) ^ _read(secret, 32, 8))
+        hi = _read(data, p + n - 8, 8) ^ (_read(secret, 40, 8) ^ _read(secret, 48, 8))
         return _avalanche(length + _swap64(lo) + hi + _mul128_fold64(lo, hi))
     acc = length * _P64_1
     if n > 32:
