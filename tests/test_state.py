@@ -442,6 +442,9 @@ def test_forest_closure_reaches_roots_and_canonicals() -> None:
     assert forest.node(7) == Node(5, 1, 7) and forest.node(3) is None and forest.node(10) is None
     parent, size, canonical = forest.nodes(np.array([2, 4]))
     assert (parent.tolist(), size.tolist(), canonical.tolist()) == ([2, 4], [4, 1], [1, 4])
+    parent, size, canonical = forest.local_copy(reach, 2)  # local ids: 1 2 3 5 7 -> 0..4, new 5 6
+    assert parent.tolist() == [1, 1, 2, 1, 3, 5, 6] and canonical.tolist() == [0, 0, 2, 3, 4, 5, 6]
+    assert size.tolist() == [1, 4, 1, 1, 1, 1, 1]
     forest.grow(12)
     assert forest.node(11) is None and len(forest) == 12
     with pytest.raises(IndexError):

@@ -71,6 +71,24 @@ class Forest:
         return (self._parent[seqs].astype(np.int64), self._size[seqs].astype(np.int64),
                 self._canonical[seqs].astype(np.int64))
 
+    def local_copy(self, reach: np.ndarray, n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A copy of the nodes of ``reach`` to cluster on, followed by ``n_new`` singletons.
+
+        Args:
+            reach: sorted distinct seqs closed under parent and canonical (``closure``).
+            n_new: new documents, after every seq of ``reach``.
+
+        Returns:
+            (parent, size, canonical), int64, shape (len(reach) + n_new,) each, over local
+            ids: ``reach[i]`` is i, new document j is ``len(reach) + j``.
+        """
+        parent, size, canonical = self.nodes(reach)
+        first = len(reach)
+        new = np.arange(first, first + n_new)
+        return (np.concatenate([np.searchsorted(reach, parent), new]),
+                np.concatenate([size, np.ones(n_new, dtype=np.int64)]),
+                np.concatenate([np.searchsorted(reach, canonical), new]))
+
     def node(self, seq: int) -> Node | None:
         """The stored entry of ``seq``; None for a singleton or an unknown seq."""
         if not 0 <= seq < self._n:
