@@ -20,7 +20,7 @@ What is timed, in one process, on the same texts:
    default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``,
    ``.bucket_ids``, the bucket index look-up ``BucketIndex.lookup``, the rest of
    candidate generation ``Detector._candidates``, the reading of the stored candidates'
-   sets ``Detector._sets``, verification of all pairs ``neardup.detector._similarities``,
+   sets ``Detector._sets``, verification of all pairs ``neardup.detector.pair_similarities``,
    clustering ``neardup.detector.cluster_batch`` and naming ``Detector._name`` (ids read
    from the store, ``Verdict`` objects built)) with timers that keep each stage's
    *exclusive* time (a timed call inside another is subtracted from the outer one).
@@ -90,7 +90,7 @@ STAGE_TARGETS: list[tuple[Any, str, str]] = [
     (neardup.state.index.BucketIndex, "lookup", "BucketIndex.lookup"),
     (neardup.detector.Detector, "_candidates", "candidates (rest of)"),
     (neardup.detector.Detector, "_sets", "stored sets (multi-get)"),
-    (neardup.detector, "_similarities", "verification"),
+    (neardup.detector, "pair_similarities", "verification"),
     (neardup.detector, "cluster_batch", "cluster_batch"),
     (neardup.detector.Detector, "_name", "naming"),
 ]

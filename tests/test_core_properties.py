@@ -18,7 +18,15 @@ from scipy.sparse.csgraph import connected_components
 
 from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
-from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Sets, cluster_batch
+from neardup.core.cluster import (
+    CANONICAL,
+    COMPONENTS,
+    CONTAINMENT,
+    JACCARD,
+    Sets,
+    cluster_batch,
+    pair_similarities,
+)
 from neardup.core.lsh import LshParams, band_hashes, optimal_params
 from neardup.core.minhash import (
     EMPTY,
@@ -28,10 +36,9 @@ from neardup.core.minhash import (
     mulmod61_add,
 )
 from neardup.core.normalize import TextNorm, normalize
-from neardup.core.overlap import flatten, intersection_sizes
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
 from neardup.core.xxh3 import xxh3_spans
-from neardup.core.unionfind import find, peek_root, singletons, union
+from neardup.core.unionfind import find, peek_root, union
 
 P = MERSENNE_61
 U64 = st.integers(0, 2**64 - 1)
@@ -480,6 +487,18 @@ def test_band_hashes_order_sensitive_and_checked() -> None:
 # --- union-find -------------------------------------------------------------------------
 
 
+def singletons(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A forest of ``n`` singletons: (parent, size, canonical), int64."""
+    return np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+
+
+def flatten(sets: list[np.ndarray]) -> Sets:
+    """Exact ``Sets`` of sorted uint32 fingerprint arrays."""
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in sets])]).astype(np.int64)
+    values = np.concatenate([np.zeros(0, np.uint32), *sets]).astype(np.uint32)
+    return Sets(np.diff(offsets), values, offsets, np.empty((len(sets), 0), np.uint64))
+
+
 def _parent_chain_is_acyclic(parent: np.ndarray, x: int) -> bool:
     for _ in range(len(parent) + 1):
         if parent[x] == x:
@@ -603,16 +622,15 @@ def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measu
         union(parent, size, canonical, r, k)
     for k in range(n_stored):
         assert canonical[find(parent, k)] == roots[k]
-    values, offsets = flatten([np.array(sorted(x), dtype=np.uint32) for x in sets])
+    exact = flatten([np.array(sorted(x), dtype=np.uint32) for x in sets])
     bounds = np.cumsum([0] + [len(c) for c in pairs]).astype(np.int64)
     cands = np.array([c for cs in pairs for c in cs], dtype=np.int64)
     left = np.repeat(np.arange(n_stored, n_stored + n), np.diff(bounds))
-    inter = intersection_sizes(values, offsets, left, cands).astype(float)
-    sizes = np.diff(offsets)
-    sim = inter / (sizes[left] + sizes[cands] - inter) if measure == JACCARD else np.minimum(inter / sizes[left], 1.0)
+    jaccard, containment = pair_similarities(exact, left, cands)
+    sim = jaccard if measure == JACCARD else containment
 
     got = cluster_batch(parent, size, canonical, n_stored, bounds, cands, sim, threshold, policy,
-                        measure, Sets(sizes, values, offsets, np.empty((len(sets), 0), np.uint64)))
+                        measure, exact)
     expected = _cluster_reference(n_stored, roots, [set(x) for x in sets], pairs, threshold, policy, measure)
     match = [int(m) - int(bounds[i]) if m >= 0 else -1 for i, m in enumerate(got.match)]
     assert list(zip(match, got.accepted.tolist(), got.canonical.tolist(), got.cluster_size.tolist(),
@@ -681,19 +699,33 @@ FINGERPRINT_SETS = st.lists(
 
 @FAST
 @given(FINGERPRINT_SETS, st.data())
-def test_intersection_sizes_equal_python_sets(sets: list[np.ndarray], data: st.DataObject) -> None:
+def test_pair_similarities_equal_python_sets(sets: list[np.ndarray], data: st.DataObject) -> None:
+    sets = [x for x in sets if len(x)] or [np.array([7], dtype=np.uint32)]
     pairs = data.draw(st.lists(st.tuples(st.integers(0, len(sets) - 1),
                                          st.integers(0, len(sets) - 1)), max_size=20))
     left = np.array([a for a, _ in pairs], dtype=np.int64)
     right = np.array([b for _, b in pairs], dtype=np.int64)
-    got = intersection_sizes(*flatten(sets), left, right)
-    assert got.dtype == np.int64
-    assert got.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in pairs]
+    jaccard, containment = pair_similarities(flatten(sets), left, right)
+    assert jaccard.dtype == containment.dtype == np.float64
+    python = [(set(sets[a].tolist()), set(sets[b].tolist())) for a, b in pairs]
+    assert jaccard.tolist() == [len(x & y) / len(x | y) for x, y in python]
+    assert containment.tolist() == [min(len(x & y) / len(x), 1.0) for x, y in python]
 
 
-def test_intersection_sizes_errors() -> None:
-    sets = [np.array([1, 2], dtype=np.uint32)]
+def test_pair_similarities_estimate_from_signatures() -> None:
+    """Signatures: the share of equal slots, and the containment the sizes imply."""
+    sigs = np.array([[1, 2, 3, 4], [1, 2, 3, 9], [5, 6, 7, 8]], dtype=np.uint64)
+    sets = Sets(np.array([10, 30, 10]), np.zeros(0, np.uint32), np.zeros(4, np.int64), sigs)
+    jaccard, containment = pair_similarities(sets, np.array([0, 0, 1]), np.array([1, 2, 0]))
+    assert jaccard.tolist() == [0.75, 0.0, 0.75]
+    # |A ∩ B| = 0.75 * 40 / 1.75 = 17.14...: all of the 10-set (capped at 1), 0.571 of the 30-set
+    assert containment[0] == 1.0 and containment[1] == 0.0
+    assert containment[2] == pytest.approx(0.75 * 40 / 1.75 / 30)
+
+
+def test_pair_similarities_errors() -> None:
+    sets = flatten([np.array([1, 2], dtype=np.uint32)])
     with pytest.raises(IndexError):
-        intersection_sizes(*flatten(sets), np.array([0]), np.array([1]))
+        pair_similarities(sets, np.array([0]), np.array([1]))
     with pytest.raises(ValueError):
-        intersection_sizes(*flatten(sets), np.array([0]), np.array([], dtype=np.int64))
+        pair_similarities(sets, np.array([0]), np.array([], dtype=np.int64))

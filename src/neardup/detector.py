@@ -43,11 +43,12 @@ from neardup.core.cluster import (
     Clustering,
     Sets,
     cluster_batch,
+    pair_similarities,
 )
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
-from neardup.core.overlap import fingerprints, intersection_sizes
+from neardup.core.overlap import fingerprints
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
@@ -73,31 +74,6 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> tuple[np.ndarr
         ``docs[k]`` is ``values[offsets[k]:offsets[k + 1]]`` (``neardup.core.overlap.fingerprints``).
     """
     return fingerprints(shingles.hashes, shingles.offsets, docs)
-
-
-def _similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Jaccard and containment (of set ``left[k]`` in set ``right[k]``) of each pair k.
-
-    Args:
-        sets: the sets, by local id.
-        left, right: int64, shape (n_pairs,): local ids.
-
-    Returns:
-        Two float64 arrays of shape (n_pairs,). Exact: from the intersections of the
-        sorted fingerprint sets (``neardup.core.overlap``). Estimate: the share of equal
-        signature slots, and the intersection it implies.
-    """
-    size = sets.sizes[left].astype(np.float64)
-    sizes = sets.sizes[right].astype(np.float64)
-    if sets.signatures.shape[1] == 0:
-        inter = intersection_sizes(sets.values, sets.offsets, left, right).astype(np.float64)
-        jaccard = inter / (size + sizes - inter)
-    else:
-        jaccard = np.mean(sets.signatures[right] == sets.signatures[left], axis=1)
-        # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
-        inter = jaccard * (size + sizes) / (1.0 + jaccard)
-    containment = np.minimum(inter / size, 1.0) if len(left) else np.empty(0)
-    return jaccard, containment
 
 
 def _at_match(values: np.ndarray, best: np.ndarray, empty: float) -> np.ndarray:
@@ -266,7 +242,7 @@ class Detector:
         # Pass 3: verify every (document, candidate) pair at once.
         pair_local = np.searchsorted(local, candidates)
         doc_local = first + np.repeat(np.arange(n), np.diff(bounds))
-        jaccard, containment = _similarities(sets, doc_local, pair_local)
+        jaccard, containment = pair_similarities(sets, doc_local, pair_local)
         similarity = containment if s.measure == "containment" else jaccard
 
         # Pass 4: cluster, in arrival order, on the local nodes; the changed ones are stored.

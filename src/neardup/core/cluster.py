@@ -37,8 +37,9 @@ class Sets(NamedTuple):
 
     Attributes:
         sizes: int64, shape (n,): shingle-set sizes.
-        values, offsets: the exact sets (``neardup.core.overlap.flatten``): uint32 sorted
-            fingerprints, and int64 offsets of shape (n + 1,). Empty when estimating.
+        values, offsets: the exact sets: uint32 sorted fingerprints, set i being
+            ``values[offsets[i]:offsets[i + 1]]`` (int64 offsets, shape (n + 1,)).
+            Empty when estimating.
         signatures: uint64, shape (n, num_perm) when estimating; shape (n, 0) for exact.
     """
 
@@ -69,9 +70,9 @@ class Clustering(NamedTuple):
 
 
 @njit(nogil=True, cache=True)
-def _similarity(a: int, b: int, measure: int, sizes: np.ndarray, values: np.ndarray,
-                offsets: np.ndarray, signatures: np.ndarray) -> float:  # pragma: no cover - compiled
-    """Jaccard of sets a and b, or the containment of a in b."""
+def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.ndarray,
+          signatures: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
+    """Jaccard of sets a and b, and the containment of a in b."""
     size_a, size_b = sizes[a], sizes[b]
     if signatures.shape[1] == 0:
         inter = float(merge_count(values, offsets, a, b))
@@ -83,9 +84,45 @@ def _similarity(a: int, b: int, measure: int, sizes: np.ndarray, values: np.ndar
         jaccard = equal / signatures.shape[1]
         # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
         inter = jaccard * (size_a + size_b) / (1.0 + jaccard)
-    if measure == JACCARD:
-        return jaccard
-    return min(inter / size_a, 1.0)
+    return jaccard, min(inter / size_a, 1.0)
+
+
+@njit(nogil=True, cache=True)
+def _pairs(left: np.ndarray, right: np.ndarray, sizes: np.ndarray, values: np.ndarray,
+           offsets: np.ndarray, signatures: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    jaccard = np.empty(len(left))
+    containment = np.empty(len(left))
+    for k in range(len(left)):
+        jaccard[k], containment[k] = _pair(left[k], right[k], sizes, values, offsets, signatures)
+    return jaccard, containment
+
+
+def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Jaccard and containment (of set ``left[k]`` in set ``right[k]``) of each pair k.
+
+    Exact sets: from the merge of the sorted fingerprints (``neardup.core.overlap``).
+    Signatures: the share of equal slots estimates the Jaccard J, and the containment
+    follows from |A ∩ B| = J (|A| + |B|) / (1 + J) and the stored sizes.
+
+    Args:
+        sets: the sets, by local id.
+        left, right: int64, shape (n_pairs,): local ids.
+
+    Returns:
+        Two float64 arrays of shape (n_pairs,).
+
+    Raises:
+        ValueError: ``left`` and ``right`` differ in length.
+        IndexError: an id is outside the sets.
+    """
+    left = np.asarray(left, dtype=np.int64)
+    right = np.asarray(right, dtype=np.int64)
+    if len(left) != len(right):
+        raise ValueError(f"{len(left)} left and {len(right)} right ids")
+    for side in (left, right):
+        if len(side) and (side.min() < 0 or side.max() >= len(sets.sizes)):
+            raise IndexError(f"set id outside 0..{len(sets.sizes) - 1}")
+    return _pairs(left, right, sets.sizes, sets.values, sets.offsets, sets.signatures)
 
 
 @njit(nogil=True, cache=True)
@@ -135,7 +172,8 @@ def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first:
                         s = similarity[k]
                         break
                 if s < 0.0:
-                    s = _similarity(x, c, measure, sizes, values, offsets, signatures)
+                    jaccard, containment = _pair(x, c, sizes, values, offsets, signatures)
+                    s = jaccard if measure == JACCARD else containment
                 if s > target_similarity:
                     target, target_similarity = c, s
             if target_similarity < threshold:

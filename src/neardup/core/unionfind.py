@@ -28,11 +28,6 @@ class Node(NamedTuple):
     canonical: int
 
 
-def singletons(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A forest of ``n`` singletons: (parent, size, canonical), int64, shape (n,) each."""
-    return np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
-
-
 @njit(nogil=True, cache=True)
 def find(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     """The root of ``x``'s set; points every element of the path from ``x`` at it."""
