@@ -337,11 +337,10 @@ def _check_whole_batches(path: Path) -> int:
         members = [codec.decode_memberships(v)[1] for v in cf["buckets"].values()]
         all_members = np.sort(np.concatenate([np.empty(0, np.uint64), *members]))
         assert all_members.tolist() == list(range(next_seq))
-        for key, value in cf["nodes"].items():
-            node = codec.decode_node(value)
-            assert node is not None
-            assert int.from_bytes(key, "big") < next_seq
-            assert node.parent < next_seq and node.canonical < next_seq
+        keys, values = zip(*cf["nodes"].items()) if next_seq else ((), ())
+        seqs, nodes = codec.decode_nodes(list(keys), list(values))
+        assert len(seqs) == len(keys) and (seqs < next_seq).all()
+        assert (nodes[:, 0] < next_seq).all() and (nodes[:, 2] < next_seq).all()  # parent, canonical
         for family in cf.values():
             family.close()
     finally:

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from neardup.core.unionfind import Node
 
 FAMILIES = ("buckets", "signatures", "nodes", "documents", "shingles", "positions", "verdicts")
 SETTINGS_KEY = b"settings"
@@ -45,7 +44,7 @@ LAYOUT = 2
 
 _SEQ = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
-_NODE = struct.Struct("<3Q")
+_NODE_BYTES = 24  # parent, size, canonical: 3 x u64 LE
 
 
 def seq_key(seq: int) -> bytes:
@@ -87,18 +86,10 @@ def decode_signatures(raws: list[bytes], num_perm: int) -> np.ndarray:
     return np.frombuffer(b"".join(raws), dtype="<u8").astype(np.uint64).reshape(-1, num_perm)
 
 
-def encode_node(node: Node) -> bytes:
-    return _NODE.pack(*node)
-
-
-def decode_node(raw: bytes | None) -> Node | None:
-    return None if raw is None else Node(*_NODE.unpack(raw))
-
-
 def encode_nodes(nodes: np.ndarray) -> list[bytes]:
     """Node values of ``nodes`` (integers, shape (k, 3): parent, size, canonical)."""
     raw = np.ascontiguousarray(nodes, dtype="<u8").tobytes()
-    width = _NODE.size
+    width = _NODE_BYTES
     return [raw[i : i + width] for i in range(0, len(raw), width)]
 
 
@@ -119,15 +110,6 @@ def encode_document(size: int, doc_id: str) -> bytes:
 def decode_document(raw: bytes) -> tuple[int, str]:
     """(shingle-set size, external id)."""
     return _SIZE.unpack_from(raw)[0], raw[_SIZE.size :].decode("utf-8")
-
-
-def encode_fingerprints(fingerprints: np.ndarray) -> bytes:
-    return np.asarray(fingerprints, dtype="<u4").tobytes()
-
-
-def decode_fingerprints(raw: bytes) -> np.ndarray:
-    """uint32, shape (set_size,), sorted."""
-    return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
 
 
 def encode_fingerprint_sets(values: np.ndarray, offsets: np.ndarray) -> list[bytes]:
