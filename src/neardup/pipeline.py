@@ -9,6 +9,7 @@ worker itself, which the Kafka consumer drives (``neardup.io.kafka``).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
 import signal
@@ -23,6 +24,7 @@ from neardup.core.types import Document
 from neardup.detector import PreparedBatch, Preparer
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class WorkerDied(Exception):
@@ -114,6 +116,7 @@ class PrepareWorker:
             raise WorkerDied(f"exit code {self._process.exitcode}") from exc
         if isinstance(out, _Ready):
             self._ready = True
+            log.info("preparing worker started: batches are prepared in it from now on")
         return out
 
     def submit(self, documents: list[Document]) -> None:

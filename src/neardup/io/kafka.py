@@ -228,7 +228,6 @@ class KafkaDeduplicator:
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
         self.worker: PrepareWorker | None = None
-        self._worker_started = False
         self.batches = 0  # committed
         self.batches_prepared_ahead = 0  # of them, prepared in the worker
         self._revoked_while_reading: set[tuple[str, int]] | None = None
@@ -538,19 +537,12 @@ class KafkaDeduplicator:
             self._worker_died(exc)
 
     def _worker_ready(self) -> bool:
-        """Whether the worker has started (logged once); False without a worker.
+        """Whether the worker has started; False without a worker.
 
         Raises:
             WorkerDied: the worker process is gone.
         """
-        if self.worker is None:
-            return False
-        if self._worker_started:
-            return True
-        self._worker_started = self.worker.ready()
-        if self._worker_started:
-            log.info("preparing worker started: full batches are prepared ahead in it from now on")
-        return self._worker_started
+        return self.worker is not None and self.worker.ready()
 
     def _worker_died(self, exc: WorkerDied) -> None:
         assert self.worker is not None
