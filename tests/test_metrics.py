@@ -225,6 +225,7 @@ def test_run_serves_metrics_that_match_the_output_topics(kafka_bootstrap, kafka_
         assert _value(samples, "neardup_state_keys", family="signatures") == 0
         assert _value(samples, "neardup_state_bytes", kind="memtable") > 0
         assert _value(samples, "neardup_state_bytes", kind="bucket_index") > 0
+        assert _value(samples, "neardup_state_bytes", kind="set_cache") > 0
         assert _value(samples, "neardup_largest_bucket_size") >= 2  # duplicates share buckets
 
         proc.send_signal(signal.SIGTERM)

@@ -101,7 +101,7 @@ class Metrics:
         self.state_keys = Gauge(
             "neardup_state_keys", "Estimated keys per column family of the state store.", ["family"], registry=r)
         self.state_bytes = Gauge(
-            "neardup_state_bytes", "Bytes of the state, by kind (sst|memtable: RocksDB; bucket_index: the in-memory LSH bucket index; forest: the in-memory union-find forest).", ["kind"], registry=r)
+            "neardup_state_bytes", "Bytes of the state, by kind (sst|memtable: RocksDB; bucket_index: the in-memory LSH bucket index; forest: the in-memory union-find forest; set_cache: the in-memory cache of fingerprint sets).", ["kind"], registry=r)
         self.state_documents = Gauge(
             "neardup_state_documents", "Documents stored in the state.", registry=r)
         self.largest_bucket = Gauge(
@@ -213,6 +213,7 @@ class Metrics:
         self.state_bytes.labels("memtable").set(stats.get("memtable_bytes", 0))
         self.state_bytes.labels("bucket_index").set(stats.get("index_bytes", 0))
         self.state_bytes.labels("forest").set(stats.get("forest_bytes", 0))
+        self.state_bytes.labels("set_cache").set(stats.get("set_cache_bytes", 0))
         self.state_documents.set(stats.get("documents", 0))
         self.largest_bucket.set(stats.get("max_bucket_size", 0))
         return True

@@ -16,6 +16,7 @@ from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
 from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
+from neardup.state.setcache import SetCache, merge_sets
 
 Puts = dict[str, Iterable[tuple[bytes, bytes]]]  # family -> (key, value) pairs
 Deletes = dict[str, Iterable[bytes]]  # family -> keys
@@ -26,6 +27,9 @@ class KeyValueStateStore:
 
     num_perm: int
     settings: dict[str, Any]
+    #: Bytes of the in-memory cache of fingerprint sets (``neardup.state.setcache``);
+    #: backends whose reads are cheap keep 0 (off).
+    set_cache_bytes: int = 0
 
     # --- backend primitives -------------------------------------------------------
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -87,6 +91,7 @@ class KeyValueStateStore:
             values.append(raw)
         seqs, nodes = codec.decode_nodes(keys, values)
         self._forest.set(seqs, nodes[:, 0], nodes[:, 1], nodes[:, 2])
+        self.sets = SetCache(self.set_cache_bytes)
 
     @property
     def forest(self) -> Forest:
@@ -125,10 +130,19 @@ class KeyValueStateStore:
         return np.array([size for size, _ in self._documents(seqs)], dtype=np.int64)
 
     def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        raws = self._get_many("shingles", codec.seq_keys(list(seqs)))
+        """Read through the set cache: the sets it lacks come from the store in one
+        multi-get and are added to it."""
+        seqs = np.asarray(seqs, dtype=np.int64)
+        hit, values, offsets = self.sets.lookup(seqs)
+        if hit.all():
+            return values, offsets
+        missing = seqs[~hit]
+        raws = self._get_many("shingles", codec.seq_keys(missing))
         if None in raws:
             raise KeyError("no shingle fingerprints stored for a document")
-        return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
+        read = codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
+        self.sets.add(missing, *read)
+        return merge_sets(hit, (values, offsets), read)
 
     def get_position(self, source: str) -> int | None:
         raw = self._get("positions", source.encode("utf-8"))
@@ -176,3 +190,6 @@ class KeyValueStateStore:
         self.index.add(update.bucket_ids, update.bucket_seqs)
         self._forest.grow(update.next_seq)
         self._forest.set(nodes[:, 0], nodes[:, 1], nodes[:, 2], nodes[:, 3])
+        if update.fingerprints is not None:  # the newest sets: their copies may come soon
+            self.sets.add(np.arange(update.first_seq, update.next_seq), update.fingerprints,
+                          update.fingerprint_offsets)
