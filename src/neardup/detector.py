@@ -376,11 +376,9 @@ def warm_up(settings: EngineSettings) -> None:
     in-memory store. About 0.5 s with the cache; a caller can overlap it with other
     start-up work in a thread (the kernels are process-wide)."""
     from neardup.state.memory import MemoryStateStore  # noqa: PLC0415 - only here
-    from neardup.state.setcache import SetCache  # noqa: PLC0415 - only here
 
-    store = MemoryStateStore(settings.state_shape())
-    store.sets = SetCache(1 << 12)  # the RocksDB store's set cache kernels too
-    detector = Detector(settings, store)
+    # with a set cache, so that the RocksDB store's set cache kernels load too
+    detector = Detector(settings, MemoryStateStore(settings.state_shape(), set_cache_bytes=1 << 12))
     text = "the quick brown fox jumps over the lazy dog near the river bank at dawn"
     detector.store.commit(detector.detect([Document("original", text)]).update)
     detector.detect([Document("copy", text)])

@@ -27,9 +27,6 @@ class KeyValueStateStore:
 
     num_perm: int
     settings: dict[str, Any]
-    #: Bytes of the in-memory cache of fingerprint sets (``neardup.state.setcache``);
-    #: backends whose reads are cheap keep 0 (off).
-    set_cache_bytes: int = 0
 
     # --- backend primitives -------------------------------------------------------
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -53,8 +50,9 @@ class KeyValueStateStore:
     def _get(self, family: str, key: bytes) -> bytes | None:
         return self._get_many(family, [key])[0]
 
-    def _open_settings(self, requested: dict[str, Any]) -> None:
-        """Store or check the settings, then load the counters and the bucket index.
+    def _open_settings(self, requested: dict[str, Any], set_cache_bytes: int = 0) -> None:
+        """Store or check the settings, then load the counters and the bucket index, and
+        start an empty set cache of ``set_cache_bytes`` (``neardup.state.setcache``).
 
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
@@ -91,7 +89,7 @@ class KeyValueStateStore:
             values.append(raw)
         seqs, nodes = codec.decode_nodes(keys, values)
         self._forest.set(seqs, nodes[:, 0], nodes[:, 1], nodes[:, 2])
-        self.sets = SetCache(self.set_cache_bytes)
+        self.sets = SetCache(set_cache_bytes)
 
     @property
     def forest(self) -> Forest:

@@ -10,13 +10,19 @@ from neardup.state.kv import Deletes, KeyValueStateStore, Puts
 
 
 class MemoryStateStore(KeyValueStateStore):
-    """State held in Python dicts; lost when the process ends."""
+    """State held in Python dicts; lost when the process ends.
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    Args:
+        settings: the state-shaping settings (``EngineSettings.state_shape()``).
+        set_cache_bytes: size of the set cache in bytes (``neardup.state.setcache``);
+            off by default, dict reads being cheap.
+    """
+
+    def __init__(self, settings: dict[str, Any], set_cache_bytes: int = 0) -> None:
         self._data: dict[str, dict[bytes, bytes]] = {
             name: {} for name in ("default", *codec.FAMILIES)
         }
-        self._open_settings(settings)
+        self._open_settings(settings, set_cache_bytes)
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         table = self._data[family]

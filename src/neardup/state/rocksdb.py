@@ -92,8 +92,7 @@ class RocksDBStateStore(KeyValueStateStore):
             self._families[name] = self._db.get_column_family(name)
             self._handles[name] = self._db.get_column_family_handle(name)
         self._closed = False
-        self.set_cache_bytes = set_cache_bytes
-        self._open_settings(settings)
+        self._open_settings(settings, set_cache_bytes)
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:

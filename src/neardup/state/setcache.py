@@ -70,11 +70,6 @@ class SetCache:
         self.misses = 0
 
     @property
-    def capacity(self) -> int:
-        """Fingerprints the ring holds."""
-        return len(self._ring)
-
-    @property
     def nbytes(self) -> int:
         """Bytes held by the ring and the per-seq arrays (capacity included)."""
         return self._ring.nbytes + self._start.nbytes + self._length.nbytes
@@ -157,13 +152,10 @@ def merge_sets(hit: np.ndarray, cached: tuple[np.ndarray, np.ndarray],
     """
     (a, a_offsets), (b, b_offsets) = cached, read
     lengths = np.empty(len(hit), dtype=np.int64)
-    starts = np.empty(len(hit), dtype=np.int64)
     lengths[hit], lengths[~hit] = np.diff(a_offsets), np.diff(b_offsets)
-    starts[hit], starts[~hit] = a_offsets[:-1], len(a) + b_offsets[:-1]
     offsets = np.zeros(len(hit) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     values = np.empty(offsets[-1], dtype=np.uint32)
-    both = np.concatenate([a, b]).astype(np.uint32, copy=False)
-    if len(values):
-        _copy_out(both, starts, lengths, values)  # no segment wraps: a plain gather
+    values[np.repeat(hit, lengths)] = a
+    values[np.repeat(~hit, lengths)] = b
     return values, offsets
