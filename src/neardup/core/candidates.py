@@ -53,6 +53,68 @@ def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u
 
 
 @njit(nogil=True, cache=True)
+def _table(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """An empty counting table of 2**bits slots: keys, counts, used slots."""
+    return (np.empty(1 << bits, dtype=np.uint64), np.zeros(1 << bits, dtype=np.int64),
+            np.empty(1 << bits, dtype=np.int64))
+
+
+@njit(nogil=True, cache=True)
+def _met(d: int, entry_bucket: np.ndarray, bands: int, member_counts: np.ndarray,
+         taken: np.ndarray) -> int:  # pragma: no cover - compiled
+    """Members document ``d`` meets in its buckets, with repeats."""
+    met = 0
+    for e in range(d * bands, (d + 1) * bands):
+        met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
+    return met
+
+
+@njit(nogil=True, cache=True)
+def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+          member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
+          below: np.ndarray, first_seq: int, table_keys: np.ndarray, table_counts: np.ndarray,
+          used: np.ndarray, shift: np.uint64) -> int:  # pragma: no cover - compiled
+    """Count the members of document ``d``'s buckets in the table: the stored ones, and
+    the batch's entries that joined (``head``/``below`` chains). Returns the number of
+    distinct members, whose slots are ``used[:u]``."""
+    u = 0
+    for e in range(d * bands, (d + 1) * bands):
+        k = entry_bucket[e]
+        for j in range(member_starts[k], member_starts[k] + member_counts[k]):
+            u = _count(table_keys, table_counts, used, u, shift, member_seqs[j])
+        x = head[k]
+        while x >= 0:
+            u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
+            x = below[x]
+    return u
+
+
+@njit(nogil=True, cache=True)
+def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
+         bands: int, max_candidates: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The ``max_candidates`` members sharing the most buckets, earliest first among
+    equals, as ascending seqs; empties the table's used slots."""
+    # most shared buckets first, then earliest: one sort of (bands - shared, seq) keys
+    keys = np.empty(u, dtype=np.uint64)
+    for i in range(u):
+        h = used[i]
+        keys[i] = (np.uint64(bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
+        table_counts[h] = 0
+    keys.sort()
+    return np.sort(keys[:max_candidates] & np.uint64(0xFFFFFFFF))
+
+
+@njit(nogil=True, cache=True)
+def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray,
+          joined: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Entry ``e`` joins bucket ``k``: pushed on its chain of the batch's members."""
+    below[e] = head[k]
+    head[k] = e
+    taken[k] += 1
+    joined[e] = True
+
+
+@njit(nogil=True, cache=True)
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
                 first_seq: int, max_candidates: int):  # pragma: no cover - compiled
@@ -64,46 +126,23 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     bounds = np.zeros(n + 1, dtype=np.int64)
     out = np.empty(n * max_candidates, dtype=np.uint64)
     bits = 10
-    table_keys = np.empty(1 << bits, dtype=np.uint64)
-    table_counts = np.zeros(1 << bits, dtype=np.int64)
-    used = np.empty(1 << bits, dtype=np.int64)
+    table_keys, table_counts, used = _table(bits)
     filled = 0
     for d in range(n):
-        met = 0  # members met, with repeats: at most half the table's slots
-        for e in range(d * bands, (d + 1) * bands):
-            met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
-        if 2 * met > (1 << bits):
+        met = _met(d, entry_bucket, bands, member_counts, taken)
+        if 2 * met > (1 << bits):  # at most half the table's slots in use
             while 2 * met > (1 << bits):
                 bits += 1
-            table_keys = np.empty(1 << bits, dtype=np.uint64)
-            table_counts = np.zeros(1 << bits, dtype=np.int64)
-            used = np.empty(1 << bits, dtype=np.int64)
-        shift = np.uint64(64 - bits)
-        u = 0
-        for e in range(d * bands, (d + 1) * bands):
-            k = entry_bucket[e]
-            for j in range(member_starts[k], member_starts[k] + member_counts[k]):
-                u = _count(table_keys, table_counts, used, u, shift, member_seqs[j])
-            x = head[k]
-            while x >= 0:
-                u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
-                x = below[x]
-            if taken[k] < room[k]:
-                below[e] = head[k]
-                head[k] = e
-                taken[k] += 1
-                joined[e] = True
-        # most shared buckets first, then earliest: one sort of (bands - shared, seq) keys
-        keys = np.empty(u, dtype=np.uint64)
-        for i in range(u):
-            h = used[i]
-            keys[i] = (np.uint64(bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
-            table_counts[h] = 0
-        keys.sort()
-        chosen = np.sort(keys[:max_candidates] & np.uint64(0xFFFFFFFF))
+            table_keys, table_counts, used = _table(bits)
+        u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
+                  first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
+        chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
         out[filled : filled + len(chosen)] = chosen
         filled += len(chosen)
         bounds[d + 1] = filled
+        for e in range(d * bands, (d + 1) * bands):
+            if taken[entry_bucket[e]] < room[entry_bucket[e]]:
+                _join(e, entry_bucket[e], head, below, taken, joined)
     return bounds, out[:filled].copy(), joined
 
 

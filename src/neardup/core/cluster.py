@@ -126,63 +126,81 @@ def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[
 
 
 @njit(nogil=True, cache=True)
+def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.ndarray,
+                 canonical: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
+                 threshold: float, policy: int, measure: int, sizes: np.ndarray,
+                 values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray,
+                 seen: np.ndarray, match: np.ndarray, accepted: np.ndarray, cluster: np.ndarray,
+                 cluster_size: np.ndarray, related: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Cluster document ``i`` of the batch (local id ``x``), whose candidates are the pairs
+    ``lo`` to ``hi``; its decisions go to entry ``i`` of the output arrays. ``seen``:
+    scratch space of at least ``hi - lo`` entries."""
+    best = -1
+    for k in range(lo, hi):
+        if similarity[k] >= threshold:
+            accepted[i] += 1
+            if best < 0 or similarity[k] > similarity[best]:
+                best = k
+    match[i] = best
+    if best < 0:
+        return
+    if policy == COMPONENTS:
+        for k in range(lo, hi):
+            if similarity[k] >= threshold:
+                union(parent, size, canonical, candidates[k], x)
+    else:
+        # the canonicals of the accepted candidates' clusters, ascending, distinct
+        m = 0
+        for k in range(lo, hi):
+            if similarity[k] >= threshold:
+                seen[m] = canonical[peek_root(parent, candidates[k])]
+                m += 1
+        ordered = np.sort(seen[:m])
+        target, target_similarity = -1, -1.0
+        for j in range(m):
+            c = ordered[j]
+            if j > 0 and c == ordered[j - 1]:
+                continue
+            s = -1.0
+            for k in range(lo, hi):  # a candidate's similarity is known already
+                if candidates[k] == c:
+                    s = similarity[k]
+                    break
+            if s < 0.0:
+                jaccard, containment = _pair(x, c, sizes, values, offsets, signatures)
+                s = jaccard if measure == JACCARD else containment
+            if s > target_similarity:
+                target, target_similarity = c, s
+        if target_similarity < threshold:
+            related[i] = canonical[peek_root(parent, candidates[best])]
+            return
+        union(parent, size, canonical, target, x)
+    root = find(parent, x)
+    cluster[i] = canonical[root]
+    cluster_size[i] = size[root]
+
+
+@njit(nogil=True, cache=True)
+def _outputs(n: int, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The ``Clustering`` arrays of ``n`` documents from local id ``first``, before any
+    decision: no match, alone in their own cluster."""
+    return (np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64),
+            np.arange(first, first + n).astype(np.int64), np.ones(n, dtype=np.int64),
+            np.full(n, -1, dtype=np.int64))
+
+
+@njit(nogil=True, cache=True)
 def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
              bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
              threshold: float, policy: int, measure: int, sizes: np.ndarray,
              values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
     n = len(bounds) - 1
-    match = np.full(n, -1, dtype=np.int64)
-    accepted = np.zeros(n, dtype=np.int64)
-    cluster = np.arange(first, first + n).astype(np.int64)
-    cluster_size = np.ones(n, dtype=np.int64)
-    related = np.full(n, -1, dtype=np.int64)
+    match, accepted, cluster, cluster_size, related = _outputs(n, first)
     seen = np.empty(max(len(candidates), 1), dtype=np.int64)
     for i in range(n):
-        x = first + i
-        lo, hi = bounds[i], bounds[i + 1]
-        best = -1
-        for k in range(lo, hi):
-            if similarity[k] >= threshold:
-                accepted[i] += 1
-                if best < 0 or similarity[k] > similarity[best]:
-                    best = k
-        match[i] = best
-        if best < 0:
-            continue
-        if policy == COMPONENTS:
-            for k in range(lo, hi):
-                if similarity[k] >= threshold:
-                    union(parent, size, canonical, candidates[k], x)
-        else:
-            # the canonicals of the accepted candidates' clusters, ascending, distinct
-            m = 0
-            for k in range(lo, hi):
-                if similarity[k] >= threshold:
-                    seen[m] = canonical[peek_root(parent, candidates[k])]
-                    m += 1
-            ordered = np.sort(seen[:m])
-            target, target_similarity = -1, -1.0
-            for j in range(m):
-                c = ordered[j]
-                if j > 0 and c == ordered[j - 1]:
-                    continue
-                s = -1.0
-                for k in range(lo, hi):  # a candidate's similarity is known already
-                    if candidates[k] == c:
-                        s = similarity[k]
-                        break
-                if s < 0.0:
-                    jaccard, containment = _pair(x, c, sizes, values, offsets, signatures)
-                    s = jaccard if measure == JACCARD else containment
-                if s > target_similarity:
-                    target, target_similarity = c, s
-            if target_similarity < threshold:
-                related[i] = canonical[peek_root(parent, candidates[best])]
-                continue
-            union(parent, size, canonical, target, x)
-        root = find(parent, x)
-        cluster[i] = canonical[root]
-        cluster_size[i] = size[root]
+        _cluster_one(i, first + i, bounds[i], bounds[i + 1], parent, size, canonical, candidates,
+                     similarity, threshold, policy, measure, sizes, values, offsets, signatures,
+                     seen, match, accepted, cluster, cluster_size, related)
     return match, accepted, cluster, cluster_size, related
 
 
