@@ -131,14 +131,21 @@ def test_invalid_texts_are_rejected_without_a_sequence_number() -> None:
     assert _run([Document("p", "¿¡...!?")], 1, settings=stripping) == [Rejected("p", EMPTY_TEXT)]
 
 
-def test_duplicates_inside_one_batch() -> None:
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("duplicate_buckets", ["new", "all"])
+def test_duplicates_inside_one_batch(batch_size: int, duplicate_buckets: str) -> None:
+    settings = EngineSettings(duplicate_buckets=duplicate_buckets)
     docs = [Document("a", STORY), Document("u", UNRELATED), Document("b", REFILED),
             Document("c", STORY)]
-    out = list(map(_verdict, _run(docs, len(docs))))
+    out = list(map(_verdict, _run(docs, batch_size, settings=settings)))
     assert [v.verdict for v in out] == ["unique", "unique", "duplicate", "duplicate"]
     assert [v.cluster for v in out] == ["a", "u", "a", "a"]
     assert (out[2].match, out[3].match, out[3].similarity) == ("a", "a", 1.0)
-    assert out[3].candidates == 2  # both earlier members of the cluster, stored or not
+    if duplicate_buckets == "all":
+        assert out[3].candidates == 2  # both earlier members of the cluster, stored or not
+    else:
+        # b joined only the buckets a is not in; c (a copy of a) is in a's buckets alone
+        assert out[3].candidates == 1
 
 
 def test_best_match_is_most_similar_and_cluster_is_earliest() -> None:
@@ -165,7 +172,10 @@ def test_detect_does_not_write() -> None:
     detector = Detector(SETTINGS, store)
     docs = [Document("a", STORY), Document("b", REFILED)]
     first = detector.detect(docs)
-    assert len(first.update.bucket_ids) == 2 * SETTINGS.bands.bands  # both join every bucket
+    # a joins every bucket, its duplicate b only those a is not in
+    shared = np.isin(_bucket_ids(SETTINGS, REFILED), _bucket_ids(SETTINGS, STORY)).sum()
+    assert 0 < shared < SETTINGS.bands.bands
+    assert len(first.update.bucket_ids) == 2 * SETTINGS.bands.bands - shared
     assert store.next_seq() == 0
     assert store.bucket_members(np.unique(first.update.bucket_ids)).counts.sum() == 0
     second = detector.detect(docs)
@@ -176,7 +186,7 @@ def test_detect_does_not_write() -> None:
 
 
 def test_full_buckets_still_compare() -> None:
-    settings = EngineSettings(max_bucket_size=2)
+    settings = EngineSettings(max_bucket_size=2, duplicate_buckets="all")
     store = MemoryStateStore(settings.state_shape())
     copies = [Document(f"c{i}", STORY) for i in range(6)]
     out = list(map(_verdict, _run(copies, 2, store, settings)))
@@ -197,8 +207,9 @@ def _bucket_ids(settings: EngineSettings, text: str) -> np.ndarray:
 def test_candidates_across_batches_and_within() -> None:
     """Stored members and earlier documents of the same batch are both candidates; a
     document is never its own candidate; a restart rebuilds the bucket index."""
-    store = MemoryStateStore(SETTINGS.state_shape())
-    detector = Detector(SETTINGS, store)
+    settings = EngineSettings(duplicate_buckets="all")  # every document joins every bucket
+    store = MemoryStateStore(settings.state_shape())
+    detector = Detector(settings, store)
     out = [_verdict(r) for r in detector.process([Document("a", STORY), Document("x", UNRELATED)])]
     assert [v.candidates for v in out] == [0, 0]
     out = [_verdict(r) for r in detector.process(
@@ -206,6 +217,27 @@ def test_candidates_across_batches_and_within() -> None:
     assert [v.candidates for v in out] == [1, 2, 1]  # b: a; c: a and b; y: x
     assert [v.match for v in out] == ["a", "a", "x"]
     assert store.stats()["index_entries"] == 5 * SETTINGS.bands.bands
+
+
+def test_duplicates_join_only_new_buckets() -> None:
+    """With ``duplicate_buckets="new"`` (the default) a duplicate joins only the buckets
+    that hold none of its accepted candidates: exact copies join none, an edited copy
+    only the buckets its edit changed, a unique document all."""
+    store = MemoryStateStore(SETTINGS.state_shape())
+    detector = Detector(SETTINGS, store)
+    bands = SETTINGS.bands.bands
+    story, refiled = _bucket_ids(SETTINGS, STORY), _bucket_ids(SETTINGS, REFILED)
+    changed = int((~np.isin(refiled, story)).sum())
+    detector.process([Document("a", STORY), Document("a2", STORY)])
+    assert store.stats()["index_entries"] == bands  # the copy joined nothing
+    detector.process([Document("b", REFILED), Document("x", UNRELATED)])
+    assert store.stats()["index_entries"] == 2 * bands + changed
+    members = store.bucket_members(np.unique(np.concatenate([story, refiled])))
+    assert set(members.seqs.tolist()) == {0, 2}  # a, and b where a is not
+    # c (a copy of b) meets a where a is, b where b's edit is: both are candidates
+    c = _verdict(detector.process([Document("c", REFILED)])[0])
+    assert (c.candidates, c.match, c.similarity, c.cluster) == (2, "b", 1.0, "a")
+    assert store.stats()["index_entries"] == 2 * bands + changed
 
 
 # --- the Reuters excerpt ----------------------------------------------------------------
@@ -328,3 +360,40 @@ def test_prepare_equals_shingling_the_normalised_texts(texts: list[str]) -> None
     assert [f.tolist() for f in got] == expected
     assert prepared.rejected == [None if n else (EMPTY_TEXT if not t else NO_TOKENS)
                                  for t, n in zip(normalised, batch.counts.tolist())]
+
+
+def _copies(reuters: list[Document], stories: int = 150) -> list[Document]:
+    """Each of ``stories`` stories followed closely by three copies, each edited anew
+    (a word dropped, a footer, both), so that copies of copies share batches."""
+    out: list[Document] = []
+    for i, d in enumerate(reuters[:stories]):
+        words = d.text.split()
+        cut = " ".join(words[:len(words) // 2] + words[len(words) // 2 + 1:])
+        out += [d, Document(f"{d.id}~cut", cut), Document(f"{d.id}~footer", d.text + " (Reporting by the desk)"),
+                Document(f"{d.id}~both", cut + " (Reporting by the desk)")]
+        if i % 2:
+            out[-8:] = out[-8::2] + out[-7::2]  # interleave two stories' versions
+    return out
+
+
+@pytest.mark.parametrize("duplicate_buckets", ["new", "all"])
+def test_batch_size_does_not_change_verdicts_or_buckets_of_copies(
+    reuters: list[Document], duplicate_buckets: str
+) -> None:
+    """Which buckets a duplicate joins depends on its verdict; the document-by-document
+    pass makes verdicts and bucket joins those of committing one document at a time."""
+    settings = EngineSettings(duplicate_buckets=duplicate_buckets)
+    docs = _copies(reuters)
+    runs = {}
+    for size in (1, 3, 8, len(docs)):
+        store = MemoryStateStore(settings.state_shape())
+        runs[size] = (_run(docs, size, store, settings), store.stats()["index_entries"])
+    assert len({repr(r) for r in runs.values()}) == 1
+    verdicts, entries = runs[1]
+    duplicates = sum(isinstance(v, Verdict) and v.is_duplicate for v in verdicts)
+    assert duplicates >= 400
+    bands = settings.bands.bands
+    if duplicate_buckets == "all":
+        assert entries == len(docs) * bands
+    else:
+        assert entries < (len(docs) - duplicates / 2) * bands

@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
     max_candidates: int = Field(8, ge=1)
+    duplicate_buckets: Literal["new", "all"] = "new"
     measure: Literal["jaccard", "containment"] = "jaccard"
     verify: Literal["exact", "estimate"] = "exact"
     cluster_policy: Literal["canonical", "components"] = "canonical"
@@ -130,6 +131,7 @@ class Settings(BaseSettings):
             lsh=lsh,
             max_bucket_size=self.max_bucket_size,
             max_candidates=self.max_candidates,
+            duplicate_buckets=self.duplicate_buckets,
             measure=self.measure,
             verify=self.verify,
             cluster_policy=self.cluster_policy,

@@ -1,19 +1,21 @@
 """The detector: a batch of documents in, one verdict per document out, in arrival order.
 
-For each batch, in passes over the whole batch:
+For each batch:
 
 1. ``Preparer`` (state-free, possibly in another process): normalise, shingle and MinHash
    every text at once (numpy), cut the signatures into LSH band bucket ids.
-2. Candidates: the members of each document's buckets, from the store's bucket index
-   (``neardup.state.index``) and from earlier documents of the same batch, at most
-   ``max_candidates`` per document, those sharing the most buckets first.
-3. Verification of every (document, candidate) pair at once: the exact Jaccard (or
-   containment) of the shingle fingerprint sets with ``verify="exact"``, the MinHash
-   estimate from the full signatures with ``verify="estimate"``. A candidate is
-   accepted when its similarity reaches the threshold.
-4. Clustering, document by document in arrival order, compiled
-   (``neardup.core.cluster``), on a local copy of the union-find nodes the batch can
-   reach in the store's forest (``neardup.state.forest``).
+2. The stored candidates each document can get: the members of its buckets in the
+   store's bucket index (``neardup.state.index``), at most ``max_candidates``, those
+   sharing the most buckets first; then the union-find nodes they reach in the store's
+   forest (``neardup.state.forest``) and the sets verification needs, read in multi-gets.
+3. One compiled pass, document by document in arrival order (``neardup.core.decide``):
+   its candidates (those stored members and the earlier documents of the batch in its
+   buckets), their verification (the exact Jaccard or containment of the shingle
+   fingerprint sets with ``verify="exact"``, the MinHash estimate from the full
+   signatures with ``verify="estimate"``; a candidate is accepted when its similarity
+   reaches the threshold), clustering on a local copy of the union-find nodes
+   (``neardup.core.cluster``), and the buckets it joins: with ``duplicate_buckets="new"``
+   a duplicate joins only those holding none of its accepted candidates.
 
 Accepted pairs form clusters through union-find; a cluster's id is its earliest document
 (the canonical). With the ``components`` policy every accepted pair is joined, so a chain
@@ -35,16 +37,8 @@ import numpy as np
 
 from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
-from neardup.core.cluster import (
-    CANONICAL,
-    COMPONENTS,
-    CONTAINMENT,
-    JACCARD,
-    Clustering,
-    Sets,
-    cluster_batch,
-    pair_similarities,
-)
+from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Clustering, Sets
+from neardup.core.decide import decide_batch
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
@@ -224,13 +218,18 @@ class Detector:
         n = len(p.valid)
         first_seq = self.store.next_seq()
 
-        # Pass 1: candidates of every document (bucket membership does not depend on
-        # verdicts), for the whole batch at once.
-        bounds, candidates, joined = self._candidates(p.bucket_keys, p.bucket_entries, first_seq)
+        # Pass 1: the stored candidates each document can get (``neardup.core.decide``).
+        bands = p.bucket_entries.shape[1]
+        entries = p.bucket_entries.ravel()
+        members = self.store.bucket_members(p.bucket_keys)
+        starts = np.zeros(len(p.bucket_keys), dtype=np.int64)
+        np.cumsum(members.counts[:-1], out=starts[1:])
+        possible = batch_candidates(entries, bands, starts, members.counts, members.seqs, 0,
+                                    first_seq, s.max_candidates)
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
-        stored = sorted_unique(candidates[candidates < first_seq])
+        stored = sorted_unique(possible.seqs)
         reach, canonicals = self.store.forest.closure(stored)
         local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
         first = len(reach)
@@ -239,17 +238,26 @@ class Detector:
         needed = stored if s.cluster_policy == "components" else sorted_unique(np.concatenate([stored, canonicals]))
         sets = self._sets(p, local, first, needed)
 
-        # Pass 3: verify every (document, candidate) pair at once.
-        pair_local = np.searchsorted(local, candidates)
-        doc_local = first + np.repeat(np.arange(n), np.diff(bounds))
-        jaccard, containment = pair_similarities(sets, doc_local, pair_local)
-        similarity = containment if s.measure == "containment" else jaccard
-
-        # Pass 4: cluster, in arrival order, on the local nodes; the changed ones are stored.
-        decided = cluster_batch(
-            parent, size, canonical, first, bounds, pair_local, similarity, s.threshold,
+        # Pass 3, document by document: candidates, verification, clustering on the local
+        # nodes, bucket joins. The changed nodes are stored.
+        decisions = decide_batch(
+            entries, bands, starts, members.counts, members.seqs, s.max_bucket_size, first_seq,
+            s.max_candidates, reach, parent, size, canonical, s.threshold,
             COMPONENTS if s.cluster_policy == "components" else CANONICAL,
-            CONTAINMENT if s.measure == "containment" else JACCARD, sets)
+            CONTAINMENT if s.measure == "containment" else JACCARD,
+            s.duplicate_buckets == "new", sets)
+        bounds, candidates, jaccard, containment = (decisions.bounds, decisions.seqs,
+                                                    decisions.jaccard, decisions.containment)
+        similarity = containment if s.measure == "containment" else jaccard
+        decided = decisions.clustering
+        doc_local = first + np.repeat(np.arange(n), np.diff(bounds))
+        joins = np.flatnonzero(decisions.joined)  # document-major: seqs ascending per bucket
+        added = np.bincount(entries[joins], minlength=len(p.bucket_keys))
+        joined = _BucketJoins(
+            bucket_ids=p.bucket_keys[entries[joins]],
+            bucket_seqs=first_seq + (joins // bands).astype(np.uint64),
+            largest_bucket=int((members.counts + added).max(initial=0)),
+        )
         changed = np.flatnonzero((parent != before[0]) | (size != before[1]) | (canonical != before[2]))
         nodes = np.column_stack([local[changed], local[parent[changed]],
                                  size[changed].astype(np.uint64), local[canonical[changed]]])
@@ -298,39 +306,6 @@ class Detector:
         signatures[at] = self.store.get_signatures(needed.tolist())
         signatures[first:] = p.signatures
         return Sets(sizes, np.zeros(0, np.uint32), np.zeros(len(local) + 1, np.int64), signatures)
-
-    def _candidates(self, keys: np.ndarray, entries: np.ndarray,
-                    first_seq: int) -> tuple[np.ndarray, np.ndarray, _BucketJoins]:
-        """Each document's candidates (``neardup.core.candidates``), and the bucket
-        memberships the batch adds.
-
-        Args:
-            keys: uint64, shape (n_buckets,): the batch's distinct bucket ids, ascending.
-            entries: int64, shape (n, bands): each document's bucket in each band, as an
-                index into ``keys``.
-            first_seq: the seq of the batch's first document.
-
-        Returns:
-            ``bounds`` (int64, shape (n + 1,)) and ``candidates`` (uint64): document i's
-            candidates are ``candidates[bounds[i]:bounds[i + 1]]``, ascending seqs; and
-            the memberships (``_BucketJoins``).
-        """
-        s = self.settings
-        n, bands = entries.shape
-        inv = entries.ravel()
-        stored = self.store.bucket_members(keys)
-        starts = np.zeros(len(keys), dtype=np.int64)
-        np.cumsum(stored.counts[:-1], out=starts[1:])
-        found = batch_candidates(inv, bands, starts, stored.counts, stored.seqs, s.max_bucket_size,
-                                 first_seq, s.max_candidates)
-        joins = np.flatnonzero(found.joined)  # document-major: seqs ascending per bucket
-        added = np.bincount(inv[joins], minlength=len(keys))
-        joined = _BucketJoins(
-            bucket_ids=keys[inv[joins]],
-            bucket_seqs=first_seq + (joins // bands).astype(np.uint64),
-            largest_bucket=int((stored.counts + added).max(initial=0)),
-        )
-        return found.bounds, found.seqs, joined
 
     def _name(self, decided: Clustering, bounds: np.ndarray, candidates: np.ndarray,
               local: np.ndarray, similarity: np.ndarray, jaccard: np.ndarray,

@@ -13,6 +13,7 @@ Measure = Literal["jaccard", "containment"]
 Verify = Literal["exact", "estimate"]
 ClusterPolicy = Literal["canonical", "components"]
 Scheme = Literal["oph", "classic"]
+DuplicateBuckets = Literal["new", "all"]
 
 #: How far below the decision threshold the LSH banding is tuned, by (measure, verify).
 #: With exact verification more candidates cost little and each is checked exactly, so
@@ -60,6 +61,10 @@ class EngineSettings:
             those sharing the most band buckets with it (the likeliest to be similar)
             are kept, earlier ones first among equals. Bounds the work per document as
             a stream of many copies of the same story grows.
+        duplicate_buckets: which band buckets a duplicate joins. ``"new"``: only those
+            holding none of its accepted candidates, so a story's copies do not pile up
+            in its buckets (a later document meets the earlier version there instead;
+            ``neardup.core.decide``); ``"all"``: every bucket with room.
     """
 
     norm: TextNorm = TextNorm()
@@ -75,6 +80,7 @@ class EngineSettings:
     lsh: LshParams | None = None
     max_bucket_size: int = 256
     max_candidates: int = 8
+    duplicate_buckets: DuplicateBuckets = "new"
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +96,8 @@ class EngineSettings:
             raise ValueError(
                 f"cluster policy must be canonical or components, not {self.cluster_policy!r}"
             )
+        if self.duplicate_buckets not in ("new", "all"):
+            raise ValueError(f"duplicate_buckets must be new or all, not {self.duplicate_buckets!r}")
         if self.max_bucket_size < 1:
             raise ValueError("max_bucket_size must be at least 1")
         if self.max_candidates < 1:

@@ -1,0 +1,195 @@
+"""One compiled pass over a batch, document by document: candidates, verification,
+clustering, then the document's bucket joins.
+
+Doing the four in turn for each document lets a document's bucket joins depend on its
+verdict: with ``only_new`` a duplicate joins only the buckets that hold none of its
+accepted candidates. A story's copies then do not pile up in its buckets: a bucket keeps
+the earliest version, and a later document that would have met a copy there meets that
+version instead (its similarity to it is then verified in the copy's place). Buckets grow
+with clusters, not with copies, so the members met, the candidates verified and the index
+all stay small as a stream of republished stories grows.
+
+Because the next document of the batch sees the joins of this one, the verdicts are those
+of committing the documents one at a time: they do not depend on where batches start.
+
+The stored candidates a document can get are known before the pass: its candidates among
+stored members alone (``neardup.core.candidates``, no batch members) are a superset of
+the stored ones it gets with the batch's members ranked in, since members of the batch
+can only push stored ones out. The caller reads the sets of that superset (and of their
+clusters' canonicals) before the pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from neardup.core.candidates import _join, _meet, _met, _table, _top
+from neardup.core.cluster import JACCARD, Clustering, Sets, _cluster_one, _outputs, _pair
+
+
+class Decisions(NamedTuple):
+    """What the pass decided for a batch of n documents of ``bands`` bands.
+
+    Attributes:
+        bounds: int64, shape (n + 1,): document i's candidates are the pairs
+            ``bounds[i]`` to ``bounds[i + 1]``.
+        seqs: uint64, shape (n_pairs,): each pair's candidate seq, ascending per document.
+        local: int64, shape (n_pairs,): each pair's candidate local id.
+        jaccard, containment: float64, shape (n_pairs,): of the document and the candidate
+            (containment of the document in the candidate).
+        joined: bool, shape (n * bands,): which (document, band) entries join their bucket.
+        clustering: the clustering decisions (``neardup.core.cluster.Clustering``).
+    """
+
+    bounds: np.ndarray
+    seqs: np.ndarray
+    local: np.ndarray
+    jaccard: np.ndarray
+    containment: np.ndarray
+    joined: np.ndarray
+    clustering: Clustering
+
+
+@njit(nogil=True, cache=True)
+def _holds(k: int, c: int, member_starts: np.ndarray, member_counts: np.ndarray,
+           member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
+           first_seq: int) -> bool:  # pragma: no cover - compiled
+    """Whether bucket ``k`` holds seq ``c``: among its stored members (ascending), or as a
+    batch document that joined it."""
+    if c < first_seq:
+        lo, hi = member_starts[k], member_starts[k] + member_counts[k]
+        at = lo + np.searchsorted(member_seqs[lo:hi], np.uint64(c))
+        return at < hi and member_seqs[at] == np.uint64(c)
+    d = c - first_seq
+    for e in range(d * bands, (d + 1) * bands):
+        if entry_bucket[e] == k and joined[e]:
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+            member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
+            first_seq: int, max_candidates: int, stored_local: np.ndarray, parent: np.ndarray,
+            size: np.ndarray, canonical: np.ndarray, threshold: float, policy: int,
+            measure: int, only_new: bool, sizes: np.ndarray, values: np.ndarray,
+            offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
+    n = len(entry_bucket) // bands
+    first = len(stored_local)
+    head = np.full(len(member_starts), -1, dtype=np.int64)
+    below = np.full(len(entry_bucket), -1, dtype=np.int64)
+    taken = np.zeros(len(member_starts), dtype=np.int64)
+    joined = np.zeros(len(entry_bucket), dtype=np.bool_)
+    bounds = np.zeros(n + 1, dtype=np.int64)
+    seqs = np.empty(n * max_candidates, dtype=np.uint64)
+    local = np.empty(n * max_candidates, dtype=np.int64)
+    jaccard = np.empty(n * max_candidates)
+    containment = np.empty(n * max_candidates)
+    similarity = np.empty(n * max_candidates)
+    match, accepted, cluster, cluster_size, related = _outputs(n, first)
+    seen = np.empty(max_candidates, dtype=np.int64)
+    bits = 10
+    table_keys, table_counts, used = _table(bits)
+    filled = 0
+    for d in range(n):
+        x = first + d
+        met = _met(d, entry_bucket, bands, member_counts, taken)
+        if 2 * met > (1 << bits):  # at most half the table's slots in use
+            while 2 * met > (1 << bits):
+                bits += 1
+            table_keys, table_counts, used = _table(bits)
+        u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
+                  first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
+        chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
+        lo = filled
+        for c in chosen:
+            ci = np.int64(c)  # seqs < 2**32: no mixed signed/unsigned arithmetic below
+            if ci < first_seq:
+                y = np.int64(np.searchsorted(stored_local, c))
+            else:
+                y = first + ci - first_seq
+            seqs[filled], local[filled] = c, y
+            jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures)
+            similarity[filled] = jaccard[filled] if measure == JACCARD else containment[filled]
+            filled += 1
+        bounds[d + 1] = filled
+        _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
+                     policy, measure, sizes, values, offsets, signatures, seen, match, accepted,
+                     cluster, cluster_size, related)
+        for e in range(d * bands, (d + 1) * bands):
+            k = entry_bucket[e]
+            if taken[k] >= room[k]:
+                continue
+            covered = False
+            if only_new and match[d] >= 0:
+                for j in range(lo, filled):
+                    if similarity[j] >= threshold and _holds(k, np.int64(seqs[j]), member_starts, member_counts,
+                                                             member_seqs, entry_bucket, joined, bands,
+                                                             first_seq):
+                        covered = True
+                        break
+            if not covered:
+                _join(e, k, head, below, taken, joined)
+    return (bounds, seqs[:filled].copy(), local[:filled].copy(), jaccard[:filled].copy(),
+            containment[:filled].copy(), joined, match, accepted, cluster, cluster_size, related)
+
+
+def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+                 member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
+                 first_seq: int, max_candidates: int, stored_local: np.ndarray,
+                 parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, threshold: float,
+                 policy: int, measure: int, only_new: bool, sets: Sets) -> Decisions:
+    """Candidates, verification, clustering and bucket joins of documents ``first_seq``,
+    ``first_seq + 1``, … in arrival order (see the module docstring).
+
+    Candidates as in ``neardup.core.candidates.batch_candidates`` (Leskovec, Rajaraman,
+    Ullman, Mining of Massive Datasets, §3.4.1), similarities as in
+    ``neardup.core.cluster.pair_similarities``, clustering as in
+    ``neardup.core.cluster.cluster_batch``.
+
+    Args:
+        entry_bucket: int64, shape (n * bands,): for document i's band b, the index of its
+            bucket in the member arrays (document-major).
+        bands: bands per document.
+        member_starts, member_counts: int64, shape (n_buckets,): each bucket's stored
+            members are ``member_seqs[start:start + count]``.
+        member_seqs: uint64: the stored members' seqs, ascending within a bucket.
+        max_bucket_size: a bucket takes new members while it holds fewer.
+        first_seq: the seq of the batch's first document.
+        max_candidates: the most candidates kept per document (at least 1).
+        stored_local: uint64, shape (first,): the stored seqs with local ids 0 … first - 1,
+            ascending; every stored candidate must be among them. The batch's documents
+            are local ids ``first`` on.
+        parent, size, canonical: int64: the union-find forest over the local ids
+            (``neardup.core.unionfind``), changed in place.
+        threshold: a pair is accepted when its similarity is at least this.
+        policy: ``neardup.core.cluster.COMPONENTS`` or ``CANONICAL``.
+        measure: ``neardup.core.cluster.JACCARD`` or ``CONTAINMENT``.
+        only_new: a duplicate joins only the buckets that hold none of its accepted
+            candidates; False: every bucket with room.
+        sets: the sets by local id: of the batch's documents, the possible stored
+            candidates and the canonicals of their clusters.
+
+    Returns:
+        ``Decisions``.
+
+    Raises:
+        ValueError: ``entry_bucket`` is not a whole number of documents, or
+            ``max_candidates`` is below 1.
+    """
+    entry_bucket = np.asarray(entry_bucket, dtype=np.int64)
+    if bands < 1 or len(entry_bucket) % bands:
+        raise ValueError(f"{len(entry_bucket)} bucket entries for documents of {bands} bands")
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates must be at least 1, not {max_candidates}")
+    member_counts = np.asarray(member_counts, dtype=np.int64)
+    room = np.maximum(max_bucket_size - member_counts, 0)
+    out = _decide(entry_bucket, bands, np.asarray(member_starts, dtype=np.int64), member_counts,
+                  np.asarray(member_seqs, dtype=np.uint64), room, first_seq, max_candidates,
+                  np.asarray(stored_local, dtype=np.uint64), parent, size, canonical,
+                  float(threshold), policy, measure, bool(only_new), sets.sizes, sets.values,
+                  sets.offsets, sets.signatures)
+    return Decisions(*out[:6], Clustering(*out[6:]))
