@@ -139,7 +139,8 @@ def worker(args: argparse.Namespace) -> int:
                          cpu_seconds=(benchlib.proc_cpu_seconds() or 0.0) - cpu0, loadavg=os.getloadavg()[0],
                          peak_rss_mb=_mb_maxrss(), rss_mb=status.get("VmRSS"), vmhwm_mb=status.get("VmHWM"),
                          state_mb=benchlib.dir_bytes(state) / 1e6,
-                         memtable_mb=(stats.get("memtable_bytes") or 0) / 1e6)
+                         memtable_mb=(stats.get("memtable_bytes") or 0) / 1e6,
+                         set_cache_hits=stats.get("set_cache_hits"), set_cache_misses=stats.get("set_cache_misses"))
     emit("end", git_end=benchlib.git_state())
     return 0
 
