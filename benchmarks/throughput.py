@@ -18,10 +18,10 @@ What is timed, in one process, on the same texts:
    calls (``neardup.detector.normalize``, ``.shingle_batch``, the ``signatures`` method of
    the detector's hasher class (``MinHasher`` or ``OnePermutationHasher``, whichever the
    default settings choose), ``neardup.detector.fingerprint_sets``, ``.band_hashes``,
-   ``.bucket_ids``, the bucket index look-up ``BucketIndex.lookup``, the rest of
-   candidate generation ``Detector._candidates``, the reading of the stored candidates'
-   sets ``Detector._sets``, verification of all pairs ``neardup.detector.pair_similarities``,
-   clustering ``neardup.detector.cluster_batch`` and naming ``Detector._name`` (ids read
+   ``.bucket_ids``, the bucket index look-up ``BucketIndex.lookup``, the stored
+   candidates each document can get ``neardup.detector.batch_candidates``, the reading of
+   their sets ``Detector._sets``, the pass per document (candidates, verification,
+   clustering, bucket joins) ``neardup.detector.decide_batch`` and naming ``Detector._name`` (ids read
    from the store, ``Verdict`` objects built)) with timers that keep each stage's
    *exclusive* time (a timed call inside another is subtracted from the outer one).
    "rest of detect" is ``detect`` minus the timed stages (the forest closure, local
@@ -88,10 +88,9 @@ STAGE_TARGETS: list[tuple[Any, str, str]] = [
     (neardup.detector, "band_hashes", "band_hashes"),
     (neardup.detector, "bucket_ids", "bucket_ids"),
     (neardup.state.index.BucketIndex, "lookup", "BucketIndex.lookup"),
-    (neardup.detector.Detector, "_candidates", "candidates (rest of)"),
+    (neardup.detector, "batch_candidates", "stored candidates (pass 1)"),
     (neardup.detector.Detector, "_sets", "stored sets (multi-get)"),
-    (neardup.detector, "pair_similarities", "verification"),
-    (neardup.detector, "cluster_batch", "cluster_batch"),
+    (neardup.detector, "decide_batch", "decide_batch (one pass)"),
     (neardup.detector.Detector, "_name", "naming"),
 ]
 REST = "rest of detect"
