@@ -152,6 +152,8 @@ def test_run_serves_metrics_that_match_the_output_topics(kafka_bootstrap, kafka_
         "--group-id", f"metrics-{uuid.uuid4().hex[:12]}",
         "--from-beginning", "--text-field", "text", "--id-field", "id",
         "--batch-size", "64", "--max-message-bytes", str(MAX_MESSAGE_BYTES),
+        # every document joins its buckets, so copies share them (largest bucket >= 2)
+        "--duplicate-buckets", "all",
         "--state-dir", str(tmp_path / "state"),
         "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
         "-X", "topic.metadata.refresh.interval.ms=1000",
