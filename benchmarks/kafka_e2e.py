@@ -23,7 +23,11 @@ a subprocess with a fresh group, state directory and transactional id. The consu
 group's committed offset is polled every ``--poll-ms`` (100) ms; the run time is from just
 before the process was launched (Python start, RocksDB open, group join included) to the
 first poll showing the committed offset at N, so messages/s = N / that time. Also shown:
-the start-up (launch to first committed offset seen) and the steady-state rate after it.
+the start-up (launch to first committed offset seen) and the steady-state rate after it,
+and the rate of the transactional run itself, from first consume to last commit:
+N over the time from ``neardup run``'s "first messages consumed" log line (its clock
+time, to the millisecond) to the first poll showing offset N (so up to ``--poll-ms``
+late).
 The peak RSS of the ``neardup run`` process (VmHWM, read at each poll) is reported.
 
 Phase 2, latency at a paced load (``--paced`` M, default 5,000, 0 turns it off). Once the
@@ -85,6 +89,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -320,6 +325,19 @@ def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, bat
     return cmd
 
 
+def first_consumed_at(log_lines: list[str]) -> float:
+    """The time (epoch seconds) of ``neardup run``'s "first messages consumed" log line
+    (text format: local ``asctime`` to the millisecond, this machine's clock); NaN if
+    absent."""
+    for line in log_lines:
+        if "first messages consumed" in line:
+            try:
+                return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                break
+    return float("nan")
+
+
 class OffsetWatch:
     """Polls the group's committed offset of partition 0 of ``topic``."""
 
@@ -458,6 +476,7 @@ def compare(args: argparse.Namespace) -> int:
     rows = [
         row("messages/s (launch -> offset N)", lambda r: f"{r['messages_per_second']:,.0f}"),
         row("messages/s steady (first commit -> N)", lambda r: f"{r['steady_messages_per_second']:,.0f}"),
+        row("messages/s (first consume -> N)", lambda r: f"{r['first_consume_messages_per_second']:,.0f}"),
         row("CPU s in phase 1 (neardup run and its worker)", lambda r: f"{r['cpu_seconds_phase1']:.1f}"),
         row("peak RSS MB (main process)", lambda r: f"{r['peak_rss_mb']:,.0f}"),
         row("load average at launch / at offset N",
@@ -541,7 +560,9 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=120)
             proc = None
-            log_tail = log.read_text(errors="replace").splitlines()[-5:]
+            log_lines = log.read_text(errors="replace").splitlines()
+            log_tail = log_lines[-5:]
+            first_consume = first_consumed_at(log_lines)
 
         got = read_outputs(bootstrap, list(outputs.values()), n + m)
 
@@ -588,12 +609,15 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             print("broker stopped", file=sys.stderr)
 
     # --- report ----------------------------------------------------------------------------
+    consumed_rate = n / (done - first_consume) if done > first_consume else float("nan")
     print()
     print(benchlib.table(
         ["phase", "messages", "seconds", "messages/s"],
         [["produce backlog (before neardup starts)", f"{n:,}", f"{produce_s:.1f}", f"{n / produce_s:,.0f}"],
          ["neardup run: launch -> committed offset N", f"{n:,}", f"{run_s:.1f}", f"{n / run_s:,.0f}"],
          ["  start-up: launch -> first commit seen", f"{first[1]:,}", f"{first[0] - launched:.1f}", ""],
+         ["  start-up: launch -> first consume", "", f"{first_consume - launched:.1f}", ""],
+         ["first consume -> committed offset N", f"{n:,}", f"{done - first_consume:.1f}", f"{consumed_rate:,.0f}"],
          ["  steady: first commit -> offset N", f"{n - first[1]:,}", f"{done - first[0]:.1f}", f"{steady:,.0f}"],
          *([[f"paced produce at {args.rate:,.0f}/s", f"{m:,}", f"{paced_s:.1f}", f"{m / paced_s:,.0f}"]] if m else [])]))
     print(f"neardup run: exit code {rc} after SIGTERM; peak RSS (VmHWM) {peak[0]:,.0f} MB; "
@@ -629,6 +653,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
         "startup_seconds": round(first[0] - launched, 3),
         "first_committed_offset": first[1],
         "steady_messages_per_second": round(steady, 1),
+        "first_consume_seconds": round(first_consume - launched, 3),
+        "first_consume_messages_per_second": round(consumed_rate, 1),
         "peak_rss_mb": round(peak[0], 1),
         "cpu_seconds_phase1": round(cpu_phase1, 2),
         "loadavg_launch": load_start, "loadavg_phase1_end": load_phase1,

@@ -231,6 +231,7 @@ class KafkaDeduplicator:
         self.batches = 0  # committed
         self.batches_prepared_ahead = 0  # of them, prepared in the worker
         self._revoked_while_reading: set[tuple[str, int]] | None = None
+        self._consumed = False  # any message yet (logged once)
 
     # --- topics ---------------------------------------------------------------------
     def target_topic(self, input_topic: str, target: str) -> str:
@@ -355,6 +356,9 @@ class KafkaDeduplicator:
                 except WorkerDied as exc:
                     self._worker_died(exc)
                 continue
+            if not self._consumed:
+                self._consumed = True
+                log.info("first messages consumed: %d", len(batch.messages))
             self._take_prepared(batch)  # first: the worker holds one batch at a time
             if batch.full and self.worker is not None and not self._stop.is_set():
                 batch, ahead = self._read_ahead(batch)
