@@ -19,7 +19,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Detector
 from neardup.state.rocksdb import RocksDBStateStore
-from neardup.state.setcache import SetCache, merge_sets
+from neardup.state.setcache import SetCache, merge_sets, select_sets
 
 DATA = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
 
@@ -93,6 +93,29 @@ def test_merge_sets_interleaves_in_order() -> None:
     read = (np.array([9], dtype=np.uint32), np.array([0, 0, 1]))  # {}, {9}
     values, offsets = merge_sets(np.array([False, True, False, True]), cached, read)
     assert values.tolist() == [1, 2, 9, 3] and offsets.tolist() == [0, 0, 2, 3, 4]
+
+
+def test_select_sets_picks_in_order() -> None:
+    values, offsets = np.array([1, 2, 3, 9], dtype=np.uint32), np.array([0, 2, 2, 3, 4])  # {1, 2}, {}, {3}, {9}
+    picked, picked_offsets = select_sets(values, offsets, np.array([3, 0, 1, 0]))
+    assert picked.tolist() == [9, 1, 2, 1, 2] and picked_offsets.tolist() == [0, 1, 3, 3, 5]
+    none, none_offsets = select_sets(values, offsets, np.array([], dtype=np.int64))
+    assert none.tolist() == [] and none_offsets.tolist() == [0]
+    with pytest.raises(IndexError):
+        select_sets(values, offsets, np.array([4]))
+
+
+def test_only_sets_of_documents_in_a_bucket_are_written_through(tmp_path: Path) -> None:
+    """A document in no bucket is never a candidate: an exact copy (which joins none) is
+    not written to the ring, the story and an unrelated one are."""
+    settings = EngineSettings()
+    story = "the quick brown fox jumps over the lazy dog near the river bank at dawn today"
+    other = "markets closed higher on friday as oil prices rose for a third straight week"
+    with RocksDBStateStore(tmp_path, settings.state_shape(), set_cache_bytes=1 << 20) as store:
+        Detector(settings, store).process([Document("a", story), Document("copy", story),
+                                           Document("b", other)])
+        hit, _, _ = store.sets.lookup(np.array([0, 1, 2]))
+        assert hit.tolist() == [True, False, True]
 
 
 def _replay(path: Path, set_cache_bytes: int, texts: list[tuple[str, str]]) -> tuple[list, dict]:

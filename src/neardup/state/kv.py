@@ -16,7 +16,7 @@ from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
 from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
-from neardup.state.setcache import SetCache, merge_sets
+from neardup.state.setcache import SetCache, merge_sets, select_sets
 
 Puts = dict[str, Iterable[tuple[bytes, bytes]]]  # family -> (key, value) pairs
 Deletes = dict[str, Iterable[bytes]]  # family -> keys
@@ -188,6 +188,9 @@ class KeyValueStateStore:
         self.index.add(update.bucket_ids, update.bucket_seqs)
         self._forest.grow(update.next_seq)
         self._forest.set(nodes[:, 0], nodes[:, 1], nodes[:, 2], nodes[:, 3])
-        if update.fingerprints is not None:  # the newest sets: their copies may come soon
-            self.sets.add(np.arange(update.first_seq, update.next_seq), update.fingerprints,
-                          update.fingerprint_offsets)
+        if update.fingerprints is not None:
+            # The newest sets that can be read again, those of the documents in a bucket (a
+            # document in none is never a candidate): their copies may come soon.
+            joined = np.unique(update.bucket_seqs).astype(np.int64)
+            self.sets.add(joined, *select_sets(update.fingerprints, update.fingerprint_offsets,
+                                               joined - update.first_seq))

@@ -4,9 +4,10 @@ Exact verification reads the sorted fingerprints of every stored candidate (fami
 ``shingles``). A RocksDB point read costs 2 to 7 µs per set (the binding's per-key cost,
 then the block cache or, past its size, the OS page cache), while the block cache holds
 whole 4 KiB blocks of about seven sets each, of which a batch usually wants one. This
-cache holds single sets instead: the sets of the newest documents (near-duplicates tend
-to arrive close together) and the sets read lately (the same stored documents keep
-coming back as candidates while their story is republished), in one ``uint32`` ring of
+cache holds single sets instead: the sets of the newest documents that joined a bucket
+(near-duplicates tend to arrive close together; a document in no bucket is never a
+candidate) and the sets read lately (the same stored documents keep coming back as
+candidates while their story is republished), in one ``uint32`` ring of
 ``capacity_bytes``, overwritten oldest first (FIFO).
 
 A stored set never changes, so the cache cannot be stale. Like the bucket index and the
@@ -159,3 +160,27 @@ def merge_sets(hit: np.ndarray, cached: tuple[np.ndarray, np.ndarray],
     values[np.repeat(hit, lengths)] = a
     values[np.repeat(~hit, lengths)] = b
     return values, offsets
+
+
+def select_sets(values: np.ndarray, offsets: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sets ``picks`` of a list of sets, in that order.
+
+    Args:
+        values, offsets: the sets (uint32 values; int64 offsets, shape (n + 1,)).
+        picks: int64, shape (k,): indices of sets, 0 to n - 1.
+
+    Returns:
+        (values uint32, offsets int64 of shape (k + 1,)).
+
+    Raises:
+        IndexError: a pick outside 0 to n - 1.
+    """
+    picks = np.asarray(picks, dtype=np.int64)
+    if len(picks) and (picks.min() < 0 or picks.max() >= len(offsets) - 1):
+        raise IndexError(f"set index outside 0..{len(offsets) - 2}")
+    starts = offsets[picks]
+    lengths = offsets[picks + 1] - starts
+    out_offsets = np.zeros(len(picks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out_offsets[1:])
+    at = np.repeat(starts - out_offsets[:-1], lengths) + np.arange(out_offsets[-1])
+    return values[at], out_offsets
