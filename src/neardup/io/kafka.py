@@ -16,7 +16,10 @@ Each batch is one Kafka transaction and one RocksDB ``WriteBatch``. The steps, i
    the outcomes of the previous batch (committed to Kafka in its step 5, so never needed
    again).
 5. ``send_offsets_to_transaction`` (next offset per partition, with the consumer group's
-   metadata) and ``commit_transaction``.
+   metadata) and ``commit_transaction``, in a thread of their own: while the broker
+   answers, this thread consumes, reads and detects the next batch (which sees batch k's
+   state: it is in RocksDB since step 4). The next batch's transaction begins only once
+   step 5 has succeeded; only then is the batch counted and ``on_batch`` called.
 
 What a crash leaves, and how a restart (same ``transactional.id``, same state directory)
 repairs it:
@@ -25,8 +28,9 @@ repairs it:
   when the restarted producer calls ``init_transactions`` (it fences the old one). The
   consumer group resumes at the last committed offsets and the batch is processed anew
   against the same state, so it gets the same verdicts.
-- after step 4, before step 5 completes: RocksDB holds the batch, Kafka does not. The
-  batch's messages are consumed again; their offsets lie below the stored positions, so
+- after step 4, before step 5 completes: RocksDB holds the batch, Kafka does not (the
+  next batch may have been detected, but nothing of it written). The batch's messages
+  are consumed again; their offsets lie below the stored positions, so
   their stored outcomes are produced again, identical, and the detector never sees a
   document twice (no document is ever a duplicate of itself).
 - after step 5: both agree; nothing to repair.
@@ -41,9 +45,14 @@ rewinds and retries the same way; after ``MAX_PRODUCER_RESETS`` such errors with
 committed batch in between (a live second instance with the same id), ``run`` raises.
 A commit or abort that still times out after ``TRANSACTION_RETRY_S`` (a producer wedged
 by an outage) fails the batch the same way, and the abort then starts a new producer.
+A step 5 that fails in its thread is seen when the next batch is about to begin its
+transaction (or when the consumer is idle): the failed batch's partitions are rewound
+with the next batch's, to the failed batch's first offsets, and the next batch is
+dropped (it wrote nothing); its messages come back as replays.
 
-Rebalances happen only inside ``consume`` (step 1), when no transaction is open, so a
-revoked partition never leaves anything half-done. Verdicts equal those of an
+Rebalances happen only inside ``consume`` (step 1), and the revoke callback first waits
+for a step 5 in progress, so no transaction is open when partitions go and a revoked
+partition never leaves anything half-done. Verdicts equal those of an
 uninterrupted run when the input order is the same, i.e. per partition; with several
 partitions the interleaving (and so which copy is the canonical) follows arrival order.
 
@@ -181,6 +190,19 @@ class _Batch:
     prepared: PreparedBatch | None = None
 
 
+@dataclass
+class _Pending:
+    """A batch whose step 5 (offsets and transaction commit) runs in a thread while the
+    next batch is consumed and detected; ``error``: what step 5 raised."""
+
+    messages: list[Message]
+    keys: list[bytes]
+    stats: BatchStats
+    prepared: bool
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class KafkaDeduplicator:
     """The ``neardup run`` consumer.
 
@@ -232,6 +254,9 @@ class KafkaDeduplicator:
         self.batches_prepared_ahead = 0  # of them, prepared in the worker
         self._revoked_while_reading: set[tuple[str, int]] | None = None
         self._consumed = False  # any message yet (logged once)
+        self._pending: _Pending | None = None  # the batch whose transaction is committing
+        self._unsettled: list[Message] = []  # messages of a batch whose commit failed
+        self._backoff, self._resets = 0.5, 0
 
     # --- topics ---------------------------------------------------------------------
     def target_topic(self, input_topic: str, target: str) -> str:
@@ -312,6 +337,10 @@ class KafkaDeduplicator:
             self.on_assignment(self.assignment)
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # No transaction may be committing when partitions go: their next owner resumes
+        # at the group's committed offsets. Its outcome is taken up after the rebalance.
+        if self._pending is not None and self._pending.thread is not None:
+            self._pending.thread.join()
         gone = {(p.topic, p.partition) for p in partitions}
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         for tp in gone:
@@ -345,12 +374,15 @@ class KafkaDeduplicator:
             self.close()
 
     def _loop(self) -> None:
-        backoff, resets = 0.5, 0
         ahead: _Batch | None = None  # the next batch, read ahead (see the module docstring)
         while not self._stop.is_set():
             batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
             ahead = None
             if batch is None:
+                try:
+                    self._finish_pending()  # idle: the last batch's commit is surely done
+                except KafkaException as exc:
+                    self._recover(exc, [])
                 try:
                     self._worker_ready()  # idle: take the worker's start-up notice
                 except WorkerDied as exc:
@@ -366,32 +398,51 @@ class KafkaDeduplicator:
                     continue
             try:
                 self._process(batch)
-                backoff, resets = 0.5, 0
             except KafkaException as exc:
-                if _fatal(exc):
-                    # e.g. the broker aborted a transaction that outlived its timeout
-                    # and bumped the producer epoch: a new producer (same
-                    # transactional.id) resumes; the replay rule makes it exact.
-                    resets += 1
-                    if resets > MAX_PRODUCER_RESETS:
-                        raise
-                    log.warning("producer failed fatally (%s); starting a new one", exc)
-                    self._new_producer()
-                else:
-                    log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, backoff)
-                    self._abort()
-                self._rewind(batch.messages + (ahead.messages if ahead else []))
                 if ahead is not None:
                     self._take_prepared(ahead)  # and dropped
+                self._recover(exc, batch.messages + (ahead.messages if ahead else []))
                 ahead = None
-                if self.on_abort:
-                    self.on_abort(exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+
+    def _recover(self, exc: KafkaException, messages: list[Message]) -> None:
+        """After a failed batch (``messages``, and those of a batch whose commit failed
+        in the background): a new producer (fatal error) or an aborted transaction,
+        the partitions rewound to the first offsets, a backoff.
+
+        Raises:
+            KafkaException: ``exc``, when it is the fatal error ``MAX_PRODUCER_RESETS`` + 1
+                in a row.
+        """
+        try:
+            self._finish_pending()  # none pending: ``_process`` takes it up first; in case
+        except KafkaException:
+            pass  # its messages are in _unsettled, rewound below
+        if _fatal(exc):
+            # e.g. the broker aborted a transaction that outlived its timeout and bumped
+            # the producer epoch: a new producer (same transactional.id) resumes; the
+            # replay rule makes it exact.
+            self._resets += 1
+            if self._resets > MAX_PRODUCER_RESETS:
+                raise exc
+            log.warning("producer failed fatally (%s); starting a new one", exc)
+            self._new_producer()
+        else:
+            log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, self._backoff)
+            self._abort()
+        self._rewind(self._unsettled + messages)
+        self._unsettled = []
+        if self.on_abort:
+            self.on_abort(exc)
+        self._stop.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, 30.0)
 
     def close(self) -> None:
         """Leave the group and stop the worker; a batch read ahead is dropped (the
         group's committed offsets are where its partitions resume)."""
+        try:
+            self._finish_pending()
+        except KafkaException as exc:  # in RocksDB already: replayed at the next start
+            log.warning("the last batch's transaction failed at close (%s)", exc)
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
@@ -584,6 +635,7 @@ class KafkaDeduplicator:
                 stats.verdicts.append(res)
 
         assert self.producer is not None and self.consumer is not None
+        self._finish_pending()  # the previous batch's transaction, committed meanwhile
         self._delivery_errors.clear()
         self.producer.begin_transaction()
         # Per message: the hot loop. What depends on the partition only is looked up once.
@@ -641,19 +693,54 @@ class KafkaDeduplicator:
             _, topic, partition = source.rsplit(":", 2)
             self._positions[(topic, int(partition))] = position
 
+        # Step 5 in a thread: the broker's answers are waited for while this thread
+        # consumes and detects the next batch; ``_finish_pending`` takes it up.
         offsets = [TopicPartition(t, p, part.next_offset) for (t, p), part in partitions.items()]
-        self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 30.0)
-        self._commit_transaction()
+        pending = _Pending(messages, keys, stats, batch.prepared is not None)
+        metadata = self.consumer.consumer_group_metadata()
+        pending.thread = threading.Thread(target=self._commit_offsets, args=(pending, offsets, metadata, started),
+                                          name="neardup-commit", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+        return stats
+
+    def _commit_offsets(self, pending: _Pending, offsets: list[TopicPartition], metadata: Any,
+                        started: float) -> None:
+        """Step 5 of a batch (in its own thread): the input offsets (with the consumer
+        group's ``metadata``) into the transaction, then its commit; an error is kept in
+        ``pending.error``."""
+        assert self.producer is not None
+        try:
+            self.producer.send_offsets_to_transaction(offsets, metadata, 30.0)
+            self._commit_transaction()
+            pending.stats.seconds = time.perf_counter() - started
+        except BaseException as exc:  # noqa: BLE001 - raised again by _finish_pending
+            pending.error = exc
+
+    def _finish_pending(self) -> None:
+        """Wait for the batch whose transaction is committing, then count it (or raise).
+
+        Raises:
+            KafkaException: its offsets or commit failed; its messages are rewound with
+                those of the failing batch (``_recover``).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        assert pending.thread is not None
+        pending.thread.join()
+        if pending.error is not None:
+            self._unsettled = pending.messages
+            raise pending.error
         if self._delivery_errors:
             log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
-        self._committed_keys = keys
-        stats.seconds = time.perf_counter() - started
+        self._committed_keys = pending.keys
+        self._backoff, self._resets = 0.5, 0
         self.batches += 1
-        self.batches_prepared_ahead += batch.prepared is not None
+        self.batches_prepared_ahead += pending.prepared
         self._broker_answered()
         if self.on_batch:
-            self.on_batch(stats)
-        return stats
+            self.on_batch(pending.stats)
 
     def _partition(self, topic: str, partition: int) -> _Partition:
         """A new ``_Partition`` of an input partition (for one batch)."""
