@@ -33,6 +33,16 @@ document) the worker reports:
   "RSS before engine" is read after the corpus is loaded, before the store is opened;
 - *state MB*: the bytes of the RocksDB directory on disk.
 
+*Interleaved* (``--paired``, default 20,000; 0 turns it off): the window rates of one
+run drift with the machine by 10 to 30% between runs, which is as much as the effect
+measured. So, after the last checkpoint, a second store is filled with the stream's first
+``--paired-base`` (100,000) documents, and then batches go alternately to it and to the
+large store (which one first alternates too): each continues its own stream for
+``--paired`` documents. Both rates come from the same stretch of time, and their ratio
+(large over small) is the figure to compare with "within 30%". The second store's memory
+counts in the process's RSS from then on, so the peak RSS reported is the one at the
+checkpoints, read before it opens.
+
 Progress lines go to stderr every ``--progress-every`` documents.
 
 Usage: python benchmarks/scale.py [--docs 1000000] [--variants light,heavy] [--json OUT]
@@ -50,6 +60,7 @@ import tempfile
 import time
 from collections import deque
 from contextlib import closing
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,7 +91,7 @@ def worker(args: argparse.Namespace) -> int:
          base_documents=len(base), rss_before_engine_mb=benchlib.proc_status_mb().get("VmRSS"),
          maxrss_before_engine_mb=_mb_maxrss(), lsh=[settings.bands.bands, settings.bands.rows],
          verify=settings.verify, max_bucket_size=settings.max_bucket_size)
-    stream = benchlib.replay_stream(base, args.docs, args.worker, args.seed)
+    stream = benchlib.replay_stream(base, args.docs + args.paired, args.worker, args.seed)
     window: deque[tuple[int, float, int, int]] = deque()  # (documents, engine s, duplicates, candidates) per batch
     in_window = 0
     done = dups_total = rejects = candidates = 0
@@ -141,7 +152,43 @@ def worker(args: argparse.Namespace) -> int:
                          state_mb=benchlib.dir_bytes(state) / 1e6,
                          memtable_mb=(stats.get("memtable_bytes") or 0) / 1e6,
                          set_cache_hits=stats.get("set_cache_hits"), set_cache_misses=stats.get("set_cache_misses"))
+            if args.paired:
+                emit("paired", **paired(args, settings, base, detector, stream, Path(tmp) / "small"))
     emit("end", git_end=benchlib.git_state())
+
+
+def paired(args: argparse.Namespace, settings: object, base: benchlib.Corpus, large: object,
+           large_stream: Iterator[tuple[str, str]], path: Path) -> dict[str, object]:
+    """Rates at two index sizes measured interleaved, so that the machine's drift (10 to
+    30% between runs of the same code) falls on both alike: a second store is filled with
+    the stream's first ``--paired-base`` documents, then batches go alternately to it and
+    to the large one (which order first alternates too), ``--paired`` documents each."""
+    from neardup.core.types import Document
+    from neardup.detector import Detector
+    from neardup.state.rocksdb import RocksDBStateStore
+
+    small_stream = benchlib.replay_stream(base, args.paired_base + args.paired, args.worker, args.seed)
+    seconds = {"small": 0.0, "large": 0.0}
+    with closing(RocksDBStateStore(path, settings.state_shape())) as store:  # type: ignore[attr-defined]
+        small = Detector(settings, store)  # type: ignore[arg-type]
+
+        def run(detector: Detector, stream: Iterator[tuple[str, str]], n: int) -> float:
+            batch = [Document(i, t) for i, t in (next(stream) for _ in range(n))]
+            t0 = time.perf_counter()
+            detector.store.commit(detector.detect(batch).update)
+            return time.perf_counter() - t0
+
+        for start in range(0, args.paired_base, args.batch_size):
+            run(small, small_stream, min(args.batch_size, args.paired_base - start))
+        for k, start in enumerate(range(0, args.paired, args.batch_size)):
+            n = min(args.batch_size, args.paired - start)
+            order = (("small", small, small_stream), ("large", large, large_stream))
+            for name, detector, stream in order if k % 2 == 0 else order[::-1]:
+                seconds[name] += run(detector, stream, n)  # type: ignore[arg-type]
+    return {"small_documents": args.paired_base, "large_documents": args.docs, "documents": args.paired,
+            "small_docs_per_second": args.paired / seconds["small"],
+            "large_docs_per_second": args.paired / seconds["large"],
+            "ratio": seconds["small"] / seconds["large"]}
     return 0
 
 
@@ -152,6 +199,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, object]:
            "--checkpoints", ",".join(map(str, args.checkpoints))]
     if args.max_candidates:
         cmd += ["--max-candidates", str(args.max_candidates)]
+    cmd += ["--paired", str(args.paired), "--paired-base", str(args.paired_base)]
     out: dict[str, object] = {"variant": variant, "checkpoints": []}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
@@ -168,6 +216,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, object]:
                       f"{event['elapsed_seconds']:,.0f} s", file=sys.stderr, flush=True)
             elif kind == "checkpoint":
                 out["checkpoints"].append(event)  # type: ignore[union-attr]
+            elif kind == "paired":
+                out["paired"] = event
             elif kind == "end":
                 out.update(event)
         rc = proc.wait()
@@ -191,6 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-every", type=int, default=50_000, help="progress line every N documents (default 50,000)")
     p.add_argument("--json", type=Path, help="also write the numbers as JSON here")
     p.add_argument("--max-candidates", type=int, help="EngineSettings.max_candidates (default: the engine's)")
+    p.add_argument("--paired", type=int, default=20_000,
+                   help="documents measured interleaved at the last size and at --paired-base (default 20,000; 0: none)")
+    p.add_argument("--paired-base", type=int, default=100_000,
+                   help="the small index size of the interleaved measurement (default 100,000)")
     p.add_argument("--worker", choices=["light", "heavy"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if min(args.docs, args.window, args.batch_size, args.progress_every) < 1:
@@ -242,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             ratios[run["variant"]] = round(ratio, 3)
             print(f"{run['variant']}: window docs/s at {last['documents']:,} / at {first['documents']:,} = {ratio:.2f}; "
                   f"peak RSS at {last['documents']:,}: {last['peak_rss_mb']:,.0f} MB")
+        pair = run.get("paired")
+        if pair:
+            print(f"{run['variant']}: interleaved, {pair['documents']:,} documents each: "  # type: ignore[index]
+                  f"{pair['large_docs_per_second']:,.0f} docs/s at {pair['large_documents']:,} and "  # type: ignore[index]
+                  f"{pair['small_docs_per_second']:,.0f} at {pair['small_documents']:,} indexed: "  # type: ignore[index]
+                  f"ratio {pair['ratio']:.2f}")  # type: ignore[index]
     if args.json:
         report = {"benchmark": "scale", "docs": args.docs, "window": args.window, "batch_size": args.batch_size,
                   "seed": args.seed, "corpus": str(args.corpus), "runs": runs,
