@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from kafka_util import (
     committed_offset,
     excerpt,
@@ -503,4 +503,56 @@ def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_to
     # batches 3 and 4, and maybe 5 (its preparation may have come back before the kill)
     assert 2 <= dedup.batches_prepared_ahead <= 3 < dedup.batches
 
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+class _FailingCommit(KafkaDeduplicator):
+    """Step 5 of batch ``fail_at`` fails in its thread without committing (as a broker
+    timeout would): the transaction stays open with the batch's messages produced."""
+
+    fail_at = 3
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step5 = 0
+        self.aborted: list[Exception] = []
+        self.on_abort = self.aborted.append
+
+    def _commit_offsets(self, pending, offsets, metadata, started) -> None:
+        self.step5 += 1
+        if self.step5 == self.fail_at:
+            pending.error = KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected", retriable=True))
+            return
+        super()._commit_offsets(pending, offsets, metadata, started)
+
+
+def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """Step 5 of one batch fails while the next batch is being detected: the transaction is
+    aborted, both batches are consumed again (the failed one as replays of its stored
+    outcomes), and every message comes out once with the verdicts of a plain run."""
+    records = _edited_copies(excerpt(300), rounds=2)  # 600 messages, 6 batches of 100
+    topic = kafka_topic_factory("step5")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    group = "g-step5"
+    settings = load_settings({
+        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
+        "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 100,
+        "pipeline": False,
+    })
+    engine = settings.engine()
+    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
+        dedup = _FailingCommit(settings, Detector(engine, store))
+        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
+        runner.start()
+        try:
+            deadline = time.monotonic() + 120
+            while committed_offset(kafka_bootstrap, group, topic) < len(records):
+                assert runner.is_alive() and time.monotonic() < deadline
+                time.sleep(0.2)
+        finally:
+            dedup.stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    assert [str(e.args[0].str()) for e in dedup.aborted] == ["injected"]
+    assert dedup.step5 > dedup.batches >= 6  # the failed batch's step 5 ran again
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
