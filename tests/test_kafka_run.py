@@ -194,16 +194,17 @@ def _edited_copies(records: list[dict], rounds: int, seed: int = 7) -> list[dict
 
 
 def _run_in_thread(settings, state_dir: Path, on_batch, target: int,
-                   timeout_s: float = 180.0) -> KafkaDeduplicator:
-    """Run a ``KafkaDeduplicator`` in a thread of this process until its group has
-    committed ``target`` on partition 0 of its input topic, then stop it.
+                   timeout_s: float = 180.0, consumer=KafkaDeduplicator) -> KafkaDeduplicator:
+    """Run a ``consumer`` (``KafkaDeduplicator`` or a subclass) in a thread of this
+    process until its group has committed ``target`` on partition 0 of its input topic,
+    then stop it.
 
     ``on_batch(dedup, stats)`` is called after every batch."""
     engine = settings.engine()
     topic, group = settings.input_topics[0], settings.group_id
     with RocksDBStateStore(state_dir, engine.state_shape()) as store:
-        dedup = KafkaDeduplicator(settings, Detector(engine, store),
-                                  on_batch=lambda stats: on_batch(dedup, stats))
+        dedup = consumer(settings, Detector(engine, store),
+                         on_batch=lambda stats: on_batch(dedup, stats))
         runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
         runner.start()
         try:
@@ -533,26 +534,13 @@ def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, 
     records = _edited_copies(excerpt(300), rounds=2)  # 600 messages, 6 batches of 100
     topic = kafka_topic_factory("step5")
     produce(kafka_bootstrap, topic, _json_messages(records))
-    group = "g-step5"
     settings = load_settings({
-        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
+        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": "g-step5",
         "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 100,
         "pipeline": False,
     })
-    engine = settings.engine()
-    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store:
-        dedup = _FailingCommit(settings, Detector(engine, store))
-        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
-        runner.start()
-        try:
-            deadline = time.monotonic() + 120
-            while committed_offset(kafka_bootstrap, group, topic) < len(records):
-                assert runner.is_alive() and time.monotonic() < deadline
-                time.sleep(0.2)
-        finally:
-            dedup.stop()
-            runner.join(60)
-    assert not runner.is_alive()
+    dedup = _run_in_thread(settings, tmp_path / "state", lambda dedup, stats: None, len(records),
+                           timeout_s=120, consumer=_FailingCommit)
     assert [str(e.args[0].str()) for e in dedup.aborted] == ["injected"]
     assert dedup.step5 > dedup.batches >= 6  # the failed batch's step 5 ran again
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)

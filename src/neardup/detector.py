@@ -224,8 +224,8 @@ class Detector:
         members = self.store.bucket_members(p.bucket_keys)
         starts = np.zeros(len(p.bucket_keys), dtype=np.int64)
         np.cumsum(members.counts[:-1], out=starts[1:])
-        possible = batch_candidates(entries, bands, starts, members.counts, members.seqs, 0,
-                                    first_seq, s.max_candidates)
+        possible = batch_candidates(entries, bands, starts, members.counts, members.seqs,
+                                    0, first_seq, s.max_candidates)  # 0: no batch joins, stored only
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.

@@ -60,16 +60,6 @@ def _table(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: n
 
 
 @njit(nogil=True, cache=True)
-def _met(d: int, entry_bucket: np.ndarray, bands: int, member_counts: np.ndarray,
-         taken: np.ndarray) -> int:  # pragma: no cover - compiled
-    """Members document ``d`` meets in its buckets, with repeats."""
-    met = 0
-    for e in range(d * bands, (d + 1) * bands):
-        met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
-    return met
-
-
-@njit(nogil=True, cache=True)
 def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
           member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
           below: np.ndarray, first_seq: int, table_keys: np.ndarray, table_counts: np.ndarray,
@@ -105,6 +95,28 @@ def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: 
 
 
 @njit(nogil=True, cache=True)
+def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+            member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
+            below: np.ndarray, taken: np.ndarray, first_seq: int, max_candidates: int,
+            bits: int, table_keys: np.ndarray, table_counts: np.ndarray,
+            used: np.ndarray):  # pragma: no cover - compiled
+    """Document ``d``'s candidates, ascending seqs (``_meet`` then ``_top``), with the
+    counting table of 2**bits slots, grown first if the members met (with repeats)
+    would fill more than half of it. Returns (candidates, bits, the table's arrays)."""
+    met = 0
+    for e in range(d * bands, (d + 1) * bands):
+        met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
+    if 2 * met > (1 << bits):
+        while 2 * met > (1 << bits):
+            bits += 1
+        table_keys, table_counts, used = _table(bits)
+    u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
+              first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
+    chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
+    return chosen, bits, table_keys, table_counts, used
+
+
+@njit(nogil=True, cache=True)
 def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray,
           joined: np.ndarray) -> None:  # pragma: no cover - compiled
     """Entry ``e`` joins bucket ``k``: pushed on its chain of the batch's members."""
@@ -129,14 +141,9 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     table_keys, table_counts, used = _table(bits)
     filled = 0
     for d in range(n):
-        met = _met(d, entry_bucket, bands, member_counts, taken)
-        if 2 * met > (1 << bits):  # at most half the table's slots in use
-            while 2 * met > (1 << bits):
-                bits += 1
-            table_keys, table_counts, used = _table(bits)
-        u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
-                  first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
-        chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
+        chosen, bits, table_keys, table_counts, used = _choose(
+            d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
+            first_seq, max_candidates, bits, table_keys, table_counts, used)
         out[filled : filled + len(chosen)] = chosen
         filled += len(chosen)
         bounds[d + 1] = filled
@@ -169,13 +176,28 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
         ValueError: ``entry_bucket`` is not a whole number of documents, or
             ``max_candidates`` is below 1.
     """
+    return Candidates(*_candidates(*checked_members(entry_bucket, bands, member_starts, member_counts,
+                                                    member_seqs, max_bucket_size, max_candidates),
+                                   first_seq, max_candidates))
+
+
+def checked_members(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+                    member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
+                    max_candidates: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The arguments of ``batch_candidates`` checked and as the compiled loops take them:
+    (entry_bucket int64, bands, member_starts int64, member_counts int64, member_seqs
+    uint64, room int64: new members each bucket takes).
+
+    Raises:
+        ValueError: ``entry_bucket`` is not a whole number of documents, or
+            ``max_candidates`` is below 1.
+    """
     entry_bucket = np.asarray(entry_bucket, dtype=np.int64)
     if bands < 1 or len(entry_bucket) % bands:
         raise ValueError(f"{len(entry_bucket)} bucket entries for documents of {bands} bands")
     if max_candidates < 1:
         raise ValueError(f"max_candidates must be at least 1, not {max_candidates}")
-    room = np.maximum(max_bucket_size - np.asarray(member_counts, dtype=np.int64), 0)
-    return Candidates(*_candidates(entry_bucket, bands, np.asarray(member_starts, dtype=np.int64),
-                                   np.asarray(member_counts, dtype=np.int64),
-                                   np.asarray(member_seqs, dtype=np.uint64), room, first_seq,
-                                   max_candidates))
+    member_counts = np.asarray(member_counts, dtype=np.int64)
+    room = np.maximum(max_bucket_size - member_counts, 0)
+    return (entry_bucket, bands, np.asarray(member_starts, dtype=np.int64), member_counts,
+            np.asarray(member_seqs, dtype=np.uint64), room)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from neardup.core.candidates import _join, _meet, _met, _table, _top
+from neardup.core.candidates import _choose, _join, _table, checked_members
 from neardup.core.cluster import JACCARD, Clustering, Sets, _cluster_one, _outputs, _pair
 
 
@@ -37,7 +37,6 @@ class Decisions(NamedTuple):
         bounds: int64, shape (n + 1,): document i's candidates are the pairs
             ``bounds[i]`` to ``bounds[i + 1]``.
         seqs: uint64, shape (n_pairs,): each pair's candidate seq, ascending per document.
-        local: int64, shape (n_pairs,): each pair's candidate local id.
         jaccard, containment: float64, shape (n_pairs,): of the document and the candidate
             (containment of the document in the candidate).
         joined: bool, shape (n * bands,): which (document, band) entries join their bucket.
@@ -46,7 +45,6 @@ class Decisions(NamedTuple):
 
     bounds: np.ndarray
     seqs: np.ndarray
-    local: np.ndarray
     jaccard: np.ndarray
     containment: np.ndarray
     joined: np.ndarray
@@ -71,6 +69,19 @@ def _holds(k: int, c: int, member_starts: np.ndarray, member_counts: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def _covered(k: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
+             threshold: float, member_starts: np.ndarray, member_counts: np.ndarray,
+             member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
+             first_seq: int) -> bool:  # pragma: no cover - compiled
+    """Whether bucket ``k`` holds an accepted candidate among the pairs ``lo`` to ``hi``."""
+    for j in range(lo, hi):
+        if similarity[j] >= threshold and _holds(k, np.int64(seqs[j]), member_starts, member_counts,
+                                                 member_seqs, entry_bucket, joined, bands, first_seq):
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
 def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
             first_seq: int, max_candidates: int, stored_local: np.ndarray, parent: np.ndarray,
@@ -88,7 +99,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     local = np.empty(n * max_candidates, dtype=np.int64)
     jaccard = np.empty(n * max_candidates)
     containment = np.empty(n * max_candidates)
-    similarity = np.empty(n * max_candidates)
+    similarity = jaccard if measure == JACCARD else containment
     match, accepted, cluster, cluster_size, related = _outputs(n, first)
     seen = np.empty(max_candidates, dtype=np.int64)
     bits = 10
@@ -96,14 +107,9 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     filled = 0
     for d in range(n):
         x = first + d
-        met = _met(d, entry_bucket, bands, member_counts, taken)
-        if 2 * met > (1 << bits):  # at most half the table's slots in use
-            while 2 * met > (1 << bits):
-                bits += 1
-            table_keys, table_counts, used = _table(bits)
-        u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
-                  first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
-        chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
+        chosen, bits, table_keys, table_counts, used = _choose(
+            d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
+            first_seq, max_candidates, bits, table_keys, table_counts, used)
         lo = filled
         for c in chosen:
             ci = np.int64(c)  # seqs < 2**32: no mixed signed/unsigned arithmetic below
@@ -113,27 +119,19 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 y = first + ci - first_seq
             seqs[filled], local[filled] = c, y
             jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures)
-            similarity[filled] = jaccard[filled] if measure == JACCARD else containment[filled]
             filled += 1
         bounds[d + 1] = filled
         _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
                      policy, measure, sizes, values, offsets, signatures, seen, match, accepted,
                      cluster, cluster_size, related)
+        skip_covered = only_new and match[d] >= 0
         for e in range(d * bands, (d + 1) * bands):
             k = entry_bucket[e]
-            if taken[k] >= room[k]:
-                continue
-            covered = False
-            if only_new and match[d] >= 0:
-                for j in range(lo, filled):
-                    if similarity[j] >= threshold and _holds(k, np.int64(seqs[j]), member_starts, member_counts,
-                                                             member_seqs, entry_bucket, joined, bands,
-                                                             first_seq):
-                        covered = True
-                        break
-            if not covered:
+            if taken[k] < room[k] and not (skip_covered and _covered(
+                    k, lo, filled, seqs, similarity, threshold, member_starts, member_counts,
+                    member_seqs, entry_bucket, joined, bands, first_seq)):
                 _join(e, k, head, below, taken, joined)
-    return (bounds, seqs[:filled].copy(), local[:filled].copy(), jaccard[:filled].copy(),
+    return (bounds, seqs[:filled].copy(), jaccard[:filled].copy(),
             containment[:filled].copy(), joined, match, accepted, cluster, cluster_size, related)
 
 
@@ -180,16 +178,9 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
         ValueError: ``entry_bucket`` is not a whole number of documents, or
             ``max_candidates`` is below 1.
     """
-    entry_bucket = np.asarray(entry_bucket, dtype=np.int64)
-    if bands < 1 or len(entry_bucket) % bands:
-        raise ValueError(f"{len(entry_bucket)} bucket entries for documents of {bands} bands")
-    if max_candidates < 1:
-        raise ValueError(f"max_candidates must be at least 1, not {max_candidates}")
-    member_counts = np.asarray(member_counts, dtype=np.int64)
-    room = np.maximum(max_bucket_size - member_counts, 0)
-    out = _decide(entry_bucket, bands, np.asarray(member_starts, dtype=np.int64), member_counts,
-                  np.asarray(member_seqs, dtype=np.uint64), room, first_seq, max_candidates,
-                  np.asarray(stored_local, dtype=np.uint64), parent, size, canonical,
-                  float(threshold), policy, measure, bool(only_new), sets.sizes, sets.values,
-                  sets.offsets, sets.signatures)
-    return Decisions(*out[:6], Clustering(*out[6:]))
+    out = _decide(*checked_members(entry_bucket, bands, member_starts, member_counts, member_seqs,
+                                   max_bucket_size, max_candidates),
+                  first_seq, max_candidates, np.asarray(stored_local, dtype=np.uint64), parent, size,
+                  canonical, float(threshold), policy, measure, bool(only_new), sets.sizes,
+                  sets.values, sets.offsets, sets.signatures)
+    return Decisions(*out[:5], Clustering(*out[5:]))

@@ -413,10 +413,7 @@ class KafkaDeduplicator:
             KafkaException: ``exc``, when it is the fatal error ``MAX_PRODUCER_RESETS`` + 1
                 in a row.
         """
-        try:
-            self._finish_pending()  # none pending: ``_process`` takes it up first; in case
-        except KafkaException:
-            pass  # its messages are in _unsettled, rewound below
+        assert self._pending is None  # ``_process`` and the idle loop take it up first
         if _fatal(exc):
             # e.g. the broker aborted a transaction that outlived its timeout and bumped
             # the producer epoch: a new producer (same transactional.id) resumes; the

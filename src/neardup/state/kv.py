@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from neardup.core.arrays import sorted_unique
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
@@ -191,6 +192,6 @@ class KeyValueStateStore:
         if update.fingerprints is not None:
             # The newest sets that can be read again, those of the documents in a bucket (a
             # document in none is never a candidate): their copies may come soon.
-            joined = np.unique(update.bucket_seqs).astype(np.int64)
+            joined = sorted_unique(update.bucket_seqs).astype(np.int64)
             self.sets.add(joined, *select_sets(update.fingerprints, update.fingerprint_offsets,
                                                joined - update.first_seq))
