@@ -2,17 +2,21 @@
 # A real single-node Apache Kafka broker (KRaft, broker+controller in one JVM) for
 # development and CI, built from the jars published on Maven Central. No Docker.
 #
-# Usage: bash deploy/local/kafka.sh {fetch|start|stop|status|logs}
+# Usage: bash deploy/local/kafka.sh {fetch|start|stop|kill|restart|status|logs}
 #   fetch   copy the broker's runtime jars into <cache>/libs (Maven; skipped when complete)
 #   start   fetch if needed, start a fresh broker on free 127.0.0.1 ports, print its
 #           bootstrap address (the last stdout line); if one already runs, print its address
 #   stop    stop the broker started from this cache (TERM, then KILL after 30 s)
+#   kill    SIGKILL the broker, as a crash would: run/ (data, ports) is kept
+#   restart start the broker of run/ again in place: same data, same ports, same cluster;
+#           print its bootstrap address. A broker still running is SIGKILLed first.
 #   status  print the bootstrap address and exit 0 if the broker answers, else exit 1
 #   logs    print the tail of the broker's log
 #
 # Cache: $NEARDUP_KAFKA_HOME, default <repo>/.cache/kafka. Layout:
 #   libs/                 runtime jars (+ .complete marker holding the pom's checksum)
-#   run/                  wiped at every start: server.properties, server.log (broker log),
+#   run/                  wiped at every start (kept by kill and restart): server.properties,
+#                         server.log (broker log; server.log.previous: before the last restart),
 #                         stdout.log (JVM output), data/ (log.dirs), kafka.pid, bootstrap,
 #                         format.log + storage-tool.log (storage formatting)
 # Requires: java (17+), mvn (only for the first fetch), python3.
@@ -197,6 +201,44 @@ transaction.abort.timed.out.transaction.cleanup.interval.ms=2000
 EOF
 }
 
+# Start the broker of $RUN/server.properties (formatted storage) in the background and
+# wait until it answers at $1 (controller port $2); print $1.
+launch() {
+    local bs=$1 cport=$2
+    local -a jvm_log=(-Dlog4j2.configurationFile="$LOG4J_CONF" -Dkafka.logs.dir="$RUN")
+    # setsid: own session, so terminal signals to the caller's process group do not reach it.
+    # 9>&-: do not hand the start lock to the broker.
+    local -a launcher=(nohup)
+    command -v setsid >/dev/null && launcher+=(setsid)
+    # shellcheck disable=SC2086
+    "${launcher[@]}" java $HEAP_OPTS -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+        "${jvm_log[@]}" -cp "$LIBS/*" kafka.Kafka "$RUN/server.properties" \
+        >"$STDOUT_LOG" 2>&1 </dev/null 9>&- &
+    local pid=$!
+    echo "$pid" >"$PID_FILE"
+    log "broker pid $pid starting on $bs (controller 127.0.0.1:$cport), log: $SERVER_LOG"
+
+    local deadline=$((SECONDS + START_TIMEOUT))
+    while ((SECONDS < deadline)); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            show_log_tail
+            rm -f "$PID_FILE"
+            die "broker exited during startup"
+        fi
+        if grep -q "Kafka Server started" "$SERVER_LOG" 2>/dev/null && probe "$bs"; then
+            echo "$bs" >"$BOOTSTRAP_FILE"
+            log "broker ready after $((SECONDS + START_TIMEOUT - deadline))s"
+            echo "$bs"
+            return 0
+        fi
+        sleep 0.5
+    done
+    show_log_tail
+    stop_pid "$pid"
+    rm -f "$PID_FILE"
+    die "broker did not answer within ${START_TIMEOUT}s"
+}
+
 cmd_start() {
     local bs
     if bs=$(running_bootstrap); then
@@ -232,37 +274,7 @@ cmd_start() {
         die "formatting the storage in $RUN/data failed"
     fi
 
-    # setsid: own session, so terminal signals to the caller's process group do not reach it.
-    # 9>&-: do not hand the start lock to the broker.
-    local -a launcher=(nohup)
-    command -v setsid >/dev/null && launcher+=(setsid)
-    # shellcheck disable=SC2086
-    "${launcher[@]}" java $HEAP_OPTS -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
-        "${jvm_log[@]}" -cp "$LIBS/*" kafka.Kafka "$RUN/server.properties" \
-        >"$STDOUT_LOG" 2>&1 </dev/null 9>&- &
-    local pid=$!
-    echo "$pid" >"$PID_FILE"
-    log "broker pid $pid starting on $bs (controller 127.0.0.1:$cport), log: $SERVER_LOG"
-
-    local deadline=$((SECONDS + START_TIMEOUT))
-    while ((SECONDS < deadline)); do
-        if ! kill -0 "$pid" 2>/dev/null; then
-            show_log_tail
-            rm -f "$PID_FILE"
-            die "broker exited during startup"
-        fi
-        if grep -q "Kafka Server started" "$SERVER_LOG" 2>/dev/null && probe "$bs"; then
-            echo "$bs" >"$BOOTSTRAP_FILE"
-            log "broker ready after $((SECONDS + START_TIMEOUT - deadline))s"
-            echo "$bs"
-            return 0
-        fi
-        sleep 0.5
-    done
-    show_log_tail
-    stop_pid "$pid"
-    rm -f "$PID_FILE"
-    die "broker did not answer within ${START_TIMEOUT}s"
+    launch "$bs" "$cport"
 }
 
 cmd_stop() {
@@ -273,6 +285,35 @@ cmd_stop() {
     fi
     rm -f "$PID_FILE" "$BOOTSTRAP_FILE"
     return 0
+}
+
+cmd_kill() {
+    local pid
+    if pid=$(broker_pid); then
+        log "killing broker pid $pid (SIGKILL; data and ports kept)"
+        kill -KILL "$pid" 2>/dev/null || true
+        local i
+        for ((i = 0; i < 100; i++)); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+    fi
+    rm -f "$PID_FILE" "$BOOTSTRAP_FILE"
+    return 0
+}
+
+cmd_restart() {
+    [[ -f "$RUN/server.properties" ]] || die "no broker to restart in $RUN (use start)"
+    cmd_kill
+    cmd_fetch
+    command -v java >/dev/null || die "java not found"
+    # The old log says "Kafka Server started": keep it apart, launch waits for a new one.
+    [[ -f "$SERVER_LOG" ]] && mv -f "$SERVER_LOG" "$SERVER_LOG.previous"
+    local port cport
+    port=$(sed -n 's/^listeners=PLAINTEXT:\/\/127\.0\.0\.1:\([0-9]*\),.*/\1/p' "$RUN/server.properties")
+    cport=$(sed -n 's/^controller\.quorum\.bootstrap\.servers=127\.0\.0\.1:\([0-9]*\)$/\1/p' "$RUN/server.properties")
+    [[ -n "$port" && -n "$cport" ]] || die "no ports in $RUN/server.properties"
+    launch "127.0.0.1:$port" "$cport"
 }
 
 cmd_status() {
@@ -297,10 +338,12 @@ case "${1:-}" in
     fetch) with_lock cmd_fetch ;;
     start) with_lock cmd_start ;;
     stop) with_lock cmd_stop ;;
+    kill) with_lock cmd_kill ;;
+    restart) with_lock cmd_restart ;;
     status) cmd_status ;;
     logs) cmd_logs "${2:-100}" ;;
     *)
-        echo "usage: $0 {fetch|start|stop|status|logs [N]}" >&2
+        echo "usage: $0 {fetch|start|stop|kill|restart|status|logs [N]}" >&2
         exit 2
         ;;
 esac
