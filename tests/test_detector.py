@@ -104,6 +104,21 @@ def test_unrelated_text_is_unique() -> None:
     assert unrelated.similarity == 0.0 and unrelated.candidates == 0
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_every_document_carries_its_nearest_candidate(batch_size: int) -> None:
+    """A unique document reports its most similar candidate and the exact score, even
+    below the threshold; a duplicate's nearest candidate is its match."""
+    settings = EngineSettings(threshold=0.95)
+    docs = [Document("a", STORY), Document("r", REFILED), Document("c", STORY)]
+    first, refiled, copy = map(_verdict, _run(docs, batch_size, settings=settings))
+    assert (first.nearest, first.similarity) == (None, 0.0)
+    assert (refiled.verdict, refiled.match, refiled.nearest) == ("unique", None, "a")
+    assert refiled.similarity == pytest.approx(_jaccard(STORY, REFILED), abs=1e-12)
+    assert refiled.jaccard == refiled.similarity and refiled.containment > refiled.jaccard
+    assert refiled.to_dict()["nearest"] == "a"
+    assert (copy.verdict, copy.match, copy.nearest, copy.similarity) == ("duplicate", "a", "a", 1.0)
+
+
 def test_invalid_texts_are_rejected_without_a_sequence_number() -> None:
     store = MemoryStateStore(SETTINGS.state_shape())
     docs = [

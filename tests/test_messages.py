@@ -38,6 +38,7 @@ VERDICTS = st.builds(
     jaccard=SCORES,
     containment=SCORES,
     related=st.none() | st.text(max_size=20).filter(lambda k: _encodable(k)),
+    nearest=st.none() | st.text(max_size=20).filter(lambda k: _encodable(k)),
 )
 
 
@@ -144,4 +145,6 @@ def test_verdict_headers(verdict: Verdict) -> None:
     ]
     if verdict.related is not None:
         expected.append(("neardup-related", verdict.related.encode()))
+    if verdict.nearest is not None:
+        expected.append(("neardup-nearest", verdict.nearest.encode()))
     assert outcome == Outcome("duplicate" if verdict.is_duplicate else "unique", expected)

@@ -100,6 +100,13 @@ def test_evaluate_reports_the_same_figures(duplicate_buckets):
     canonical = report["policies"]["canonical"]
     assert canonical["cluster_diameter"] >= 0.8  # no member below the threshold to its canonical
     assert report["disk_bytes_per_document"] > 0
+    # every document's score against its exact best similarity to an earlier document
+    exact_best = truth.max(axis=0).toarray().ravel()
+    assert report["score_pairs"]["exact_best"] == pytest.approx(exact_best.tolist(), abs=1e-9)
+    reported = np.asarray(report["score_pairs"]["reported"])
+    assert (reported <= exact_best + 1e-9).all()
+    assert report["scores"]["equal_at_threshold"] == 1.0
+    assert (reported > 0).sum() > report["flagged"]  # unique documents carry scores too
 
 
 def _chain() -> list[Document]:

@@ -320,7 +320,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
     labels = [lookup(line.record, args.label_field) for line in lines] if args.label_field else None
     report = evaluate(docs, settings.engine(), labels=labels, batch_size=settings.batch_size)
     args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(json.dumps({k: v for k, v in report.items() if k != "histogram"}, indent=2) + "\n")
+    args.report.write_text(json.dumps({k: v for k, v in report.items() if k not in ("histogram", "score_pairs")}, indent=2) + "\n")
     plots = write_plots(report, args.report.parent)
     print(render(report))
     print(f"report {args.report}; plots {', '.join(str(p) for p in plots)}")

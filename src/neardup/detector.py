@@ -70,6 +70,31 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> tuple[np.ndarr
     return fingerprints(shingles.hashes, shingles.offsets, docs)
 
 
+def nearest_candidates(bounds: np.ndarray, similarity: np.ndarray) -> np.ndarray:
+    """Per document, the pair index of its most similar candidate (the first among
+    equals), -1 when it has none.
+
+    Args:
+        bounds: int64, shape (n + 1,): document i's candidates are the pairs
+            ``bounds[i]`` to ``bounds[i + 1]``.
+        similarity: float64, shape (n_pairs,).
+
+    Returns:
+        int64, shape (n,).
+    """
+    counts = np.diff(bounds)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    top = np.full(len(counts), -np.inf)
+    if len(similarity):
+        starts = bounds[:-1][counts > 0]
+        top[counts > 0] = np.maximum.reduceat(similarity, starts)
+    hits = np.flatnonzero(similarity == top[owner])
+    docs, first = np.unique(owner[hits], return_index=True)
+    nearest = np.full(len(counts), -1, dtype=np.int64)
+    nearest[docs] = hits[first]
+    return nearest
+
+
 def _at_match(values: np.ndarray, best: np.ndarray, empty: float) -> np.ndarray:
     """``values[best]``, with ``empty`` where ``best`` is -1 (no match)."""
     out = np.full(len(best), empty, dtype=values.dtype)
@@ -312,12 +337,15 @@ class Detector:
               containment: np.ndarray, ids: list[str], first_seq: int) -> list[Verdict]:
         """The verdicts, with the external ids of each document, match, cluster, related."""
         n = len(ids)
-        best = decided.match
-        duplicate = best >= 0
-        match = _at_match(candidates.astype(np.int64), best, -1)
+        duplicate = decided.match >= 0
+        match = _at_match(candidates.astype(np.int64), decided.match, -1)
+        # the most similar candidate, accepted or not: the match itself for a duplicate
+        # (accepted candidates are the most similar, the first among equals in both)
+        best = nearest_candidates(bounds, similarity)
+        nearest = _at_match(candidates.astype(np.int64), best, -1)
         cluster = local[decided.canonical].astype(np.int64)
         related = np.where(decided.related >= 0, local[np.maximum(decided.related, 0)].astype(np.int64), -1)
-        wanted = sorted_unique(np.concatenate([match, cluster, related]))
+        wanted = sorted_unique(np.concatenate([match, nearest, cluster, related]))
         wanted = wanted[(wanted >= 0) & (wanted < first_seq)].tolist()
         known: dict[int, str | None] = dict(zip(wanted, self.store.get_ids(wanted)))
         known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
@@ -325,13 +353,13 @@ class Detector:
         counts = np.diff(bounds)
         return [
             Verdict(doc_id, seq, "duplicate" if dup else "unique", known[c], known[m], sim,
-                    k, k - a, size, j, con, known[r])
-            for doc_id, seq, dup, c, m, sim, k, a, size, j, con, r in zip(
+                    k, k - a, size, j, con, known[r], known[near])
+            for doc_id, seq, dup, c, m, sim, k, a, size, j, con, r, near in zip(
                 ids, range(first_seq, first_seq + n), duplicate.tolist(), cluster.tolist(),
                 match.tolist(), _at_match(similarity, best, 0.0).tolist(), counts.tolist(),
                 decided.accepted.tolist(), decided.cluster_size.tolist(),
                 _at_match(jaccard, best, 0.0).tolist(), _at_match(containment, best, 0.0).tolist(),
-                related.tolist())
+                related.tolist(), nearest.tolist())
         ]
 
     def process(

@@ -8,6 +8,8 @@ configured threshold and measure:
   the exact pairs at or above the threshold;
 - document recall: documents with an earlier exact partner at or above the threshold that
   were flagged; document precision: flagged documents whose match reaches the threshold;
+- scores: each verdict's score (the similarity of its nearest candidate, for unique
+  documents too) against the document's exact best similarity to an earlier one;
 - cluster agreement: adjusted Rand index of the detector's clusters against the connected
   components of the exact pairs (or against ``label_field`` when given);
 - per cluster policy: the largest cluster and the cluster diameter (the lowest exact
@@ -33,7 +35,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.shingle import shingle_batch
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
-from neardup.groundtruth import Pairs, exact_pairs
+from neardup.groundtruth import all_pairs, best_earlier
 from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -105,7 +107,10 @@ def evaluate(
     n = len(docs)
     kept = shingle_batch([texts[i] for i in valid], settings.shingling)
     floor = min(HISTOGRAM_FLOOR, settings.threshold)
-    pairs = exact_pairs(kept, floor, settings.measure)
+    everything = all_pairs(kept)
+    exact_best, _ = best_earlier(everything, n, settings.measure)
+    pairs = everything.select(everything.similarity(settings.measure) >= floor)
+    del everything
     sim_values = pairs.similarity(settings.measure)
     truth_seconds = time.perf_counter() - t0
     truth = pairs.select(sim_values >= settings.threshold)
@@ -139,6 +144,7 @@ def evaluate(
         reference = connected_components(graph, directed=False)[1]
         reference_name = "exact connected components"
 
+    reported = np.array([v.similarity for v in main.verdicts])
     policies = {}
     for policy, run in runs.items():
         canonical = _final_canonicals(run, policy, seq_of, n)
@@ -167,10 +173,28 @@ def evaluate(
         "policies": policies,
         "disk_bytes_per_document": round(main.disk_bytes / n, 1) if main.disk_bytes else None,
         "seconds": {"ground_truth": round(truth_seconds, 3), "detector": round(main.seconds, 3)},
+        "scores": _score_summary(reported, exact_best, settings.threshold),
+        "score_pairs": {"reported": reported.tolist(), "exact_best": exact_best.tolist()},
         "histogram": {
             "found": sim_values[np.isin(_pair_index(pairs.earlier, pairs.later, n), link_keys)].tolist(),
             "missed": sim_values[~np.isin(_pair_index(pairs.earlier, pairs.later, n), link_keys)].tolist(),
         },
+    }
+
+
+def _score_summary(reported: np.ndarray, exact_best: np.ndarray, threshold: float) -> dict[str, float]:
+    """How the score every verdict carries (its nearest candidate's similarity) compares
+    with each document's exact best similarity to an earlier one: the share equal (within
+    1e-9) of all documents and of those whose exact best reaches ``threshold``, and the
+    mean and largest shortfall."""
+    short = exact_best - reported
+    equal = np.abs(short) <= 1e-9
+    above = exact_best >= threshold
+    return {
+        "equal_to_exact_best": _ratio(equal.sum(), len(short)),
+        "equal_at_threshold": _ratio((equal & above).sum(), above.sum()),
+        "mean_shortfall": float(short.mean()) if len(short) else 0.0,
+        "largest_shortfall": float(short.max(initial=0.0)),
     }
 
 
@@ -212,6 +236,11 @@ def render(report: dict[str, Any]) -> str:
             f"  {policy:<11} ARI {p['adjusted_rand_index']:.4f}  largest cluster {p['largest_cluster']}"
             f"  diameter {p['cluster_diameter']:.3f}  clusters {p['clusters_with_duplicates']:,}"
         )
+    sc = report["scores"]
+    lines.append(
+        f"score = exact best          {sc['equal_to_exact_best']:.4f} of documents, "
+        f"{sc['equal_at_threshold']:.4f} of those >= threshold; "
+        f"shortfall mean {sc['mean_shortfall']:.4f}, largest {sc['largest_shortfall']:.4f}")
     disk = report["disk_bytes_per_document"]
     lines.append(f"state on disk              {disk:,.0f} bytes/document" if disk else "state on disk: n/a")
     t = report["seconds"]

@@ -63,6 +63,36 @@ def exact_pairs(shingles: ShingleBatch, min_similarity: float = 0.0, measure: st
         shingles: the documents' shingle hashes (sets: repeats are ignored).
         measure: ``"jaccard"`` or ``"containment"`` (of the later document in the earlier).
     """
+    pairs = all_pairs(shingles)
+    return pairs.select(pairs.similarity(measure) >= min_similarity)
+
+
+def best_earlier(pairs: Pairs, n: int, measure: str = "jaccard") -> tuple[np.ndarray, np.ndarray]:
+    """Each document's most similar earlier document among ``pairs`` (the earliest among
+    equals).
+
+    Args:
+        pairs: e.g. ``all_pairs``: every pair sharing a shingle.
+        n: number of documents.
+        measure: ``"jaccard"`` or ``"containment"`` (of the later document in the earlier).
+
+    Returns:
+        (similarity float64, shape (n,), 0.0 for a document with no earlier one sharing a
+        shingle; earlier int64, shape (n,), -1 then).
+    """
+    sim = pairs.similarity(measure)
+    order = np.lexsort((pairs.earlier, -sim, pairs.later))
+    later = pairs.later[order]
+    first = np.flatnonzero(np.r_[True, later[1:] != later[:-1]]) if len(later) else np.empty(0, np.int64)
+    best_sim = np.zeros(n)
+    best = np.full(n, -1, dtype=np.int64)
+    best_sim[later[first]] = sim[order[first]]
+    best[later[first]] = pairs.earlier[order[first]]
+    return best_sim, best
+
+
+def all_pairs(shingles: ShingleBatch) -> Pairs:
+    """Every pair of documents sharing a shingle, with its exact similarities."""
     m = incidence(shingles)
     sizes = np.asarray(m.sum(axis=1)).ravel()
     product = sp.triu(m @ m.T, k=1).tocoo()
@@ -70,5 +100,4 @@ def exact_pairs(shingles: ShingleBatch, min_similarity: float = 0.0, measure: st
     inter = product.data.astype(np.float64)
     jaccard = inter / (sizes[earlier] + sizes[later] - inter)
     containment = inter / np.maximum(sizes[later], 1)
-    pairs = Pairs(earlier, later, jaccard, containment)
-    return pairs.select(pairs.similarity(measure) >= min_similarity)
+    return Pairs(earlier, later, jaccard, containment)

@@ -1,4 +1,5 @@
-"""PNG plots of an evaluation: the LSH S-curve and the found/missed pair histogram."""
+"""PNG plots of an evaluation: the LSH S-curve, the found/missed pair histogram, and each
+document's reported score against its exact best similarity."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from neardup.core.lsh import LshParams
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``s_curve.png`` and ``pairs_histogram.png`` into ``out_dir``; return paths."""
+    """Write ``s_curve.png``, ``pairs_histogram.png`` and ``scores.png`` into ``out_dir``;
+    return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,4 +60,30 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     histogram = out_dir / "pairs_histogram.png"
     fig.savefig(histogram, dpi=120)
     plt.close(fig)
-    return [s_curve, histogram]
+    return [s_curve, histogram, _scores(report, out_dir, plt)]
+
+
+def _scores(report: dict[str, Any], out_dir: Path, plt: Any) -> Path:
+    """``scores.png``: per document, the score its verdict carries (the similarity of its
+    nearest candidate) against its exact best similarity to an earlier document."""
+    s = report["settings"]
+    pairs = report["score_pairs"]
+    exact, reported = np.asarray(pairs["exact_best"]), np.asarray(pairs["reported"])
+    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    ax.scatter(exact, reported, s=8, alpha=0.5, color="tab:blue", linewidths=0,
+               label=f"documents ({len(exact):,})")
+    ax.plot([0, 1], [0, 1], color="tab:gray", linewidth=0.8, label="score = exact best")
+    ax.axvline(s["threshold"], color="tab:red", linestyle="--", linewidth=0.8, label="threshold")
+    ax.axhline(s["threshold"], color="tab:red", linestyle="--", linewidth=0.8)
+    ax.set_xlim(0, 1.01)
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel(f"exact best {s['measure']} to an earlier document")
+    ax.set_ylabel(f"reported score ({s['measure']} of the nearest candidate)")
+    ax.set_title("Score of every document against the exact best")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "scores.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

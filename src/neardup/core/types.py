@@ -25,16 +25,21 @@ class Verdict:
         cluster: external id of the cluster's canonical (earliest) document; the
             document's own id when it starts a cluster.
         match: external id of the most similar accepted candidate, or None.
-        similarity: similarity to ``match`` in the configured measure (0.0 when unique):
-            exact with ``verify="exact"``, the MinHash estimate otherwise.
-        jaccard: Jaccard similarity to ``match`` (exact or estimated, as ``similarity``).
-        containment: share of this document's shingles found in ``match``.
+        similarity: similarity to ``nearest`` in the configured measure, for every
+            document, unique or not (0.0 when it had no candidate): exact with
+            ``verify="exact"``, the MinHash estimate otherwise. A unique document's score
+            says how close it came to the threshold.
+        jaccard: Jaccard similarity to ``nearest`` (exact or estimated, as ``similarity``).
+        containment: share of this document's shingles found in ``nearest``.
         candidates: number of distinct earlier documents checked (bucket collisions).
         rejected: candidates whose similarity fell below the threshold.
         related: with the canonical cluster policy, the cluster of ``match`` when this
             document did not join it (too far from its canonical); else None.
         cluster_size: documents in the cluster once this one has joined it (the
             union-find root's size); 1 for a unique document.
+        nearest: external id of the most similar candidate checked, accepted or not (the
+            earliest among equals); ``match`` for a duplicate; None when there was no
+            candidate.
     """
 
     id: str
@@ -49,6 +54,7 @@ class Verdict:
     jaccard: float = 0.0
     containment: float = 0.0
     related: str | None = None
+    nearest: str | None = None
 
     @property
     def is_duplicate(self) -> bool:
@@ -63,6 +69,7 @@ class Verdict:
             "jaccard": round(self.jaccard, 6),
             "containment": round(self.containment, 6),
             "related": self.related,
+            "nearest": self.nearest,
             "candidates": self.candidates,
             "rejected_candidates": self.rejected,
         }

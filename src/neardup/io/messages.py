@@ -24,6 +24,7 @@ HEADER_SIMILARITY = "neardup-similarity"
 HEADER_JACCARD = "neardup-jaccard"
 HEADER_CONTAINMENT = "neardup-containment"
 HEADER_RELATED = "neardup-related"
+HEADER_NEAREST = "neardup-nearest"
 HEADER_ERROR = "neardup-error"
 HEADER_SOURCE_TOPIC = "neardup-source-topic"
 HEADER_SOURCE_PARTITION = "neardup-source-partition"
@@ -53,7 +54,7 @@ _KEY_FIELDS = {
     key: _key_field(key)
     for key in (
         HEADER_VERDICT, HEADER_CLUSTER, HEADER_MATCH, HEADER_SIMILARITY, HEADER_JACCARD,
-        HEADER_CONTAINMENT, HEADER_RELATED, HEADER_ERROR, HEADER_SOURCE_TOPIC,
+        HEADER_CONTAINMENT, HEADER_RELATED, HEADER_NEAREST, HEADER_ERROR, HEADER_SOURCE_TOPIC,
         HEADER_SOURCE_PARTITION, HEADER_SOURCE_OFFSET,
     )
 }
@@ -187,7 +188,8 @@ class Outcome:
     def of_verdict(cls, verdict: Verdict) -> Outcome:
         """The outcome of a verdict: target unique or duplicate; headers verdict,
         cluster, match (empty when None), similarity, jaccard and containment (decimal
-        text, 6 decimals), and related when not None; ids in UTF-8.
+        text, 6 decimals; of the nearest candidate, for a unique document too), related
+        and nearest when not None; ids in UTF-8.
 
         Raises:
             UnicodeEncodeError: an id with lone surrogates.
@@ -204,6 +206,8 @@ class Outcome:
         ]
         if verdict.related is not None:
             headers.append((HEADER_RELATED, verdict.related.encode()))
+        if verdict.nearest is not None:
+            headers.append((HEADER_NEAREST, verdict.nearest.encode()))
         return cls("duplicate" if name == "duplicate" else "unique", headers)
 
     @classmethod
