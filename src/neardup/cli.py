@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     dedup = sub.add_parser("dedup", help="deduplicate JSONL files (embedded mode, no Kafka)")
     dedup.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
     dedup.add_argument("--out-dir", type=Path, default=Path("neardup-out"), help="where unique.jsonl, duplicates.jsonl and rejects.jsonl go (default ./neardup-out)")
-    dedup.add_argument("--append", action="store_true", help="append to the output files instead of replacing them")
+    dedup.add_argument("--append", action="store_true", help="append to non-empty output files that the state did not write (a rerun with the same --state-dir continues its own outputs anyway)")
+    dedup.add_argument("--overwrite", action="store_true", help="empty the output files first (without it, non-empty outputs not written by the state are refused)")
     dedup.add_argument("--summary-json", type=Path, help="also write the summary as JSON here")
     dedup.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     _engine_flags(dedup)
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "summary_json", "progress", "config",
+_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "overwrite", "summary_json", "progress", "config",
                  "json", "corpus", "label_field", "report"}
 
 
@@ -235,6 +236,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
             batch_size=settings.batch_size,
             parallel=settings.pipeline,
             append=args.append,
+            overwrite=args.overwrite,
             progress=args.progress,
             on_batch=metrics.observe_results if server else None,
         )

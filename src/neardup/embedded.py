@@ -1,25 +1,41 @@
-"""The embedded mode: deduplicate JSONL files without Kafka, with the state on disk."""
+"""The embedded mode: deduplicate JSONL files without Kafka, with the state on disk.
+
+A rerun never destroys earlier output: each batch's state commit records, with the
+inputs' positions, the outputs' lengths in bytes, and a rerun cuts the outputs back to
+them before it goes on, so a run killed at any point and run again gives exactly the
+outputs of an uninterrupted run (``neardup.io.files.OutputFiles``).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
+import xxhash
 from tqdm import tqdm
 
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
-from neardup.io.files import Line, OutputFiles, open_text, read_lines, source_name
+from neardup.io.files import Input, InputError, Line, OutputFiles, check_input, open_text, read_lines
 from neardup.pipeline import prepared_ahead
+from neardup.state.base import StateUpdate
 from neardup.state.rocksdb import RocksDBStateStore
 
 log = logging.getLogger(__name__)
+
+#: Keys of the embedded mode's records in the state's ``verdicts`` family (a Kafka topic
+#: name holds no ``\\0``, so they cannot meet the consumer's keys).
+OUTPUTS_KEY = b"dedup:outputs\0"  # + resolved out dir: JSON {output name: bytes}
+PATH_KEY = b"dedup:path\0"  # + resolved input path: the Input.key last read under it
 
 
 @dataclass
@@ -32,6 +48,7 @@ class Summary:
     clusters: int = 0
     rejected_candidates: int = 0
     rejects: int = 0
+    renamed_ids: int = 0
     input_bytes: int = 0
     seconds: float = 0.0
     resumed_at_line: dict[str, int] = field(default_factory=dict)
@@ -49,6 +66,7 @@ class Summary:
         return out
 
     def render(self) -> str:
+        renamed = f"renamed ids          {self.renamed_ids:>10,}  (an id seen before)\n" if self.renamed_ids else ""
         return (
             f"documents            {self.documents:>10,}\n"
             f"unique               {self.unique:>10,}\n"
@@ -56,6 +74,7 @@ class Summary:
             f"clusters             {self.clusters:>10,}  (with a duplicate in this run)\n"
             f"rejected candidates  {self.rejected_candidates:>10,}  (below the threshold)\n"
             f"rejects              {self.rejects:>10,}  (malformed lines)\n"
+            f"{renamed}"
             f"documents/s          {self.documents_per_second:>10,.0f}\n"
             f"seconds              {self.seconds:>10,.2f}"
         )
@@ -71,6 +90,86 @@ def _batches(lines: Iterable[Line], size: int) -> Iterator[list[Line]]:
         yield batch
 
 
+def _hash64(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+
+
+class DistinctIds:
+    """Renames a document whose id an earlier document has (in this run or in the state)
+    to ``<id>@<file name>:<line>`` (then ``#2``, ``#3``, ... while that is taken too), so
+    that every record can be told apart in the outputs' ``cluster`` and ``match``.
+
+    Ids are remembered as 64-bit XXH3 hashes; the state's ids are read once when a run
+    starts, so a resumed run names documents as an uninterrupted one would.
+    """
+
+    warnings = 5  # the first renames are logged one by one, the rest counted
+
+    def __init__(self, store: RocksDBStateStore, chunk: int = 1 << 16) -> None:
+        self._seen: set[int] = set()
+        n = store.next_seq()
+        for first in range(0, n, chunk):
+            self._seen.update(_hash64(i) for i in store.get_ids(range(first, min(n, first + chunk))))
+        self.renamed = 0
+
+    def __call__(self, line: Line, source: str) -> Line:
+        """``line`` with its document's id made distinct (``source``: the file's name)."""
+        doc = line.document
+        if doc is None:
+            return line
+        if (h := _hash64(doc.id)) not in self._seen:
+            self._seen.add(h)
+            return line
+        base = name = f"{doc.id}@{source}:{line.number}"
+        k = 1
+        while (h := _hash64(name)) in self._seen:
+            k += 1
+            name = f"{base}#{k}"
+        self._seen.add(h)
+        self.renamed += 1
+        if self.renamed <= self.warnings:
+            log.warning("%s:%d: id %r seen before; named %r in the outputs", source, line.number, doc.id, name)
+        return replace(line, document=Document(name, doc.text))
+
+
+def _path_key(source: Input) -> bytes:
+    return PATH_KEY + str(Path(source.path).resolve()).encode("utf-8", "surrogateescape")
+
+
+def _start_line(store: RocksDBStateStore, source: Input) -> int:
+    """The line after which ``source`` resumes (0: from the start); logs what is resumed."""
+    if not source.resumable:
+        return 0
+    start = store.get_position(source.key) or 0
+    [before] = store.get_verdicts([_path_key(source)])
+    if start:
+        log.info("%s: resuming after line %d: the content read before (%d bytes, the same "
+                 "first MiB)", source.path, start, source.size)
+    elif before is not None and before.decode() != source.key:
+        log.warning("%s: not the file read before under this name (its size or first MiB "
+                    "differ): reading it from line 1", source.path)
+    return start
+
+
+def _lines(source: Input, stream: Iterable[str], text_fields: list[str], id_field: str | None,
+           start: int, ids: DistinctIds) -> Iterator[Line]:
+    name = "stdin" if source.path == "-" else Path(source.path).name
+    try:
+        for line in read_lines(stream, text_fields, id_field, start=start):  # type: ignore[arg-type]
+            yield ids(line, name)
+    except (EOFError, OSError, zlib.error) as exc:  # truncated or corrupt gzip, I/O error
+        raise InputError(f"cannot read input {source.path}: {exc}") from None
+
+
+def _commit_outputs(store: RocksDBStateStore, settings: EngineSettings, key: bytes,
+                    lengths: dict[str, int]) -> None:
+    """Record the outputs' lengths before the first batch: a run killed before its first
+    commit is then continued like any other."""
+    store.commit(StateUpdate(first_seq=store.next_seq(), ids=[],
+                             signatures=np.empty((0, settings.num_perm), np.uint64),
+                             verdicts={key: json.dumps(lengths).encode()}))
+
+
 def dedup_files(
     inputs: list[str],
     settings: EngineSettings,
@@ -80,43 +179,55 @@ def dedup_files(
     state_dir: Path | None = None,
     batch_size: int = 1000,
     append: bool = False,
+    overwrite: bool = False,
     progress: bool | None = None,
     on_batch: Callable[[list[Verdict | Rejected], float], None] | None = None,
     parallel: bool = True,
 ) -> Summary:
-    """Deduplicate ``inputs`` (JSONL, ``.jsonl.gz`` or ``-``) in order, into ``out_dir``.
+    """Deduplicate ``inputs`` (JSONL, gzipped or not, or ``-``) in order, into ``out_dir``.
 
     With ``state_dir`` the state persists: a later run finds duplicates of earlier runs'
-    documents, and a file already read is resumed after its last committed line. Without
-    it the state lives in a temporary directory removed at the end.
+    documents, an input already read (known by its content, ``neardup.io.files.Input``)
+    is resumed after its last committed line, and outputs the state recorded are
+    continued (``neardup.io.files.OutputFiles``). Without it the state lives in a
+    temporary directory removed at the end. Every input is checked before any output is
+    touched.
 
     Args:
+        append: append to non-empty outputs that the state did not record.
+        overwrite: empty the outputs first.
         on_batch: called after each batch with its results and its seconds (metrics).
         parallel: prepare the next batch (normalise, shingle, MinHash) in a worker
             process while the current one is verified and written
             (``neardup.pipeline``).
 
     Raises:
-        FileNotFoundError: an input does not exist.
+        InputError: an input is missing, a directory, unreadable or corrupt.
+        OutputError: the outputs hold earlier output this run would destroy.
         SettingsMismatchError: ``state_dir`` holds state built with other settings.
     """
+    sources = [check_input(path) for path in inputs]
     summary = Summary()
     clusters: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="neardup-state-") as scratch:
         store = RocksDBStateStore(state_dir or scratch, settings.state_shape())
-        detector = Detector(settings, store)
-        outputs = OutputFiles(out_dir, append=append)
-        started = time.perf_counter()
+        outputs: OutputFiles | None = None
         bar = tqdm(unit=" docs", disable=None if progress is None else not progress)
         try:
-            for path in inputs:
-                source = source_name(path)
-                start = 0 if path == "-" else (store.get_position(source) or 0)
+            outputs_key = OUTPUTS_KEY + str(out_dir.resolve()).encode("utf-8", "surrogateescape")
+            [recorded] = store.get_verdicts([outputs_key])
+            outputs = OutputFiles(out_dir, json.loads(recorded) if recorded else None,
+                                  append=append, overwrite=overwrite)
+            _commit_outputs(store, settings, outputs_key, outputs.flush())
+            detector = Detector(settings, store)
+            ids = DistinctIds(store)
+            started = time.perf_counter()
+            for source in sources:
+                start = _start_line(store, source)
                 if start:
-                    summary.resumed_at_line[path] = start
-                    log.info("%s: resuming after line %d", path, start)
-                with open_text(path) as stream:
-                    lines = read_lines(stream, text_fields, id_field, start=start)
+                    summary.resumed_at_line[source.path] = start
+                with open_text(source.path) as stream:
+                    lines = _lines(source, stream, text_fields, id_field, start, ids)
                     for batch, prepared in prepared_ahead(
                         _batches(lines, batch_size), _documents, settings, parallel
                     ):
@@ -141,15 +252,23 @@ def dedup_files(
                                 clusters.add(outcome.cluster)
                             else:
                                 summary.unique += 1
-                        outputs.flush()
-                        result.update.positions[source] = batch[-1].number
+                        # The outputs' lengths go into the same atomic write as the
+                        # batch's state and position: a rerun cuts them back to it.
+                        result.update.verdicts[outputs_key] = json.dumps(outputs.flush()).encode()
+                        if source.resumable:
+                            result.update.positions[source.key] = batch[-1].number
+                            result.update.verdicts[_path_key(source)] = source.key.encode()
                         store.commit(result.update)
                         bar.update(len(batch))
                         if on_batch is not None:
                             on_batch(result.results, time.perf_counter() - t0)
+            summary.renamed_ids = ids.renamed
+            if ids.renamed > DistinctIds.warnings:
+                log.warning("%d ids seen before were renamed (<id>@<file>:<line>)", ids.renamed)
         finally:
             bar.close()
-            outputs.close()
+            if outputs is not None:
+                outputs.close()
             store.close()
         summary.clusters = len(clusters)
         summary.seconds = time.perf_counter() - started

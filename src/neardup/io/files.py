@@ -1,7 +1,10 @@
 """JSONL (optionally gzipped) source and sinks for the embedded mode.
 
 The source yields one ``Line`` per input line, good or bad, so that no line is lost: a
-bad one carries the reason and goes to ``rejects.jsonl``.
+bad one carries the reason and goes to ``rejects.jsonl``. An input is known by its
+content (``Input.key``: size and a hash of its first MiB), not by its name, so that a
+file rewritten under the same name is read again from the start. gzip is recognised by
+its magic bytes, on stdin too.
 """
 
 from __future__ import annotations
@@ -9,14 +12,31 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import xxhash
+
 from neardup.core.types import Document, Verdict
 from neardup.records import RecordError, record_id, record_text
+
+GZIP_MAGIC = b"\x1f\x8b"
+#: Bytes of an input hashed into its key (with its size).
+HEAD_BYTES = 1 << 20
+OUTPUT_NAMES = ("unique", "duplicates", "rejects")
+
+
+class InputError(ValueError):
+    """An input cannot be read: missing, a directory, unreadable, or corrupt."""
+
+
+class OutputError(ValueError):
+    """The outputs cannot be written without destroying earlier ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,22 +50,97 @@ class Line:
     raw: str | None = None
 
 
-def source_name(path: str) -> str:
-    """The name under which the input position of ``path`` is stored."""
-    return "stdin" if path == "-" else f"file:{Path(path).resolve()}"
+@dataclass(frozen=True, slots=True)
+class Input:
+    """An input checked before any output is touched.
+
+    Attributes:
+        path: as given (``-`` is stdin).
+        key: the name its position is stored under: ``stdin``, or
+            ``content:<size>:<xxh3-128 of the first HEAD_BYTES bytes, hex>`` (bytes on
+            disk, compressed or not), so equal content is one input whatever its name.
+        size: bytes on disk; None for stdin.
+    """
+
+    path: str
+    key: str
+    size: int | None
+
+    @property
+    def resumable(self) -> bool:
+        return self.path != "-"
+
+
+def check_input(path: str) -> Input:
+    """Stat, open and hash the head of ``path``: every reason not to read it, up front.
+
+    Raises:
+        InputError: the path does not exist, is a directory, or cannot be read.
+    """
+    if path == "-":
+        return Input(path, "stdin", None)
+    try:
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                raise InputError(f"input {path} is a directory, not a JSONL file")
+            head = f.read(HEAD_BYTES)
+    except IsADirectoryError:
+        raise InputError(f"input {path} is a directory, not a JSONL file") from None
+    except FileNotFoundError:
+        raise InputError(f"input not found: {path}") from None
+    except OSError as exc:
+        raise InputError(f"cannot read input {path}: {exc.strerror or exc}") from None
+    return Input(path, f"content:{info.st_size}:{xxhash.xxh3_128_hexdigest(head)}", info.st_size)
+
+
+class _Prefixed(io.RawIOBase):
+    """``prefix`` then the rest of ``stream``: bytes read ahead, put back."""
+
+    def __init__(self, prefix: bytes, stream: IO[bytes]) -> None:
+        self._prefix = prefix
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._prefix:
+            n = min(len(buffer), len(self._prefix))
+            buffer[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        data = self._stream.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _read_exactly(stream: IO[bytes], n: int) -> bytes:
+    data = b""
+    while len(data) < n and (chunk := stream.read(n - len(data))):
+        data += chunk
+    return data
 
 
 def open_text(path: str) -> IO[str]:
-    """Open ``path`` for reading text: ``-`` is stdin, ``*.gz`` is gunzipped.
+    """Open ``path`` for reading text: ``-`` is stdin; gzip (by its magic bytes, whatever
+    the name) is gunzipped.
 
     Raises:
         FileNotFoundError: the path does not exist.
+        IsADirectoryError: the path is a directory.
     """
+    binary: IO[bytes]
     if path == "-":
-        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape")
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
-    return open(path, encoding="utf-8", errors="surrogateescape")
+        stdin = sys.stdin.buffer
+        binary = io.BufferedReader(_Prefixed(_read_exactly(stdin, 2), stdin))
+        if binary.peek(2)[:2] == GZIP_MAGIC:
+            binary = gzip.GzipFile(fileobj=binary, mode="rb")
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        binary = gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
+    return io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
 
 
 def read_lines(
@@ -82,37 +177,96 @@ def read_lines(
         yield Line(number, record, Document(doc_id, text))
 
 
+def _dumps(entry: dict[str, Any]) -> bytes:
+    """One JSON line, UTF-8; a lone surrogate (``"\\ud800"`` in the input) stays escaped."""
+    try:
+        return (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(entry) + "\n").encode("ascii")
+
+
 class OutputFiles:
     """``unique.jsonl``, ``duplicates.jsonl`` and ``rejects.jsonl`` in ``out_dir``.
 
     Each unique or duplicate record is written as it came, plus a ``neardup`` object with
-    the verdict; each reject as ``{"line", "reason", "id", "raw"}``.
+    the document id neardup used and the verdict; each reject as
+    ``{"line", "reason", "id", "raw"}``.
+
+    Earlier outputs are never destroyed unasked. ``committed`` is what the state recorded
+    at its last commit: each file's length in bytes (``flush``'s value). Outputs are
+    continued when the state
+    recorded them (``committed``), cut back to the recorded lengths first: what a killed
+    run wrote after its last commit is written again by the rerun, exactly once; outputs
+    shorter than recorded (changed since) are refused. Outputs the state did not record
+    are appended to with ``append`` and refused otherwise. ``overwrite`` empties them in
+    every case.
+
+    Args:
+        out_dir: created when missing.
+        committed: output name -> bytes, or None when the state recorded none here.
+        append: append to outputs the state did not record.
+        overwrite: empty the outputs first, whatever they hold.
+
+    Raises:
+        OutputError: non-empty outputs, neither recorded nor ``append``/``overwrite``; or
+            outputs shorter than recorded (changed since).
+        OSError: ``out_dir`` cannot be created or a file cannot be opened.
     """
 
-    def __init__(self, out_dir: Path, append: bool = False) -> None:
+    def __init__(self, out_dir: Path, committed: dict[str, int] | None = None,
+                 append: bool = False, overwrite: bool = False) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        mode = "a" if append else "w"
-        self.paths = {
-            name: out_dir / f"{name}.jsonl" for name in ("unique", "duplicates", "rejects")
-        }
-        self._files = {
-            name: open(path, mode, encoding="utf-8") for name, path in self.paths.items()
-        }
+        self.paths = {name: out_dir / f"{name}.jsonl" for name in OUTPUT_NAMES}
+        sizes = {name: path.stat().st_size if path.exists() else 0 for name, path in self.paths.items()}
+        keep = _lengths_to_keep(out_dir, sizes, committed, append, overwrite)
+        self._files: dict[str, IO[bytes]] = {}
+        for name, path in self.paths.items():
+            f = open(path, "r+b" if path.exists() else "wb")
+            f.truncate(keep[name])
+            f.seek(keep[name])
+            self._files[name] = f
 
     def write_verdict(self, record: Any, verdict: Verdict) -> None:
         out = dict(record) if isinstance(record, dict) else {"value": record}
-        out["neardup"] = verdict.to_dict()
+        out["neardup"] = {"id": verdict.id, **verdict.to_dict()}
         name = "duplicates" if verdict.is_duplicate else "unique"
-        self._files[name].write(json.dumps(out, ensure_ascii=False) + "\n")
+        self._files[name].write(_dumps(out))
 
     def write_reject(self, line: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
         entry = {"line": line, "reason": reason, "id": doc_id, "raw": raw}
-        self._files["rejects"].write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._files["rejects"].write(_dumps(entry))
 
-    def flush(self) -> None:
+    def flush(self) -> dict[str, int]:
+        """Write everything out (to the operating system); returns each file's length in
+        bytes, to be committed with the batch's state."""
         for f in self._files.values():
             f.flush()
+        return {name: f.tell() for name, f in self._files.items()}
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def _lengths_to_keep(out_dir: Path, sizes: dict[str, int], committed: dict[str, int] | None,
+                     append: bool, overwrite: bool) -> dict[str, int]:
+    """Bytes of each output to keep (see ``OutputFiles``). Raises OutputError."""
+    if overwrite:
+        return dict.fromkeys(sizes, 0)
+    if committed is not None:
+        for name, size in sizes.items():
+            if size < committed.get(name, 0):
+                raise OutputError(
+                    f"{out_dir / (name + '.jsonl')} holds {size:,} bytes, fewer than the "
+                    f"{committed[name]:,} the state recorded: it was changed since; use "
+                    "--overwrite to start the outputs anew (earlier verdicts are not "
+                    "written again) or another --out-dir"
+                )
+        return {name: committed.get(name, 0) for name in sizes}
+    if append or not any(sizes.values()):
+        return sizes
+    name = next(n for n, size in sizes.items() if size)
+    raise OutputError(
+        f"{out_dir / (name + '.jsonl')} is not empty and not from this state: use "
+        "--append to add to it, --overwrite to replace it, or another --out-dir"
+    )

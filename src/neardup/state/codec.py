@@ -18,7 +18,9 @@ shingles   seq u64 BE                                sorted distinct shingle fin
                                                      (low 32 bits of the hashes), u32 LE
 positions  source name, UTF-8                        next position, u64 LE
 verdicts   caller-defined bytes                      caller-defined bytes (Kafka: the
-                                                     ``Outcome`` record, neardup.io.messages)
+                                                     ``Outcome`` record, neardup.io.messages;
+                                                     files: outputs' lengths and the inputs
+                                                     read per path, neardup.embedded)
 ========== ========================================= ==================================
 
 Big-endian keys sort numerically, so a scan of ``buckets`` or ``signatures`` runs in

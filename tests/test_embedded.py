@@ -1,0 +1,218 @@
+"""The embedded mode on real files and a real RocksDB state: a rerun never destroys
+earlier output, a killed run resumed gives exactly the outputs of an uninterrupted one,
+inputs are known by content and checked before any output is touched.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neardup.cli import main
+from neardup.embedded import OUTPUTS_KEY
+from neardup.state.rocksdb import RocksDBStateStore
+from neardup.config import Settings
+
+DATA = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
+SRC = Path(__file__).resolve().parent.parent / "src"
+OUTPUTS = ("unique", "duplicates", "rejects")
+
+
+def _stories(n: int | None = None, skip: int = 0) -> list[str]:
+    with gzip.open(DATA, "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    return lines[skip:][:n]
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _outputs(out: Path) -> dict[str, bytes]:
+    return {name: (out / f"{name}.jsonl").read_bytes() for name in OUTPUTS}
+
+
+def _count(out: Path) -> dict[str, int]:
+    return {name: len(data.splitlines()) for name, data in _outputs(out).items()}
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("neardup: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _dedup(*args: str) -> int:
+    return main(["dedup", "--no-pipeline", "--log-level", "WARNING", *map(str, args)])
+
+
+def test_a_rerun_with_the_state_continues_its_outputs(tmp_path: Path) -> None:
+    stories = _write(tmp_path / "in.jsonl", _stories(600))
+    state, out = tmp_path / "state", tmp_path / "out"
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out) == 0
+    first = _outputs(out)
+    assert sum(_count(out).values()) == 600
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out) == 0  # nothing new to read
+    assert _outputs(out) == first  # it used to truncate them: 600 verdicts became 0
+    more = _write(tmp_path / "more.jsonl", _stories(200, skip=600))
+    assert _dedup(stories, more, "--state-dir", state, "--out-dir", out) == 0
+    counts = _count(out)
+    assert sum(counts.values()) == 800
+    assert all(_outputs(out)[name].startswith(first[name]) for name in OUTPUTS)
+
+
+def test_non_empty_outputs_not_from_the_state_are_refused(tmp_path: Path, capsys) -> None:
+    stories = _write(tmp_path / "in.jsonl", _stories(300))
+    out = tmp_path / "out"
+    assert _dedup(stories, "--out-dir", out) == 0
+    first = _outputs(out)
+    capsys.readouterr()
+    assert _dedup(stories, "--out-dir", out) == 2  # no state: the rerun would replace them
+    assert "--overwrite" in _one_error_line(capsys)
+    assert _outputs(out) == first
+    assert _dedup(stories, "--out-dir", out, "--append") == 0
+    assert _count(out)["unique"] == 2 * first["unique"].count(b"\n")
+    assert _dedup(stories, "--out-dir", out, "--overwrite") == 0
+    assert _outputs(out) == first
+
+
+def test_outputs_changed_since_the_state_recorded_them_are_refused(tmp_path: Path, capsys) -> None:
+    stories = _write(tmp_path / "in.jsonl", _stories(300))
+    state, out = tmp_path / "state", tmp_path / "out"
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out) == 0
+    (out / "unique.jsonl").write_text("")  # e.g. emptied by hand: the verdicts are gone
+    capsys.readouterr()
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out) == 2
+    assert "fewer than" in _one_error_line(capsys)
+
+
+def test_a_typo_in_an_input_leaves_the_outputs_alone(tmp_path: Path, capsys) -> None:
+    stories = _write(tmp_path / "in.jsonl", _stories(300))
+    out = tmp_path / "out"
+    assert _dedup(stories, "--out-dir", out) == 0
+    first = _outputs(out)
+    capsys.readouterr()
+    assert _dedup(stories, tmp_path / "typo.jsonl", "--out-dir", out, "--overwrite") == 2
+    assert "input not found" in _one_error_line(capsys)
+    assert _outputs(out) == first  # it used to empty them before failing
+    assert _dedup(tmp_path, "--out-dir", out, "--overwrite") == 2
+    assert "is a directory" in _one_error_line(capsys)
+    assert _outputs(out) == first
+
+
+def test_gzip_is_known_by_its_magic_bytes_on_stdin_too(tmp_path: Path) -> None:
+    lines = _stories(200)
+    packed = gzip.compress("".join(line + "\n" for line in lines).encode())
+    (tmp_path / "wire.jsonl").write_bytes(packed)  # gzip without the .gz suffix
+    assert _dedup(tmp_path / "wire.jsonl", "--out-dir", tmp_path / "a") == 0
+    counts = _count(tmp_path / "a")
+    assert counts["rejects"] == 0 and counts["unique"] + counts["duplicates"] == 200
+    proc = subprocess.run(
+        [sys.executable, "-m", "neardup.cli", "dedup", "-", "--out-dir", str(tmp_path / "b"), "--no-pipeline"],
+        input=packed, capture_output=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert _outputs(tmp_path / "b") == _outputs(tmp_path / "a")
+
+
+def test_a_file_rewritten_under_the_same_name_is_read_again(tmp_path: Path, capsys) -> None:
+    stories = tmp_path / "in.jsonl"
+    state, out = tmp_path / "state", tmp_path / "out"
+    _write(stories, _stories(300))
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out) == 0
+    _write(stories, _stories(300, skip=300))  # new content, same name
+    assert _dedup(stories, "--state-dir", state, "--out-dir", out, "--summary-json", tmp_path / "s.json") == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["documents"] + summary["rejects"] == 300  # it used to skip all 300 lines
+    assert summary["resumed_at_line"] == {}
+    assert "not the file read before under this name" in capsys.readouterr().err
+    # The same content under another name is the same input: resumed, and said so.
+    copy = _write(tmp_path / "copy.jsonl", _stories(300, skip=300))
+    assert _dedup(copy, "--state-dir", state, "--out-dir", out, "--summary-json", tmp_path / "s.json",
+                  "--log-level", "INFO") == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["documents"] == 0 and summary["resumed_at_line"] == {str(copy): 300}
+    assert "resuming after line 300" in capsys.readouterr().err
+
+
+def test_repeated_ids_stay_distinguishable(tmp_path: Path, capsys) -> None:
+    text = json.loads(_stories(1)[0])["text"]
+    other = json.loads(_stories(1, skip=1)[0])["text"]
+    records = [{"id": "x", "text": text}, {"id": "x", "text": text}, {"id": "x", "text": other}]
+    stories = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in records])
+    out = tmp_path / "out"
+    assert _dedup(stories, "--out-dir", out) == 0
+    unique = [json.loads(line) for line in _outputs(out)["unique"].splitlines()]
+    dups = [json.loads(line) for line in _outputs(out)["duplicates"].splitlines()]
+    assert [r["neardup"]["id"] for r in unique] == ["x", "x@in.jsonl:3"]
+    assert [r["neardup"]["id"] for r in dups] == ["x@in.jsonl:2"]
+    assert dups[0]["neardup"]["match"] == "x" and dups[0]["id"] == "x"  # the record as it came
+    assert len({r["neardup"]["cluster"] for r in unique}) == 2
+    assert "id 'x' seen before" in capsys.readouterr().err
+
+
+# A real SIGKILL of `neardup dedup` mid-file, then the same command again.
+
+def _committed(state: Path, out: Path) -> dict[str, int]:
+    with RocksDBStateStore(state, Settings().engine().state_shape()) as store:
+        [raw] = store.get_verdicts([OUTPUTS_KEY + str(out.resolve()).encode()])
+    return json.loads(raw) if raw else {}
+
+
+def _sizes(out: Path) -> dict[str, int]:
+    return {name: (out / f"{name}.jsonl").stat().st_size if (out / f"{name}.jsonl").exists() else 0
+            for name in OUTPUTS}
+
+
+def _command(stories: Path, state: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "neardup.cli", "dedup", str(stories), "--state-dir", str(state),
+            "--out-dir", str(out), "--batch-size", "250", "--log-level", "WARNING"]
+
+
+def _kill_when_written(cmd: list[str], out: Path, past: int, log: Path) -> None:
+    """Start ``cmd``; SIGKILL it the moment unique.jsonl grows past ``past`` bytes, so
+    that the kill lands while a batch is written, before its commit."""
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "PYTHONPATH": str(SRC)}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while _sizes(out)["unique"] <= past:
+            assert proc.poll() is None, f"finished before it was killed: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its preparing worker
+        proc.wait()
+
+
+def test_a_killed_run_resumed_gives_the_outputs_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    stories = _write(tmp_path / "in.jsonl", _stories(4000))
+    whole = _command(stories, tmp_path / "state-whole", tmp_path / "whole")
+    done = subprocess.run(whole, capture_output=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=900)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    expected = _outputs(tmp_path / "whole")
+
+    state, out, log = tmp_path / "state", tmp_path / "out", tmp_path / "killed.log"
+    torn = 0
+    for past in (200_000, 1_500_000, 3_000_000):
+        _kill_when_written(_command(stories, state, out), out, past, log)
+        sizes, committed = _sizes(out), _committed(state, out)
+        assert all(sizes[n] >= committed[n] for n in OUTPUTS)
+        torn += sizes != committed  # lines past the committed position
+    assert torn, "no kill landed between a batch's writes and its commit"
+    again = subprocess.run(_command(stories, state, out), capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=900)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert _outputs(out) == expected
