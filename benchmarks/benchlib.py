@@ -37,7 +37,10 @@ from neardup.core.settings import EngineSettings
 from neardup.records import record_id, record_text
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "reuters21578" / "reuters21578.jsonl.gz"
+#: The shared Reuters copy, next to the checkout or next to its folder of worktrees.
+DEFAULT_CORPUS = next((p / "shared" / "data" / "reuters21578" / "reuters21578.jsonl.gz" for p in REPO.parents[:2]
+                       if (p / "shared" / "data" / "reuters21578" / "reuters21578.jsonl.gz").exists()),
+                      REPO.parent / "shared" / "data" / "reuters21578" / "reuters21578.jsonl.gz")
 FALLBACK_CORPUS = REPO / "tests" / "data" / "reuters_excerpt.jsonl.gz"
 TEXT_FIELD, ID_FIELD = "text", "id"
 BATCH_SIZE = 1000

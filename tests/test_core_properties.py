@@ -27,7 +27,7 @@ from neardup.core.cluster import (
     cluster_batch,
     pair_similarities,
 )
-from neardup.core.lsh import LshParams, band_hashes, optimal_params
+from neardup.core.lsh import LshParams, band_hashes, false_negative_area, false_positive_area, optimal_params
 from neardup.core.minhash import (
     EMPTY,
     MERSENNE_61,
@@ -36,6 +36,7 @@ from neardup.core.minhash import (
     mulmod61_add,
 )
 from neardup.core.normalize import TextNorm, normalize
+from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
 from neardup.core.xxh3 import xxh3_spans
 from neardup.core.unionfind import find, peek_root, union
@@ -427,6 +428,31 @@ def test_optimal_params_match_datasketch(num_perm: int) -> None:
         ours = optimal_params(threshold, num_perm)
         assert (ours.bands, ours.rows) == _optimal_param(threshold, num_perm, 0.5, 0.5), threshold
         assert ours.bands * ours.rows <= num_perm
+
+
+@pytest.mark.parametrize("num_perm", [16, 100, 128])
+def test_optimal_params_is_the_least_weighted_area(num_perm: int) -> None:
+    """The banding minimises fp_weight * false-positive area + fn_weight * false-negative
+    area over every (bands, rows), the first (fewest bands, then rows) of equal scores."""
+    for threshold in (0.3, 0.55, 0.8):
+        for fp_weight in (0.5, 0.2):
+            best = min(
+                ((fp_weight * false_positive_area(threshold, LshParams(b, r))
+                  + (1 - fp_weight) * false_negative_area(threshold, LshParams(b, r)), b, r)
+                 for b in range(1, num_perm + 1) for r in range(1, num_perm // b + 1)),
+                key=lambda x: x[0],
+            )
+            ours = optimal_params(threshold, num_perm, fp_weight, 1 - fp_weight)
+            assert (ours.bands, ours.rows) == best[1:], (threshold, fp_weight)
+
+
+def test_banding_computed_once_per_setting() -> None:
+    optimal_params.cache_clear()
+    for _ in range(3):
+        EngineSettings(threshold=0.8)
+    EngineSettings(threshold=0.9)
+    info = optimal_params.cache_info()
+    assert (info.misses, info.hits) == (2, 2)
 
 
 def test_optimal_params_errors() -> None:

@@ -224,7 +224,8 @@ def _metrics_server(settings: Settings, port: int, ready: Any = None) -> tuple[A
 def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
     from neardup.embedded import dedup_files
 
-    metrics, server = _metrics_server(settings, settings.metrics_port or 0)
+    port = settings.metrics_port or 0
+    metrics, server = _metrics_server(settings, port) if port else (None, None)  # imports only when served
     try:
         summary = dedup_files(
             args.inputs,
@@ -238,7 +239,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
             append=args.append,
             overwrite=args.overwrite,
             progress=args.progress,
-            on_batch=metrics.observe_results if server else None,
+            on_batch=metrics.observe_results if metrics else None,
         )
     finally:
         if server:

@@ -16,6 +16,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, islice
 from multiprocessing.connection import Connection
 from typing import TypeVar
 
@@ -140,9 +141,19 @@ class PrepareWorker:
         return out
 
     def close(self) -> None:
-        """Stop the worker, dropping what it was preparing."""
+        """Stop the worker, dropping what it was preparing.
+
+        A worker that has not started yet (still importing, loading compiled code) has
+        nothing to finish: it is killed at once rather than waited for.
+        """
+        try:
+            started = self.ready()
+        except WorkerDied:
+            started = True  # gone already: the join below returns at once
         self._texts.close()
         self._results.close()
+        if not started:
+            self._process.kill()
         self._process.join(5)
         if self._process.is_alive():
             self._process.kill()
@@ -155,34 +166,51 @@ class PrepareWorker:
         self.close()
 
 
+#: Batches ``prepared_ahead`` prepares in the calling process before it starts a worker.
+#: The worker takes a second or more to start (imports, compiled code loading) and
+#: prepares about half of the work per document; an input the caller gets through in
+#: that time gains nothing from it and, on a busy machine, loses the CPU the start
+#: costs (benchmarks/README.md, "Start-up", has the measurements).
+WORKER_AFTER_BATCHES = 8
+
+
 def prepared_ahead(
     batches: Iterable[T],
     documents_of: Callable[[T], list[Document]],
     settings: EngineSettings,
     parallel: bool = True,
     depth: int = 2,
+    worker_after: int = WORKER_AFTER_BATCHES,
 ) -> Iterator[tuple[T, PreparedBatch]]:
     """Yield each batch with its ``PreparedBatch``, preparing up to ``depth`` batches ahead.
 
-    Until the worker has started (about a second of imports and compiled code loading),
-    batches are prepared here rather than waited for.
+    The first ``worker_after`` batches are prepared here; a worker process is started only
+    when there is a batch after them, and until it has started (about a second of
+    imports and compiled code loading) batches are still prepared here rather than
+    waited for.
 
     Args:
         batches: any batches, in order.
         documents_of: the documents of a batch.
+        settings: the engine settings (the worker gets a copy).
         parallel: prepare in a worker process (spawned); False prepares inline.
         depth: batches in the worker's hands while the caller handles one (at least 1);
             2 absorbs a batch that takes the worker longer than the caller.
+        worker_after: batches prepared here before a worker is started (0: at once).
     """
+    preparer: Preparer | None = None
+    it = iter(batches)
+    for batch in it if not parallel else islice(it, worker_after):
+        preparer = preparer or Preparer(settings)
+        yield batch, preparer(documents_of(batch))
     if not parallel:
-        preparer = Preparer(settings)
-        for batch in batches:
-            yield batch, preparer(documents_of(batch))
+        return
+    ahead = list(islice(it, 1))
+    if not ahead:
         return
     with PrepareWorker(settings) as worker:
         pending: deque[T] = deque()
-        preparer: Preparer | None = None
-        for batch in batches:
+        for batch in chain(ahead, it):
             if not pending and not worker.ready():  # still starting: do not wait for it
                 preparer = preparer or Preparer(settings)
                 yield batch, preparer(documents_of(batch))
