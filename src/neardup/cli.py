@@ -15,14 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
-
 from neardup import __version__
 from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings
 from neardup.core.lsh import LshParams, false_negative_area, false_positive_area
 from neardup.core.settings import EngineSettings
-from neardup.server import ServerError
-from neardup.state.base import StateError
+from neardup.errors import user_error
 
 log = logging.getLogger("neardup")
 
@@ -257,6 +254,9 @@ def cmd_run(settings: Settings) -> int:
     from neardup.server import Readiness
     from neardup.state.rocksdb import RocksDBStateStore
 
+    from neardup.io.kafka_config import check_kafka_settings
+
+    check_kafka_settings(settings)  # before the metrics server or the state start
     engine = settings.engine()
     state_dir = settings.state_dir or Path("neardup-state")
     readiness = Readiness()
@@ -333,6 +333,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    settings: Settings | None = None
     try:
         if args.command == "params":
             return cmd_params(args)
@@ -347,14 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(settings)
         if args.command == "eval":
             return cmd_eval(args, settings)
-    except (ValueError, ValidationError, FileNotFoundError, StateError, ServerError) as exc:
-        print(f"neardup: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into a reader that stopped (e.g. head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:  # the one place where a user error becomes one line
+        line = user_error(exc, settings)
+        if line is None:
+            raise
+        print(f"neardup: error: {line}", file=sys.stderr)
+        return 2
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -9,6 +9,9 @@ and librdkafka settings in a ``[kafka]`` table::
     input_topics = ["wire"]
     [kafka]
     "security.protocol" = "SASL_SSL"
+    "sasl.password" = "@/run/secrets/kafka"
+
+A librdkafka value ``@PATH`` is read from the file PATH (``neardup.io.kafka_config``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from neardup.core.lsh import LshParams
 from neardup.core.normalize import TextNorm
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
+from neardup.io.kafka_config import read_value_files
 
 DEFAULT_METRICS_PORT = 9464
 
@@ -146,6 +150,7 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
     Raises:
         FileNotFoundError: ``toml_file`` does not exist.
         pydantic.ValidationError: a value is invalid (the message names it).
+        ValueError: a librdkafka ``@PATH`` value whose file cannot be read.
     """
     if toml_file is not None and not Path(toml_file).is_file():
         raise FileNotFoundError(f"config file not found: {toml_file}")
@@ -168,8 +173,7 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
     given = {k: v for k, v in overrides.items() if v is not None}
     kafka = given.pop("kafka", None)
     settings = _FromFile(**given)
-    if kafka:  # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key
-        settings = settings.model_copy(
-            update={"kafka": {**settings.kafka, **Settings._stringify(dict(kafka))}}
-        )
-    return settings
+    # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key; then
+    # ``@PATH`` values are read from their files (neardup.io.kafka_config).
+    merged = {**settings.kafka, **Settings._stringify(dict(kafka or {}))}
+    return settings.model_copy(update={"kafka": read_value_files(merged)})

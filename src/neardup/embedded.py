@@ -27,7 +27,7 @@ from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
 from neardup.io.files import Input, InputError, Line, OutputFiles, check_input, open_text, read_lines
 from neardup.pipeline import prepared_ahead
-from neardup.state.base import StateUpdate
+from neardup.state.base import StateError, StateUpdate
 from neardup.state.rocksdb import RocksDBStateStore
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,19 @@ def _commit_outputs(store: RocksDBStateStore, settings: EngineSettings, key: byt
                              verdicts={key: json.dumps(lengths).encode()}))
 
 
+def _close(bar: tqdm, outputs: OutputFiles | None, store: RocksDBStateStore, failing: bool = False) -> None:
+    """Close everything; when ``failing``, a store that fails to close (after a full
+    disk, say) does not hide the error that stopped the run."""
+    bar.close()
+    if outputs is not None:
+        outputs.close()
+    try:
+        store.close()
+    except StateError:
+        if not failing:
+            raise
+
+
 def dedup_files(
     inputs: list[str],
     settings: EngineSettings,
@@ -265,11 +278,10 @@ def dedup_files(
             summary.renamed_ids = ids.renamed
             if ids.renamed > DistinctIds.warnings:
                 log.warning("%d ids seen before were renamed (<id>@<file>:<line>)", ids.renamed)
-        finally:
-            bar.close()
-            if outputs is not None:
-                outputs.close()
-            store.close()
+        except BaseException:
+            _close(bar, outputs, store, failing=True)
+            raise
+        _close(bar, outputs, store)
         summary.clusters = len(clusters)
         summary.seconds = time.perf_counter() - started
     return summary

@@ -208,44 +208,64 @@ class OutputFiles:
         overwrite: empty the outputs first, whatever they hold.
 
     Raises:
-        OutputError: non-empty outputs, neither recorded nor ``append``/``overwrite``; or
-            outputs shorter than recorded (changed since).
-        OSError: ``out_dir`` cannot be created or a file cannot be opened.
+        OutputError: non-empty outputs, neither recorded nor ``append``/``overwrite``;
+            outputs shorter than recorded (changed since); or ``out_dir`` or a file in it
+            cannot be created or opened.
     """
 
     def __init__(self, out_dir: Path, committed: dict[str, int] | None = None,
                  append: bool = False, overwrite: bool = False) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.paths = {name: out_dir / f"{name}.jsonl" for name in OUTPUT_NAMES}
-        sizes = {name: path.stat().st_size if path.exists() else 0 for name, path in self.paths.items()}
-        keep = _lengths_to_keep(out_dir, sizes, committed, append, overwrite)
         self._files: dict[str, IO[bytes]] = {}
-        for name, path in self.paths.items():
-            f = open(path, "r+b" if path.exists() else "wb")
-            f.truncate(keep[name])
-            f.seek(keep[name])
-            self._files[name] = f
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            sizes = {name: path.stat().st_size if path.exists() else 0 for name, path in self.paths.items()}
+            keep = _lengths_to_keep(out_dir, sizes, committed, append, overwrite)
+            for name, path in self.paths.items():
+                f = self._files[name] = open(path, "r+b" if path.exists() else "wb")
+                f.truncate(keep[name])
+                f.seek(keep[name])
+        except OSError as exc:
+            self.close()
+            raise OutputError(f"--out-dir {out_dir}: cannot write the outputs: {exc.strerror or exc}") from exc
 
     def write_verdict(self, record: Any, verdict: Verdict) -> None:
         out = dict(record) if isinstance(record, dict) else {"value": record}
         out["neardup"] = {"id": verdict.id, **verdict.to_dict()}
-        name = "duplicates" if verdict.is_duplicate else "unique"
-        self._files[name].write(_dumps(out))
+        self._write("duplicates" if verdict.is_duplicate else "unique", _dumps(out))
 
     def write_reject(self, line: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
         entry = {"line": line, "reason": reason, "id": doc_id, "raw": raw}
-        self._files["rejects"].write(_dumps(entry))
+        self._write("rejects", _dumps(entry))
+
+    def _write(self, name: str, data: bytes | None) -> None:
+        """Write ``data`` to output ``name`` (None: flush it). Raises OutputError."""
+        f = self._files[name]
+        try:
+            if data is None:
+                f.flush()
+            else:
+                f.write(data)
+        except OSError as exc:  # a full disk, a quota, an I/O error
+            raise OutputError(f"cannot write {self.paths[name]}: {exc.strerror or exc}") from exc
 
     def flush(self) -> dict[str, int]:
         """Write everything out (to the operating system); returns each file's length in
-        bytes, to be committed with the batch's state."""
-        for f in self._files.values():
-            f.flush()
+        bytes, to be committed with the batch's state.
+
+        Raises:
+            OutputError: a file cannot be written (full disk, ...).
+        """
+        for name in self._files:
+            self._write(name, None)
         return {name: f.tell() for name, f in self._files.items()}
 
     def close(self) -> None:
         for f in self._files.values():
-            f.close()
+            try:
+                f.close()
+            except OSError:  # what a full disk kept back: the rerun writes it again
+                pass
 
 
 def _lengths_to_keep(out_dir: Path, sizes: dict[str, int], committed: dict[str, int] | None,

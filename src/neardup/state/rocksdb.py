@@ -73,13 +73,17 @@ class RocksDBStateStore(KeyValueStateStore):
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
-        StateError: the directory cannot be opened (locked by another process, corrupt).
+        StateError: the directory cannot be created or opened (read-only file system,
+            locked by another process, corrupt); later, a write fails (full disk).
     """
 
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
                  set_cache_bytes: int = SET_CACHE_BYTES) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateError(f"cannot create the state directory {self.path}: {exc.strerror}") from exc
         cache = Cache(BLOCK_CACHE_BYTES)
         families = {name: _options(cache, compress=name not in INCOMPRESSIBLE) for name in codec.FAMILIES}
         try:
@@ -112,7 +116,10 @@ class RocksDBStateStore(KeyValueStateStore):
             handle, put = self._handles[family], batch.put
             for key, value in pairs:
                 put(key, value, handle)
-        self._db.write(batch)
+        try:
+            self._db.write(batch)
+        except Exception as exc:  # rocksdict raises plain Exception (e.g. a full disk)
+            raise StateError(f"cannot write the state store {self.path}: {exc}") from exc
 
     def stats(self) -> dict[str, int]:
         """Documents, estimated keys per family, bytes of SST files and of memtables."""
@@ -136,15 +143,28 @@ class RocksDBStateStore(KeyValueStateStore):
             family.flush()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            for name, family in self._families.items():
-                if name != "default":
-                    family.close()
-            # Column-family handles keep the database, and its LOCK, alive until dropped.
-            self._handles.clear()
-            self._families.clear()
-            self._db.close()
+        """Close every family and the database, even when one fails (e.g. its memtable
+        cannot be flushed to a full disk; what ``commit`` returned from is in the
+        write-ahead log all the same).
+
+        Raises:
+            StateError: a family or the database failed to close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        failed: Exception | None = None
+        families = [family for name, family in self._families.items() if name != "default"]
+        # Column-family handles keep the database, and its LOCK, alive until dropped.
+        self._handles.clear()
+        self._families.clear()
+        for family in [*families, self._db]:
+            try:
+                family.close()
+            except Exception as exc:  # rocksdict raises plain Exception
+                failed = failed or exc
+        if failed is not None:
+            raise StateError(f"cannot close the state store {self.path}: {failed}") from failed
 
     def __enter__(self) -> RocksDBStateStore:
         return self

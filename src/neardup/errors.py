@@ -1,0 +1,101 @@
+"""User errors as one line: what the ``neardup`` command prints (after
+``neardup: error:``) instead of a traceback, naming the flag or setting at fault.
+
+A user error is a bad value (flag, ``NEARDUP_*`` variable, TOML file, ``-X``), an input,
+output or state directory that cannot be used, the machine refusing (read-only file
+system, full disk), or a state built with other settings. Secrets (``-X`` passwords,
+keys) never appear in the line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from neardup.io.kafka_config import redact
+from neardup.server import ServerError
+from neardup.state.base import SettingsMismatchError, StateError
+
+if TYPE_CHECKING:
+    from neardup.config import Settings
+
+
+def _flag(field: str) -> str:
+    return f"--{field.replace('_', '-')}"
+
+
+def _validation(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "settings"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        message = message[:1].lower() + message[1:]
+        given = "" if field == "kafka" else f", not {error['input']!r}"
+        parts.append(f"{_flag(field)} (or NEARDUP_{field.upper()}): {message}{given}")
+    return "; ".join(parts)
+
+
+#: The user settings each state-shaping setting comes from.
+_SHAPED_BY = {
+    "normalization": "--nfkc, --casefold, --strip-punctuation",
+    "shingling": "--shingle, --multiset",
+    "num_perm": "--num-perm",
+    "seed": "--seed",
+    "minhash": "--minhash",
+    "verify": "--verify",
+    "cluster_policy": "--cluster-policy",
+}
+
+
+def _banding(stored: tuple[int, int], settings: Settings) -> str:
+    """Which user setting changed the banding, and the value that gives the stored one."""
+    engine = settings.engine()
+    now = f"{engine.bands.bands} bands x {engine.bands.rows} rows"
+    if settings.bands is not None:
+        return f"--bands {settings.bands} --rows {settings.rows} give {now}"
+    flag, current = ("--candidate-threshold", settings.candidate_threshold) if \
+        settings.candidate_threshold is not None else ("--threshold", settings.threshold)
+    default = replace(engine, lsh=None, threshold=0.8, candidate_threshold=None).bands
+    built = " (as the default --threshold 0.8 does)" if (default.bands, default.rows) == stored else ""
+    return (f"{flag} changed: {current:g} gives {now}, the state was built with "
+            f"{stored[0]} x {stored[1]}{built}; give the {flag} it was built with, or "
+            f"--bands {stored[0]} --rows {stored[1]}")
+
+
+def _mismatch(exc: SettingsMismatchError, settings: Settings | None) -> str:
+    diffs = dict(exc.differences)
+    parts = []
+    if settings is not None and ("bands" in diffs or "rows" in diffs):
+        stored = (diffs.get("bands", (settings.engine().bands.bands,))[0],
+                  diffs.get("rows", (settings.engine().bands.rows,))[0])
+        diffs.pop("bands", None)
+        diffs.pop("rows", None)
+        parts.append(_banding(stored, settings))
+    for name, (stored, requested) in sorted(diffs.items()):
+        parts.append(f"{_SHAPED_BY.get(name, name)}: the state has {stored!r}, this run {requested!r}")
+    return ("the state directory was built with other settings: " + "; ".join(parts)
+            + "; use the state's settings or another --state-dir")
+
+
+def user_error(exc: BaseException, settings: Settings | None = None) -> str | None:
+    """The one line that reports ``exc`` to the user, or None when it is not a user
+    error (a bug: let its traceback show).
+
+    Args:
+        settings: the run's settings, when known (for the state mismatch and secrets).
+    """
+    kafka: dict[str, Any] = settings.kafka if settings is not None else {}
+    if isinstance(exc, ValidationError):
+        line = _validation(exc)
+    elif isinstance(exc, SettingsMismatchError):
+        line = _mismatch(exc, settings)
+    elif isinstance(exc, (ValueError, StateError, ServerError)):
+        line = str(exc)
+    elif isinstance(exc, OSError):
+        what = f"{exc.filename}: " if exc.filename else ""
+        line = f"{what}{exc.strerror or exc}"
+    else:
+        return None
+    return redact(" ".join(line.split()), kafka)
