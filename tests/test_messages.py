@@ -15,7 +15,9 @@ from neardup.io.messages import (
     HEADER_JACCARD,
     HEADER_SIMILARITY,
     RECORD_VERSION,
+    MessageError,
     Outcome,
+    to_document,
 )
 
 FAST = settings(max_examples=300, deadline=None)
@@ -148,3 +150,58 @@ def test_verdict_headers(verdict: Verdict) -> None:
     if verdict.nearest is not None:
         expected.append(("neardup-nearest", verdict.nearest.encode()))
     assert outcome == Outcome("duplicate" if verdict.is_duplicate else "unique", expected)
+
+
+DEEP = b"[" * 1000 + b"]" * 1000
+POISON = {
+    "deep-value": (DEEP, "missing_field"),  # a JSON array, not an object
+    "deep-sibling": (b'{"id": "d", "text": "a story", "x": ' + DEEP + b"}", None),
+    "deeper-than-orjson-allows": (b"[" * 1_000_000 + b"]" * 1_000_000, "invalid_json"),
+    "surrogate-id": (b'{"id": "\\ud800", "text": "a story"}', "invalid_json"),
+    "surrogate-text": (b'{"id": "s", "text": "a \\udfff story"}', "invalid_json"),
+    "nan": (b'{"id": "n", "text": "a story", "score": NaN}', "invalid_json"),
+    "infinity": (b'{"id": "i", "text": "a story", "score": -Infinity}', "invalid_json"),
+    "huge-number": (b'{"id": "h", "text": "a story", "n": 1' + b"0" * 5000 + b"}", "invalid_json"),
+    "huge-id": (b'{"id": 1' + b"0" * 5000 + b', "text": "a story"}', "invalid_json"),
+    "id-beyond-64-bits": (b'{"id": 18446744073709551616, "text": "a story"}', "missing_field"),
+    "duplicate-keys": (b'{"id": "a", "id": "b", "text": "x", "text": "a story"}', None),
+}
+
+
+@pytest.mark.parametrize("name", list(POISON))
+def test_to_document_of_poison_values(name: str) -> None:
+    """Each value decodes to a document or raises MessageError of the expected kind;
+    nothing else escapes (no RecursionError, ValueError, UnicodeEncodeError)."""
+    value, kind = POISON[name]
+    if kind is None:
+        doc = to_document(value, b"key", "t", 0, 7, ["text"], "id", 1 << 21)
+        doc.id.encode("utf-8")  # ids and text reach headers and the state as UTF-8
+        doc.text.encode("utf-8")
+        assert doc.text == "a story"
+        assert doc.id in {"d", "b"}
+    else:
+        with pytest.raises(MessageError) as raised:
+            to_document(value, b"key", "t", 0, 7, ["text"], "id", 1 << 21)
+        assert raised.value.kind == kind
+
+
+def _mutations(seed: bytes) -> st.SearchStrategy[bytes]:
+    """``seed`` with bytes cut, repeated or replaced."""
+    return st.tuples(st.integers(0, len(seed)), st.integers(0, len(seed)), st.binary(max_size=8),
+                     st.integers(1, 300)).map(
+        lambda t: seed[: min(t[0], t[1])] + t[2] * (t[3] if t[2] in (b"[", b"{", b"\\") else 1) + seed[max(t[0], t[1]):])
+
+
+SEEDS = [b'{"id": "x", "text": "a story", "more": [1, 2.5, {"k": null}]}', b'{"id": 12, "text": "\\u00e9\\ud83d\\ude00"}']
+
+
+@FAST
+@given(st.binary(max_size=200) | st.sampled_from(SEEDS).flatmap(_mutations))
+def test_to_document_of_any_bytes(value: bytes) -> None:
+    for fields, id_field in ((["text"], "id"), (None, "id"), (None, None)):
+        try:
+            doc = to_document(value, None, "t", 0, 7, fields, id_field, 1 << 20)
+        except MessageError:
+            continue
+        doc.id.encode("utf-8")
+        doc.text.encode("utf-8")

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import orjson
+
 from neardup.core.types import Document, Verdict
 from neardup.records import RecordError, record_id, record_text
 
@@ -256,6 +258,12 @@ def to_document(
     The text is the whole value (UTF-8) or, with ``text_fields``, the JSON fields joined.
     The id is ``id_field`` of the JSON value, else the key, else ``topic/partition/offset``.
 
+    JSON is parsed by orjson (RFC 8259, strictly), which never recurses in Python and
+    rejects what would break a later step: nesting over 1,024 levels, lone surrogates
+    (``"\ud800"``, not encodable in UTF-8), NaN and Infinity, numbers beyond a double;
+    integers beyond 64 bits become floats (so an id field holding one is refused); of
+    duplicate keys, the last wins.
+
     Raises:
         MessageError: null value (tombstone), value over ``max_bytes``, invalid UTF-8,
             invalid JSON, or a missing text field.
@@ -273,8 +281,8 @@ def to_document(
     doc_id = None
     if text_fields or id_field:
         try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
+            record = orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
             if text_fields:
                 raise MessageError("invalid_json", f"invalid JSON: {exc}") from None
             record = None

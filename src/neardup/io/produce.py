@@ -8,7 +8,6 @@ key is the line's ``id_field`` when the line is a JSON object that has it, else 
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import sys
 import time
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
 
+import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
 from neardup.records import RecordError, record_id
@@ -54,8 +54,8 @@ def line_key(line: bytes, id_field: str | None) -> bytes | None:
     if not id_field:
         return None
     try:
-        doc_id = record_id(json.loads(line), id_field)
-    except (ValueError, RecordError):  # not JSON, not UTF-8, or an id of another type
+        doc_id = record_id(orjson.loads(line), id_field)
+    except (ValueError, RecordError):  # not JSON (orjson.JSONDecodeError), or an id of another type
         return None
     return doc_id.encode("utf-8") if doc_id is not None else None
 
