@@ -28,10 +28,11 @@ def excerpt(limit: int | None = None) -> list[dict]:
 
 
 def produce(bootstrap: str, topic: str, messages: Iterable[tuple[bytes | None, bytes | None]],
-            headers: list[tuple[str, bytes]] | None = None) -> int:
-    """Produce (key, value) pairs in order; returns how many."""
+            headers: list[tuple[str, bytes]] | None = None, max_bytes: int = 1_000_000) -> int:
+    """Produce (key, value) pairs in order; returns how many. ``max_bytes``: the
+    producer's ``message.max.bytes``."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                         "linger.ms": 20})
+                         "linger.ms": 20, "message.max.bytes": max_bytes})
     n = 0
     for key, value in messages:
         while True:
@@ -51,6 +52,7 @@ class Out:
     key: bytes | None
     value: bytes | None
     headers: dict[str, bytes]
+    header_list: tuple[tuple[str, bytes], ...] = ()  # as received, in order
 
 
 def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
@@ -75,7 +77,8 @@ def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
             got = [m for m in batch if m.error() is None]
             if got:
                 last = time.monotonic()
-                out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or [])) for m in got]
+                out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or []), tuple(m.headers() or ()))
+                        for m in got]
             elif time.monotonic() - last > idle_s and (expected is None or len(out) >= expected):
                 break
     finally:
@@ -134,3 +137,50 @@ def wait_committed(bootstrap: str, group: str, topic: str, target: int, proc: su
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
     proc.send_signal(sig)
     return proc.wait(timeout=timeout_s)
+
+
+def create_topic(bootstrap: str, name: str, config: dict[str, str] | None = None,
+                 timeout: float = 30.0) -> str:
+    """Create one topic (one partition) with topic ``config`` and wait for its leader."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(name, 1, 1, config=config or {})])[name].result(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        topic = admin.list_topics(timeout=5).topics.get(name)
+        if topic is not None and topic.error is None and all(p.leader >= 0 for p in topic.partitions.values()):
+            return name
+        assert time.monotonic() < deadline, f"topic {name} not ready"
+        time.sleep(0.1)
+
+
+def run_until_committed(settings, state_dir: Path, target: int, timeout_s: float = 180.0,
+                        consumer=None) -> tuple[object, list[Exception]]:
+    """Run a ``KafkaDeduplicator`` (or ``consumer``, a subclass) in a thread of this
+    process until its group has committed ``target`` on partition 0 of its first input
+    topic, then stop it; returns it and the errors of the batches it aborted."""
+    import threading
+
+    from neardup.detector import Detector
+    from neardup.io.kafka import KafkaDeduplicator
+    from neardup.state.rocksdb import RocksDBStateStore
+
+    engine = settings.engine()
+    topic, group = settings.input_topics[0], settings.group_id
+    aborts: list[Exception] = []
+    with RocksDBStateStore(state_dir, engine.state_shape()) as store:
+        dedup = (consumer or KafkaDeduplicator)(settings, Detector(engine, store), on_abort=aborts.append)
+        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
+        runner.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while committed_offset(settings.bootstrap_servers, group, topic) < target:
+                assert runner.is_alive(), "the consumer stopped"
+                assert time.monotonic() < deadline, f"offset {target} not committed in {timeout_s} s; aborts: {aborts[:3]}"
+                time.sleep(0.2)
+        finally:
+            dedup.stop()
+            runner.join(60)
+    assert not runner.is_alive()
+    return dedup, aborts

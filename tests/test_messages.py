@@ -13,10 +13,15 @@ from neardup.core.types import Verdict
 from neardup.io.messages import (
     HEADER_CONTAINMENT,
     HEADER_JACCARD,
+    HEADER_OVERHEAD,
     HEADER_SIMILARITY,
+    RECORD_OVERHEAD,
     RECORD_VERSION,
     MessageError,
     Outcome,
+    carried_headers,
+    fit,
+    record_size,
     to_document,
 )
 
@@ -24,7 +29,8 @@ FAST = settings(max_examples=300, deadline=None)
 KEYS = st.text(max_size=40).filter(lambda k: _encodable(k))
 HEADERS = st.lists(st.tuples(KEYS, st.binary(max_size=60)), max_size=12)
 KINDS = st.none() | KEYS
-OUTCOMES = st.builds(Outcome, st.sampled_from(["unique", "duplicate", "dlq"]), HEADERS, KINDS)
+OUTCOMES = st.builds(Outcome, st.sampled_from(["unique", "duplicate", "dlq"]), HEADERS, KINDS,
+                     st.sampled_from(["whole", "no_value", "headers_only"]))
 SCORES = st.floats(allow_nan=False, allow_infinity=False, min_value=-2.0, max_value=2.0)
 VERDICTS = st.builds(
     Verdict,
@@ -74,7 +80,7 @@ def test_verdict_outcome_round_trip(verdict: Verdict) -> None:
 
 
 @FAST
-@given(OUTCOMES.filter(lambda o: all(_utf8(v) for _, v in o.headers)))
+@given(OUTCOMES.filter(lambda o: o.content == "whole" and all(_utf8(v) for _, v in o.headers)))
 def test_previous_json_records_are_read(outcome: Outcome) -> None:
     assert Outcome.from_bytes(_old_json(outcome)) == outcome
 
@@ -95,26 +101,31 @@ def test_previous_json_record_golden() -> None:
 
 
 def test_record_golden() -> None:
-    outcome = Outcome("dlq", [("k", b"\x00\xff"), ("é", b"")], "tombstone")
-    expected = (
-        bytes([1, 2]) + struct.pack("<HH", len("tombstone") + 1, 2) + b"tombstone"
+    outcome = Outcome("dlq", [("k", b"\x00\xff"), ("é", b"")], "tombstone", "no_value")
+    body = (
+        struct.pack("<HH", len("tombstone") + 1, 2) + b"tombstone"
         + struct.pack("<H", 1) + b"k" + struct.pack("<I", 2) + b"\x00\xff"
         + struct.pack("<H", 2) + "é".encode() + struct.pack("<I", 0)
     )
-    assert outcome.to_bytes() == expected
-    assert Outcome("unique", []).to_bytes() == bytes([1, 0, 0, 0, 0, 0])
+    assert outcome.to_bytes() == bytes([2, 2, 1]) + body
+    assert Outcome("unique", []).to_bytes() == bytes([2, 0, 0, 0, 0, 0, 0])
+    # layout 1, written by the previous version: no content byte, always the whole message
+    assert Outcome.from_bytes(bytes([1, 2]) + body) == Outcome("dlq", outcome.headers, "tombstone", "whole")
+    assert Outcome.from_bytes(bytes([1, 0, 0, 0, 0, 0])) == Outcome("unique", [])
 
 
 @pytest.mark.parametrize(
     "raw",
     [
         b"",
-        bytes([2, 0, 0, 0, 0, 0]),  # unknown layout version
-        bytes([1, 3, 0, 0, 0, 0]),  # unknown target
-        bytes([1, 0, 0, 0, 1, 0]),  # one header announced, none there
+        bytes([3, 0, 0, 0, 0, 0, 0]),  # unknown layout version
+        bytes([2, 3, 0, 0, 0, 0, 0]),  # unknown target
+        bytes([2, 0, 3, 0, 0, 0, 0]),  # unknown content
+        bytes([1, 3, 0, 0, 0, 0]),  # unknown target, layout 1
+        bytes([2, 0, 0, 0, 0, 1, 0]),  # one header announced, none there
         Outcome("unique", [("k", b"value")]).to_bytes()[:-1],  # value cut short
         Outcome("unique", [("k", b"value")]).to_bytes() + b"\x00",  # bytes left over
-        bytes([1, 2, 3, 0, 0, 0]) + b"\xff\xfe",  # error kind not UTF-8
+        bytes([2, 2, 0, 3, 0, 0, 0]) + b"\xff\xfe",  # error kind not UTF-8
         b"[not json",
     ],
 )
@@ -205,3 +216,54 @@ def test_to_document_of_any_bytes(value: bytes) -> None:
             continue
         doc.id.encode("utf-8")
         doc.text.encode("utf-8")
+
+
+def test_carried_headers_rename_incoming_neardup_headers() -> None:
+    incoming = [("origin", b"a"), ("neardup-verdict", b"duplicate"), ("Neardup-Cluster", b"x"),
+                ("neardup-input-verdict", b"older"), ("NEARDUP-INPUT-match", b"y"), ("tail", None)]
+    assert carried_headers(incoming) == [("origin", b"a"), ("neardup-input-verdict", b"duplicate"),
+                                         ("neardup-input-Cluster", b"x"), ("tail", None)]
+    plain = [("origin", b"a")]
+    assert carried_headers(plain) == plain
+    assert carried_headers(None) == [] and carried_headers([]) == []
+
+
+def test_record_size_golden() -> None:
+    # the bound: batch header and record framing, then per header its two lengths
+    assert record_size(b"k", b"vv", [("h", b"x"), ("é", None)]) == RECORD_OVERHEAD + 3 + 2 * HEADER_OVERHEAD + 2 + 2
+    assert record_size(None, None, []) == RECORD_OVERHEAD == 97
+
+
+LIMITS = {"unique": ("t.unique", 1000), "duplicate": ("t.duplicates", 1000), "dlq": ("t.dlq", 700)}
+VERDICT = Outcome("unique", [("neardup-verdict", b"unique")])
+
+
+def _fit(value: bytes, outcome: Outcome = VERDICT, **kw) -> Outcome:
+    return fit(outcome, b"key", value, [("origin", b"abc")], LIMITS, ("t", 0, 5), **kw)
+
+
+def test_fit_keeps_what_fits_and_falls_back_stage_by_stage() -> None:
+    assert _fit(b"v" * 100) is VERDICT
+    too_big = _fit(b"v" * 900)  # over 1000 with its headers, and over the dead-letter topic's 700
+    assert too_big.target == "dlq" and too_big.error_kind == "output_too_large"
+    assert too_big.content == "no_value" and too_big.stage == 2
+    headers = dict(too_big.headers)
+    assert headers["neardup-error"].startswith(b"record of 1")
+    assert b"exceeds max.message.bytes 1000 of topic t.unique" in headers["neardup-error"]
+    assert b"; value (900 bytes) left out to fit max.message.bytes 700 of topic t.dlq" in headers["neardup-error"]
+    assert headers["neardup-value-bytes"] == b"900" and headers["neardup-source-offset"] == b"5"
+    mid = _fit(b"v" * 300, Outcome("unique", [("neardup-verdict", b"x" * 600)]))
+    assert mid.target == "dlq" and mid.content == "whole"  # too large with its verdict, not as a dead letter
+    # a failed record: the next stage, whatever the sizes, with the failure as reason
+    failed = _fit(b"v" * 10, stage=1, failure="not produced to t.unique: refused")
+    assert failed.error_kind == "produce_failed" and failed.content == "whole"
+    assert dict(failed.headers)["neardup-error"] == b"not produced to t.unique: refused"
+    assert _fit(b"v", failed, stage=2, failure="again").content == "no_value"
+    bare = _fit(b"v", failed, stage=3, failure="again")
+    assert bare.content == "headers_only" and bare.stage == 3
+
+
+def test_fit_drops_key_and_headers_when_even_they_do_not_fit() -> None:
+    out = fit(VERDICT, b"k" * 1000, b"v", [], LIMITS, ("t", 0, 5))
+    assert out.content == "headers_only"
+    assert b"key and headers left out" in dict(out.headers)["neardup-error"]

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from neardup.io.kafka import BatchStats
 
 VERDICTS = ("unique", "duplicate")
-DEAD_LETTER_REASONS = ("tombstone", "too_large", "invalid_utf8", "invalid_json", "missing_field", "empty_text")
+DEAD_LETTER_REASONS = ("tombstone", "too_large", "invalid_utf8", "invalid_json", "missing_field", "empty_text",
+                       "output_too_large", "produce_failed")
 TRANSACTION_OUTCOMES = ("committed", "aborted")
 STATE_FAMILIES = ("default", *codec.FAMILIES)
 

@@ -10,7 +10,14 @@ Each batch is one Kafka transaction and one RocksDB ``WriteBatch``. The steps, i
    is decoded; a bad one gets a dead-letter outcome with the reason, the good ones go
    through the detector together.
 3. ``begin_transaction``; every message is produced to its target topic (unique,
-   duplicate or dead-letter) with its key, value and headers, plus neardup's headers.
+   duplicate or dead-letter) with its key, value and headers (its own ``neardup-*``
+   headers renamed ``neardup-input-*``), plus neardup's headers. For a new message the
+   record is fitted here, before step 4 stores its outcome, so that a replay produces
+   the same record: one larger than its topic's ``max.message.bytes`` (read with the
+   admin API, ``TopicLimits``) goes to the dead-letter topic instead, and a dead letter
+   larger than that topic's limit goes without the value (and, if still too large,
+   without key and headers), its reason saying so and ``neardup-value-bytes`` the
+   value's size (``neardup.io.messages.fit``).
 4. RocksDB commit, atomically: the detector's state changes, each partition's new input
    position (last new offset + 1), the outcome of every new message, and the deletion of
    the outcomes of the previous batch (committed to Kafka in its step 5, so never needed
@@ -34,6 +41,15 @@ repairs it:
   their stored outcomes are produced again, identical, and the detector never sees a
   document twice (no document is ever a duplicate of itself).
 - after step 5: both agree; nothing to repair.
+
+A record that the producer or the broker refuses for a reason of its own
+(``PER_MESSAGE_ERRORS``: too large after all, e.g. a topic's limit lowered since it was
+read; invalid for the topic) never fails its batch twice: refused by ``produce`` (before
+step 4), the message falls back to its next stage at once (verdict topic, dead letter,
+dead letter without value, neardup's headers alone) and that outcome is stored; refused
+in a delivery report (any time up to step 5), the message is marked for its next stage,
+the producer's queue is purged so that the transaction fails at once, and the retry
+below produces the marked message at that stage (storing it), and the others as before.
 
 An error that is not fatal (broker gone, transaction timed out, abortable error) aborts
 the transaction, rewinds the batch's partitions to its first offsets and retries with
@@ -99,6 +115,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -107,10 +124,15 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never,
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, PreparedBatch, warm_up
+from neardup.io.limits import PRODUCER_MAX_BYTES, TopicLimits
 from neardup.io.messages import (
+    LAST_STAGE,
     OFFSET_BE,
+    Limits,
     MessageError,
     Outcome,
+    carried_headers,
+    fit,
     source_name,
     to_document,
     verdict_key,
@@ -131,6 +153,13 @@ MAX_PRODUCER_RESETS = 3
 #: fences the old one and has the broker abort its transaction. Well below
 #: max.poll.interval.ms (300 s).
 TRANSACTION_RETRY_S = 60.0
+#: Produce errors of one record that no retry can cure (too large for the topic, refused
+#: by it, e.g. no key for a compacted topic): the message falls back to its next stage
+#: (``neardup.io.messages.fit``) instead of failing its batch again and again.
+PER_MESSAGE_ERRORS = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
+    KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.INVALID_TIMESTAMP,
+})
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -157,12 +186,14 @@ class BatchStats:
 @dataclass(slots=True)
 class _Partition:
     """What ``_process`` needs of one input partition of a batch: its verdict key prefix,
-    state source name and output topics (by target); the next offset to commit and the
-    new input position (last offset of a message processed anew + 1, None if none)."""
+    state source name, output topics and their largest records (by target); the next
+    offset to commit and the new input position (last offset of a message processed
+    anew + 1, None if none)."""
 
     key_prefix: bytes
     source: str
     topics: dict[str, str]
+    limits: Limits
     next_offset: int = 0
     position: int | None = None
 
@@ -246,6 +277,11 @@ class KafkaDeduplicator:
         self._positions: dict[tuple[str, int], int] = {}
         self._committed_keys: list[bytes] = []
         self._delivery_errors: list[str] = []
+        # Messages whose record failed to be produced (verdict key -> the stage to
+        # fall back to, and why): their batch fails, and its retry produces them so.
+        self._failed: dict[bytes, tuple[int, str]] = {}
+        self._purged = False  # the open transaction's queue was purged (it must abort)
+        self._limits: TopicLimits | None = None
         self.assignment: list[TopicPartition] = []
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
@@ -292,6 +328,7 @@ class KafkaDeduplicator:
                 **common,
             }
         )
+        self._limits = TopicLimits(common)
         self._new_producer()
         self._broker_answered()
         topics = list(s.input_topics)
@@ -311,6 +348,7 @@ class KafkaDeduplicator:
             {
                 "transactional.id": self.transactional_id,
                 "linger.ms": 5,
+                "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
                 "bootstrap.servers": s.bootstrap_servers,
                 **s.kafka,
             }
@@ -634,6 +672,7 @@ class KafkaDeduplicator:
         assert self.producer is not None and self.consumer is not None
         self._finish_pending()  # the previous batch's transaction, committed meanwhile
         self._delivery_errors.clear()
+        self._purged = False
         self.producer.begin_transaction()
         # Per message: the hot loop. What depends on the partition only is looked up once.
         partitions: dict[tuple[str, int], _Partition] = {}
@@ -643,8 +682,8 @@ class KafkaDeduplicator:
         timestamps = stats.timestamps_ms
         dead_letter = stats.dead_letter
         unique = duplicate = 0
-        produce, delivered = self.producer.produce, self._delivered
         pack_offset = OFFSET_BE.pack
+        failed = self._failed
         for it in items:
             m = it.message
             offset = m.offset()
@@ -659,17 +698,17 @@ class KafkaDeduplicator:
             outcome = it.outcome
             if outcome is None:
                 continue
-            if not it.replay:
+            carried = carried_headers(m.headers())
+            if not it.replay or key in failed:
+                # Where the record goes is decided here, before the state commit that
+                # stores it: a replay produces the same record.
+                if not it.replay:
+                    part.position = offset + 1
+                outcome = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
+                              *failed.get(key, ()))
                 stored[key] = outcome.to_bytes()
-                part.position = offset + 1
+            outcome = self._send(part.topics, part.limits, key, outcome, m, carried, stored)
             target = outcome.target
-            input_headers = m.headers()
-            headers = input_headers + outcome.headers if input_headers else outcome.headers
-            topic = part.topics[target]
-            try:
-                produce(topic, value=m.value(), key=m.key(), headers=headers, on_delivery=delivered)
-            except BufferError:
-                self._produce_when_room(topic, m, headers)
             if target == "unique":
                 unique += 1
             elif target == "duplicate":
@@ -732,6 +771,9 @@ class KafkaDeduplicator:
         if self._delivery_errors:
             log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
         self._committed_keys = pending.keys
+        if self._failed:
+            for key in pending.keys:
+                self._failed.pop(key, None)
         self._backoff, self._resets = 0.5, 0
         self.batches += 1
         self.batches_prepared_ahead += pending.prepared
@@ -740,29 +782,76 @@ class KafkaDeduplicator:
             self.on_batch(pending.stats)
 
     def _partition(self, topic: str, partition: int) -> _Partition:
-        """A new ``_Partition`` of an input partition (for one batch)."""
+        """A new ``_Partition`` of an input partition (for one batch).
+
+        Raises:
+            KafkaException: the output topics' ``max.message.bytes`` could not be read.
+        """
+        assert self._limits is not None
+        topics = {target: self.target_topic(topic, target) for target in ("unique", "duplicate", "dlq")}
+        producer_max = int(self.settings.kafka.get("message.max.bytes", PRODUCER_MAX_BYTES))
         return _Partition(
             key_prefix=verdict_key_prefix(topic, partition),
             source=source_name(topic, partition),
-            topics={target: self.target_topic(topic, target) for target in ("unique", "duplicate", "dlq")},
+            topics=topics,
+            limits={target: (name, min(self._limits.get(name), producer_max)) for target, name in topics.items()},
         )
 
-    def _produce_when_room(self, topic: str, message: Message, headers: list[tuple[str, bytes]]) -> None:
-        """Produce ``message`` to ``topic``, serving delivery reports while the
-        producer's queue is full."""
-        assert self.producer is not None
-        while True:
-            self.producer.poll(0.05)
-            try:
-                self.producer.produce(topic, value=message.value(), key=message.key(),
-                                      headers=headers, on_delivery=self._delivered)
-                return
-            except BufferError:
-                pass
+    def _send(self, topics: dict[str, str], limits: Limits, key: bytes, outcome: Outcome,
+              message: Message, carried: list[tuple[str, bytes]], stored: dict[bytes, bytes]) -> Outcome:
+        """Produce the record of ``message``'s ``outcome`` (``key``: its verdict key)
+        and return the outcome; if ``produce`` itself refuses the record for a reason
+        of its own (``PER_MESSAGE_ERRORS``), the outcome's next stage that fits is
+        stored in ``stored`` instead, and produced.
 
-    def _delivered(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self._delivery_errors.append(f"{msg.topic()}: {err}")
+        Raises:
+            KafkaException: another error of ``produce``, or one of a record at the
+                last stage.
+        """
+        assert self.producer is not None
+        produce = self.producer.produce
+        while True:
+            content = outcome.content
+            headers = carried + outcome.headers if carried and content != "headers_only" else outcome.headers
+            topic = topics[outcome.target]
+            value = message.value() if content == "whole" else None
+            msg_key = message.key() if content != "headers_only" else None
+            delivered = partial(self._delivered, key, outcome.stage)
+            try:
+                while True:
+                    try:
+                        produce(topic, value=value, key=msg_key, headers=headers, on_delivery=delivered)
+                        return outcome
+                    except BufferError:  # the queue is full: serve delivery reports
+                        self.producer.poll(0.05)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.code() not in PER_MESSAGE_ERRORS or outcome.stage >= LAST_STAGE:
+                    raise
+                source = (message.topic(), message.partition(), message.offset())
+                outcome = fit(outcome, message.key(), message.value(), carried, limits, source,
+                              outcome.stage + 1, f"not produced to {topic}: {err.str()}")
+                stored[key] = outcome.to_bytes()
+
+    def _delivered(self, key: bytes, stage: int, err: KafkaError | None, msg: Message) -> None:
+        """Delivery report of the record of stage ``stage`` of the message of verdict
+        key ``key``. A per-message error marks the message for its next stage and
+        purges the producer's queue: the transaction fails at once (it would wait for
+        the records queued behind the failed one until its timeout) and is retried."""
+        if err is None:
+            return
+        self._delivery_errors.append(f"{msg.topic()}: {err}")
+        if err.code() not in PER_MESSAGE_ERRORS:
+            return
+        if stage < LAST_STAGE:
+            self._failed[key] = (stage + 1, f"not produced to {msg.topic()}: {err.str()}")
+        else:
+            log.error("a dead letter of neardup's headers alone was refused by %s: %s", msg.topic(), err)
+        if self._limits is not None:
+            self._limits.forget()  # a topic's max.message.bytes may have changed
+        if not self._purged and self.producer is not None:
+            self._purged = True
+            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
 
     def _commit_transaction(self) -> None:
         assert self.producer is not None

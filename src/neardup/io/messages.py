@@ -18,6 +18,7 @@ from neardup.records import RecordError, record_id, record_text
 
 Headers = list[tuple[str, bytes]]
 Target = Literal["unique", "duplicate", "dlq"]
+Content = Literal["whole", "no_value", "headers_only"]
 
 HEADER_VERDICT = "neardup-verdict"
 HEADER_CLUSTER = "neardup-cluster"
@@ -31,16 +32,39 @@ HEADER_ERROR = "neardup-error"
 HEADER_SOURCE_TOPIC = "neardup-source-topic"
 HEADER_SOURCE_PARTITION = "neardup-source-partition"
 HEADER_SOURCE_OFFSET = "neardup-source-offset"
+HEADER_VALUE_BYTES = "neardup-value-bytes"
+#: Prefix of the headers neardup adds. An input message's own headers with this prefix
+#: (matched without regard to case) are renamed with ``INPUT_PREFIX``; those already
+#: renamed are dropped (``carried_headers``).
+PREFIX = "neardup-"
+INPUT_PREFIX = "neardup-input-"
 
 #: Layout version of ``Outcome.to_bytes`` (its first byte).
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 _TARGETS: tuple[Target, ...] = ("unique", "duplicate", "dlq")
 _TARGET_CODES = {t: i for i, t in enumerate(_TARGETS)}
-_RECORD_HEAD = struct.Struct("<BBHH")  # version, target, error kind length + 1, headers
+_CONTENTS: tuple[Content, ...] = ("whole", "no_value", "headers_only")
+_CONTENT_CODES = {c: i for i, c in enumerate(_CONTENTS)}
+# version, target, content, error kind length + 1, headers
+_RECORD_HEAD = struct.Struct("<BBBHH")
+_RECORD_HEAD_V1 = struct.Struct("<BBHH")  # version 1: no content byte (always whole)
 #: A message offset in ``verdict_key``: u64 BE.
 OFFSET_BE = struct.Struct(">Q")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+
+#: Upper bound of the bytes a record adds around its key, value and headers when it is
+#: alone in a record batch (Kafka's message format v2: the batch header, 61 bytes, and
+#: the record's length, attributes, timestamp and offset deltas, key and value lengths
+#: and header count as varints of at most 5 or 10 bytes), and of what each header adds
+#: (its key and value lengths). The broker compares the batch's size with
+#: ``max.message.bytes``.
+RECORD_OVERHEAD = 61 + 5 + 1 + 10 + 5 + 5 + 5 + 5
+HEADER_OVERHEAD = 5 + 5
+#: Stages of an outcome, each the fallback of the one before when its record cannot be
+#: produced: 0 its verdict's topic, 1 a dead letter with the whole message, 2 a dead
+#: letter without the value, 3 a dead letter of neardup's headers alone.
+LAST_STAGE = 3
 
 
 _VERDICT_HEADERS = {name: (HEADER_VERDICT, name.encode()) for name in ("unique", "duplicate")}
@@ -57,7 +81,7 @@ _KEY_FIELDS = {
     for key in (
         HEADER_VERDICT, HEADER_CLUSTER, HEADER_MATCH, HEADER_SIMILARITY, HEADER_JACCARD,
         HEADER_CONTAINMENT, HEADER_RELATED, HEADER_NEAREST, HEADER_ERROR, HEADER_SOURCE_TOPIC,
-        HEADER_SOURCE_PARTITION, HEADER_SOURCE_OFFSET,
+        HEADER_SOURCE_PARTITION, HEADER_SOURCE_OFFSET, HEADER_VALUE_BYTES,
     )
 }
 
@@ -66,7 +90,8 @@ class MessageError(ValueError):
     """A message that goes to the dead-letter topic; ``str(error)`` is the reason.
 
     ``kind`` names the case for metrics: tombstone, too_large, invalid_utf8, invalid_json,
-    missing_field, empty_text.
+    missing_field, empty_text (and, set by the consumer, output_too_large and
+    produce_failed).
     """
 
     def __init__(self, kind: str, reason: str) -> None:
@@ -76,7 +101,9 @@ class MessageError(ValueError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """Where one input message goes and the headers added to it.
+    """Where one input message goes, the headers added to it, and what of the message
+    goes along (``content``: ``whole``, its key, value and headers; ``no_value``, its
+    key and headers; ``headers_only``, nothing of the message but neardup's headers).
 
     ``to_bytes``/``from_bytes`` give the record stored with the state (the ``verdicts``
     column family) so that a message processed before a crash is produced again with the
@@ -85,9 +112,9 @@ class Outcome:
     ========================= ====================================================
     bytes                     content
     ========================= ====================================================
-    1                         layout version, 1 (the JSON form written by earlier
-                              versions starts with ``[``, 0x5B)
+    1                         layout version, 2
     1                         target: 0 unique, 1 duplicate, 2 dlq
+    1                         content: 0 whole, 1 no_value, 2 headers_only
     2 (u16)                   length of ``error_kind`` in UTF-8 bytes + 1; 0: None
     2 (u16)                   number of headers
     that length - 1           ``error_kind``, UTF-8
@@ -99,23 +126,31 @@ class Outcome:
     ========================= ====================================================
 
     A record lives from the RocksDB commit of its batch to the commit of the next batch,
-    so ``from_bytes`` only needs the previous layout to read a store written by the
-    previous version: it still reads the JSON form
-    ``[target, [[key, value as UTF-8 text], ...], error_kind or null]``.
+    so ``from_bytes`` only needs the previous layouts to read a store written by the
+    previous versions: version 1 (the same without the content byte, always whole), and
+    the JSON form ``[target, [[key, value as UTF-8 text], ...], error_kind or null]``
+    (starts with ``[``, 0x5B).
     """
 
     target: Target
     headers: Headers
     error_kind: str | None = None
+    content: Content = "whole"
+
+    @property
+    def stage(self) -> int:
+        """0 for a verdict's topic; 1, 2, 3 for a dead letter with the whole message,
+        without the value, of neardup's headers alone (see ``LAST_STAGE``)."""
+        return 0 if self.target != "dlq" else 1 + _CONTENT_CODES[self.content]
 
     def to_bytes(self) -> bytes:
         """The record of the table above.
 
         Raises:
-            ValueError: a target other than unique, duplicate or dlq; more than 65,535
-                headers, a key or ``error_kind`` over 65,534 UTF-8 bytes, or a value of
-                4 GiB or more; a key or ``error_kind`` that is not encodable in UTF-8
-                (lone surrogates; ``UnicodeEncodeError``).
+            ValueError: a target other than unique, duplicate or dlq, an unknown
+                content; more than 65,535 headers, a key or ``error_kind`` over 65,534
+                UTF-8 bytes, or a value of 4 GiB or more; a key or ``error_kind`` that
+                is not encodable in UTF-8 (lone surrogates; ``UnicodeEncodeError``).
         """
         kind = self.error_kind
         kind_bytes = b"" if kind is None else kind.encode("utf-8")
@@ -125,6 +160,7 @@ class Outcome:
                 _RECORD_HEAD.pack(
                     RECORD_VERSION,
                     _TARGET_CODES[self.target],
+                    _CONTENT_CODES[self.content],
                     0 if kind is None else len(kind_bytes) + 1,
                     len(headers),
                 ),
@@ -139,31 +175,35 @@ class Outcome:
                 append(pack_len(len(value)))
                 append(value)
         except KeyError:
-            raise ValueError(f"unknown target {self.target!r}") from None
+            raise ValueError(f"unknown target {self.target!r} or content {self.content!r}") from None
         except struct.error as exc:
             raise ValueError(f"outcome too large for its record: {exc}") from None
         return b"".join(parts)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Outcome:
-        """The outcome of a record written by ``to_bytes``, or of the JSON form written
-        by earlier versions (see the class docstring).
+        """The outcome of a record written by ``to_bytes``, or by earlier versions (see
+        the class docstring).
 
         Raises:
-            ValueError: an unknown layout version or target, a truncated record or one
-                with bytes left over, invalid UTF-8 in a key or ``error_kind``, invalid
-                JSON (``json.JSONDecodeError``).
+            ValueError: an unknown layout version, target or content, a truncated
+                record or one with bytes left over, invalid UTF-8 in a key or
+                ``error_kind``, invalid JSON (``json.JSONDecodeError``).
         """
         if raw[:1] == b"[":
             target, headers, kind = json.loads(raw)
             return cls(target, [(k, v.encode("utf-8")) for k, v in headers], kind)
         try:
-            version, code, kind_len, count = _RECORD_HEAD.unpack_from(raw, 0)
-            if version != RECORD_VERSION:
-                raise ValueError(f"unknown outcome record layout {version}")
-            if code >= len(_TARGETS):
-                raise ValueError(f"unknown outcome target code {code}")
-            pos = _RECORD_HEAD.size
+            if raw[:1] == b"\x01":
+                _, code, kind_len, count = _RECORD_HEAD_V1.unpack_from(raw, 0)
+                content, pos = 0, _RECORD_HEAD_V1.size
+            else:
+                version, code, content, kind_len, count = _RECORD_HEAD.unpack_from(raw, 0)
+                if version != RECORD_VERSION:
+                    raise ValueError(f"unknown outcome record layout {version}")
+                pos = _RECORD_HEAD.size
+            if code >= len(_TARGETS) or content >= len(_CONTENTS):
+                raise ValueError(f"unknown outcome target {code} or content {content}")
             kind = None
             if kind_len:
                 end = pos + kind_len - 1
@@ -184,7 +224,7 @@ class Outcome:
             raise ValueError("truncated outcome record") from None
         if pos != len(raw):
             raise ValueError(f"outcome record of {len(raw)} bytes, {pos} expected")
-        return cls(_TARGETS[code], headers, kind)
+        return cls(_TARGETS[code], headers, kind, _CONTENTS[content])
 
     @classmethod
     def of_verdict(cls, verdict: Verdict) -> Outcome:
@@ -214,6 +254,8 @@ class Outcome:
 
     @classmethod
     def of_error(cls, kind: str, reason: str, topic: str, partition: int, offset: int) -> Outcome:
+        """A dead letter of the whole message: headers error (``reason``), source topic,
+        partition and offset."""
         headers: Headers = [
             (HEADER_ERROR, reason.encode("utf-8")),
             (HEADER_SOURCE_TOPIC, topic.encode("utf-8")),
@@ -221,6 +263,87 @@ class Outcome:
             (HEADER_SOURCE_OFFSET, str(offset).encode()),
         ]
         return cls("dlq", headers, kind)
+
+    def stripped(self, content: Content, value_bytes: int, note: str) -> Outcome:
+        """This dead letter with less of the message (``content``), ``note`` added to
+        its reason and the value's size (bytes, decimal) in ``neardup-value-bytes``."""
+        headers = [(k, v + b"; " + note.encode("utf-8")) if k == HEADER_ERROR else (k, v)
+                   for k, v in self.headers if k != HEADER_VALUE_BYTES]
+        headers.append((HEADER_VALUE_BYTES, str(value_bytes).encode()))
+        return Outcome("dlq", headers, self.error_kind, content)
+
+
+def carried_headers(headers: Headers | None) -> Headers:
+    """An input message's headers as they go out: its ``neardup-*`` headers (spoofed, or
+    neardup's own output consumed again) renamed ``neardup-input-*``, and those already
+    so named dropped, so that an output carries one set of neardup's headers and at most
+    one set of its input's. Other headers are kept, in order.
+    """
+    if not headers:
+        return []
+    n = len(PREFIX)
+    if not any(k[:n].lower() == PREFIX for k, _ in headers):
+        return headers
+    out: Headers = []
+    for k, v in headers:
+        if k[:n].lower() == PREFIX:
+            if k[: len(INPUT_PREFIX)].lower() == INPUT_PREFIX:
+                continue
+            k = INPUT_PREFIX + k[n:]
+        out.append((k, v))
+    return out
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
+    """Upper bound of the size in bytes of a record of ``key``, ``value`` and ``headers``
+    alone in an uncompressed record batch: what the broker compares with the topic's
+    ``max.message.bytes`` (``RECORD_OVERHEAD``, ``HEADER_OVERHEAD``)."""
+    size = RECORD_OVERHEAD + (len(key) if key else 0) + (len(value) if value else 0)
+    for k, v in headers:
+        size += HEADER_OVERHEAD + (len(k) if k.isascii() else len(k.encode("utf-8", "surrogatepass")))
+        if v:
+            size += len(v)
+    return size
+
+
+#: Where an outcome can go: per target, the topic and the largest record it takes
+#: (bytes).
+Limits = dict[str, tuple[str, int]]
+
+
+def fit(outcome: Outcome, key: bytes | None, value: bytes | None, carried: Headers,
+        limits: Limits, source: tuple[str, int, int], stage: int = 0,
+        failure: str | None = None) -> Outcome:
+    """``outcome`` if its record fits its topic (``record_size``), else the first of its
+    fallbacks that fits (a dead letter with the whole message, without the value, of
+    neardup's headers alone: ``Outcome.stage``), never below ``stage``.
+
+    Args:
+        carried: the message's headers as they go out (``carried_headers``).
+        limits: per target (unique, duplicate, dlq), the topic and its largest record.
+        source: the message's topic, partition and offset.
+        stage: the first stage allowed (a record of a lower one failed to be produced).
+        failure: why that record failed (the dead letter's reason); None: it was too
+            large for its topic's ``limits``.
+    """
+    if outcome.target != "dlq":
+        topic, limit = limits[outcome.target]
+        size = record_size(key, value, carried + outcome.headers)
+        if stage < 1 and size <= limit:
+            return outcome
+        if failure is None:
+            reason = f"record of {size} bytes exceeds max.message.bytes {limit} of topic {topic}"
+        else:
+            reason = failure
+        outcome = Outcome.of_error("output_too_large" if failure is None else "produce_failed", reason, *source)
+    topic, limit = limits["dlq"]
+    value_bytes = len(value) if value else 0
+    note = failure or f"left out to fit max.message.bytes {limit} of topic {topic}"
+    if outcome.content == "whole" and (stage >= 2 or record_size(key, value, carried + outcome.headers) > limit):
+        outcome = outcome.stripped("no_value", value_bytes, f"value ({value_bytes} bytes) {note}")
+    if outcome.content == "no_value" and (stage >= 3 or record_size(key, None, carried + outcome.headers) > limit):
+        outcome = outcome.stripped("headers_only", value_bytes, f"key and headers {note}")
+    return outcome
 
 
 def source_name(topic: str, partition: int) -> str:

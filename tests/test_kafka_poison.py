@@ -1,0 +1,162 @@
+"""No message can stop `neardup run`: poison values, records too large for their output
+topic, incoming neardup headers, and a fuzz run; against the real broker."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+
+import pytest
+
+from kafka_util import create_topic, excerpt, produce, read_all, run_until_committed
+from test_messages import POISON
+
+from neardup.config import load_settings
+
+JSON = {"text_field": ["text"], "id_field": "id"}
+#: max.message.bytes of the input topics here: 10 MiB, ten times the broker's default.
+INPUT_MAX_BYTES = 10 << 20
+
+
+def _input_topic(bootstrap: str, prefix: str) -> str:
+    return create_topic(bootstrap, f"{prefix}-{uuid.uuid4().hex[:12]}",
+                        {"max.message.bytes": str(INPUT_MAX_BYTES)})
+
+
+def _settings(bootstrap: str, topic: str, group: str, **extra):
+    return load_settings({"bootstrap_servers": bootstrap, "input_topics": [topic], "group_id": group,
+                          "from_beginning": True, **JSON, **extra})
+
+
+def _outputs(bootstrap: str, topic: str, expected: int):
+    return read_all(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"], expected=expected)
+
+
+def _offsets(outs, key_offsets: dict[bytes, int]) -> list[int]:
+    """The input offset of every output: a dead letter's source offset header, else by key."""
+    return sorted(int(o.headers["neardup-source-offset"]) if o.topic.endswith(".dlq") else key_offsets[o.key]
+                  for o in outs)
+
+
+def test_poison_values_land_once_between_good_messages(kafka_bootstrap, tmp_path):
+    """Each poison value, produced between two good messages, comes out exactly once
+    (processed, or dead-lettered with its reason), and no batch is ever aborted."""
+    good = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in excerpt(len(POISON) + 1)]
+    messages = [good[0]]
+    for (name, (value, _)), next_good in zip(POISON.items(), good[1:]):
+        messages += [(name.encode(), value), next_good]
+    topic = _input_topic(kafka_bootstrap, "poison")
+    produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
+    settings = _settings(kafka_bootstrap, topic, "g-poison", batch_size=4, max_message_bytes=4 << 20)
+    _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
+    assert aborts == []
+
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    key_offsets = {key: offset for offset, (key, _) in enumerate(messages)}
+    assert _offsets(outs, key_offsets) == list(range(len(messages)))
+    by_key = {o.key: o for o in outs}
+    for name, (_, kind) in POISON.items():
+        o = by_key[name.encode()]
+        if kind is None:
+            assert o.topic != f"{topic}.dlq" and "neardup-error" not in o.headers, name
+        else:
+            assert o.topic == f"{topic}.dlq", name
+            reason = o.headers["neardup-error"].decode()
+            assert {"invalid_json": "invalid JSON: ", "missing_field": ", not a"}[kind] in reason, (name, reason)
+    assert all(by_key[key].topic != f"{topic}.dlq" for key, _ in good)
+    # the 2 MB value exceeds the dead-letter topic's max.message.bytes (the broker's
+    # default): its dead letter has no value, and says so
+    deep = by_key[b"deeper-than-orjson-allows"]
+    assert deep.value is None and deep.headers["neardup-value-bytes"] == b"2000000"
+    assert "value (2000000 bytes) left out to fit max.message.bytes 1048588 of topic" in deep.headers["neardup-error"].decode()
+
+
+def _json_of_size(doc_id: str, size: int, seed: int) -> bytes:
+    """A JSON record of exactly ``size`` bytes: ``id`` and a text of random words."""
+    rng = random.Random(seed)
+    head = json.dumps({"id": doc_id, "text": ""}).encode()[:-2]
+    words = bytearray()
+    while len(words) < size - len(head) - 2:
+        words += f"w{rng.randrange(10**6)} ".encode()
+    return head + bytes(words[: size - len(head) - 2]) + b'"}'
+
+
+def _read_limit(bootstrap: str, topic: str) -> int:
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept alive until the answer
+    return int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
+
+
+@pytest.mark.parametrize("dlq_max", [None, INPUT_MAX_BYTES], ids=["dlq-default", "dlq-10MiB"])
+def test_records_too_large_for_their_topic_are_dead_lettered(dlq_max, kafka_bootstrap, tmp_path):
+    """Values of 1,000,100 bytes (processed: the producer's own limit no longer
+    interferes), 1,048,576 (processed, but its record exceeds the output topic's
+    max.message.bytes), 1,048,577 and 5 MiB (over --max-message-bytes) between good
+    messages: each lands once, no batch is aborted; a dead letter carries the value
+    only if the dead-letter topic (as configured on the broker) takes it."""
+    topic = _input_topic(kafka_bootstrap, "big")
+    if dlq_max:
+        create_topic(kafka_bootstrap, f"{topic}.dlq", {"max.message.bytes": str(dlq_max)})
+    sizes = {"v1000100": 1_000_100, "v1048576": 1 << 20, "v1048577": (1 << 20) + 1, "v5MiB": 5 << 20}
+    good = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in excerpt(len(sizes) + 1)]
+    messages = [good[0]]
+    for i, ((name, size), next_good) in enumerate(zip(sizes.items(), good[1:])):
+        messages += [(name.encode(), _json_of_size(name, size, i)), next_good]
+    produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
+    settings = _settings(kafka_bootstrap, topic, f"g-big-{dlq_max}", batch_size=3)
+    _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
+    assert aborts == []
+
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    key_offsets = {key: offset for offset, (key, _) in enumerate(messages)}
+    assert _offsets(outs, key_offsets) == list(range(len(messages)))
+    by_key = {o.key: o for o in outs}
+    assert all(by_key[key].topic != f"{topic}.dlq" for key, _ in good)
+    assert by_key[b"v1000100"].topic != f"{topic}.dlq"
+    assert by_key[b"v1000100"].value == messages[key_offsets[b"v1000100"]][1]
+    dlq_limit = _read_limit(kafka_bootstrap, f"{topic}.dlq")
+    assert dlq_limit == (dlq_max or 1_048_588)
+    kinds = {b"v1048576": "output_too_large", b"v1048577": "too_large", b"v5MiB": "too_large"}
+    for key, kind in kinds.items():
+        o = by_key[key]
+        reason = o.headers["neardup-error"].decode()
+        assert o.topic == f"{topic}.dlq", key
+        assert o.headers["neardup-source-offset"] == str(key_offsets[key]).encode()
+        if kind == "output_too_large":
+            assert reason.startswith("record of ") and f"exceeds max.message.bytes 1048588 of topic {topic}." in reason
+        else:
+            assert reason.startswith("value of ") and "exceeds the limit of 1048576 bytes" in reason
+        if sizes[key.decode()] + 500 < dlq_limit:
+            assert o.value == messages[key_offsets[key]][1] and "neardup-value-bytes" not in o.headers
+        else:
+            assert o.value is None and o.key == key
+            assert o.headers["neardup-value-bytes"] == str(sizes[key.decode()]).encode()
+            assert f"left out to fit max.message.bytes {dlq_limit} of topic {topic}.dlq" in reason
+
+
+def test_incoming_neardup_headers_are_renamed(kafka_bootstrap, tmp_path):
+    """A message that already carries neardup headers (spoofed, or an output consumed
+    again) comes out with one set of neardup headers, its own renamed neardup-input-*."""
+    topic = _input_topic(kafka_bootstrap, "spoof")
+    records = excerpt(3)
+    spoofed = [("origin", b"x"), ("neardup-verdict", b"duplicate"), ("neardup-cluster", b"c9"),
+               ("neardup-input-verdict", b"older"), ("neardup-error", b"nothing")]
+    messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records] + [(b"bad", b"{not json")]
+    produce(kafka_bootstrap, topic, messages, headers=spoofed)
+    _, aborts = run_until_committed(_settings(kafka_bootstrap, topic, "g-spoof"), tmp_path / "state", len(messages))
+    assert aborts == []
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    assert len(outs) == len(messages)
+    for o in outs:
+        keys = [k for k, _ in o.header_list]
+        assert len(keys) == len(set(keys)), keys  # each header once
+        carried = [(k, v) for k, v in o.header_list if not k.startswith("neardup-") or k.startswith("neardup-input-")]
+        assert carried == [("origin", b"x"), ("neardup-input-verdict", b"duplicate"),
+                           ("neardup-input-cluster", b"c9"), ("neardup-input-error", b"nothing")]
+        if o.key == b"bad":
+            assert o.topic.endswith(".dlq") and o.headers["neardup-error"].startswith(b"invalid JSON")
+        else:
+            assert o.headers["neardup-verdict"] == b"unique" and o.headers["neardup-cluster"] == o.key
