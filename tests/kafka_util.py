@@ -156,10 +156,11 @@ def create_topic(bootstrap: str, name: str, config: dict[str, str] | None = None
 
 
 def run_until_committed(settings, state_dir: Path, target: int, timeout_s: float = 180.0,
-                        consumer=None) -> tuple[object, list[Exception]]:
+                        consumer=None, on_batch=None) -> tuple[object, list[Exception]]:
     """Run a ``KafkaDeduplicator`` (or ``consumer``, a subclass) in a thread of this
     process until its group has committed ``target`` on partition 0 of its first input
-    topic, then stop it; returns it and the errors of the batches it aborted."""
+    topic, then stop it; returns it and the errors of the batches it aborted.
+    ``on_batch(dedup, stats)`` is called after every committed batch."""
     import threading
 
     from neardup.detector import Detector
@@ -170,7 +171,9 @@ def run_until_committed(settings, state_dir: Path, target: int, timeout_s: float
     topic, group = settings.input_topics[0], settings.group_id
     aborts: list[Exception] = []
     with RocksDBStateStore(state_dir, engine.state_shape()) as store:
-        dedup = (consumer or KafkaDeduplicator)(settings, Detector(engine, store), on_abort=aborts.append)
+        dedup = (consumer or KafkaDeduplicator)(
+            settings, Detector(engine, store), on_abort=aborts.append,
+            on_batch=(lambda stats: on_batch(dedup, stats)) if on_batch else None)
         runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
         runner.start()
         try:
