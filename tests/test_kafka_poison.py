@@ -4,12 +4,15 @@ topic, incoming neardup headers, and a fuzz run; against the real broker."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import time
 import uuid
+from collections import Counter
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, Producer
 
 from kafka_util import create_topic, excerpt, produce, read_all, run_until_committed
 from test_messages import POISON
@@ -215,3 +218,117 @@ def test_a_record_refused_by_the_broker_fails_its_batch_once(kafka_bootstrap, tm
     reason = dead.headers["neardup-error"].decode()
     assert reason.startswith(f"not produced to {topic}.unique: Broker: Message size too large"), reason
     assert dead.value is None and dead.headers["neardup-value-bytes"] == str(2 << 20).encode()
+
+
+# --- fuzz ---------------------------------------------------------------------------
+FUZZ_MESSAGES = 3000
+FUZZ_SEED = int(os.environ.get("NEARDUP_FUZZ_SEED", "2026"))
+HEADER_KEYS = ["origin", "trace", "neardup-verdict", "NEARDUP-Cluster", "neardup-input-verdict",
+               "neardup-error", "neardup-", "é", "", "x" * 300]
+
+
+def _nested(rng: random.Random) -> bytes:
+    depth = rng.choice([10, 254, 1000, 1024, 1025, 5000, 200_000])
+    open_, close = rng.choice([(b"[", b"]"), (b'{"a":', b"}")])
+    return open_ * depth + (b"1" if open_ != b"[" else b"") + close * depth
+
+
+def _fuzz_value(rng: random.Random, records: list[dict]) -> bytes | None:
+    """One value: a good record (often a lightly edited copy), or one of many kinds of
+    bad bytes."""
+    rec = rng.choice(records)
+    good = json.dumps({"id": f"{rec['id']}-{rng.randrange(10**9)}", "text": rec["text"]}).encode()
+    kind = rng.randrange(16)
+    if kind < 5:
+        return good
+    if kind == 5:
+        return rng.randbytes(rng.randrange(0, 300))
+    if kind == 6:  # cut, spliced, bytes replaced
+        i, j = sorted(rng.randrange(len(good) + 1) for _ in range(2))
+        return good[:i] + rng.randbytes(rng.randrange(0, 8)) + good[j:]
+    if kind == 7:
+        return _nested(rng)
+    if kind == 8:  # deep nesting beside the text
+        return good[:-1] + b', "x": ' + _nested(rng) + b"}"
+    if kind == 9:  # surrogates, escaped or as (invalid) UTF-8 bytes, in the id or the text
+        bad = rng.choice([b"\\ud800", b"\\udfff", b"\\ud83d", b"\xed\xa0\x80", b"\\u0000"])
+        field = rng.choice([b'"id": "', b'"text": "'])
+        return good.replace(field, field + bad, 1)
+    if kind == 10:  # numbers JSON has not, or beyond a double, and of every size
+        number = rng.choice([b"NaN", b"Infinity", b"-Infinity", b"1" + b"0" * rng.randrange(300, 6000),
+                             b"1e999", b"18446744073709551616", b"-0.0", b"1.5"])
+        field = rng.choice([b'"id": ', b'"n": '])
+        return b"{" + field + number + b', "text": ' + json.dumps(rec["text"]).encode() + b"}"
+    if kind == 11:  # duplicate keys, ids and texts of other types
+        return rng.choice([
+            b'{"id": "a", "id": "b", "text": "x", "text": ' + json.dumps(rec["text"]).encode() + b"}",
+            json.dumps({"id": rng.choice([[1], {"a": 1}, True, 1.5, -7, "", None]), "text": rec["text"]}).encode(),
+            json.dumps({"id": "t", "text": rng.choice([1, None, [], {}, "", " \t\n", "!!!", "w" * 5000])}).encode(),
+        ])
+    if kind == 12:
+        return rng.choice([None, b"", b"null", b"[]", b"{}", b'"just a string"'])
+    if kind == 13:  # text in odd scripts and characters
+        chars = "".join(chr(rng.choice([rng.randrange(32, 0xD800), rng.randrange(0xE000, 0x110000)]))
+                        for _ in range(rng.randrange(1, 400)))
+        return json.dumps({"id": f"u{rng.randrange(10**9)}", "text": chars}, ensure_ascii=rng.random() < 0.5).encode()
+    if kind == 14:  # the same story again, to be found a duplicate
+        return json.dumps({"id": f"copy-{rng.randrange(10**9)}", "text": rec["text"] + " (repeat)"}).encode()
+    return good.replace(b'"text": "', b'"text": "' + rng.choice([b"\\n", b"\\t", b"\\\\", b"\\\""]) * 50, 1)
+
+
+def _fuzz_messages(rng: random.Random, n: int) -> list[tuple[bytes | None, bytes | None, list]]:
+    records = excerpt(400)
+    out = []
+    big = set(rng.sample(range(n), 4))  # a few values near and above the limits
+    for seq in range(n):
+        if seq in big:
+            value = rng.choice([_json_of_size(f"big{seq}", rng.choice([1_000_100, 1 << 20]), seq),
+                                rng.randbytes(rng.choice([(1 << 20) + 1, 3 << 20]))])
+        else:
+            value = _fuzz_value(rng, records)
+        key = rng.choice([None, b"k%d" % seq, rng.randbytes(rng.randrange(0, 40)), b"\xff" * rng.randrange(1, 2000)])
+        headers = [("fuzz-seq", str(seq).encode())]
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            headers.append((rng.choice(HEADER_KEYS), rng.choice([None, b"", rng.randbytes(rng.randrange(0, 50))])))
+        rng.shuffle(headers)
+        out.append((key, value, headers))
+    return out
+
+
+def test_fuzz_every_message_lands_exactly_once(kafka_bootstrap, tmp_path):
+    """A few thousand random and mutated messages (bytes, broken JSON, deep nesting,
+    surrogates, odd numbers, huge values and keys, spoofed headers) through the real
+    broker: every input offset comes out exactly once across unique, duplicates and the
+    dead-letter topic, one set of neardup headers each, and no batch is aborted."""
+    rng = random.Random(FUZZ_SEED)
+    messages = _fuzz_messages(rng, FUZZ_MESSAGES)
+    topic = _input_topic(kafka_bootstrap, "fuzz")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "linger.ms": 20,
+                         "message.max.bytes": INPUT_MAX_BYTES})
+    for key, value, headers in messages:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, headers=headers)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    assert producer.flush(60) == 0
+    settings = _settings(kafka_bootstrap, topic, "g-fuzz", batch_size=500)
+    _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
+    assert aborts == [], f"seed {FUZZ_SEED}"
+
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    offsets = sorted(int(o.headers["neardup-source-offset"]) if o.topic.endswith(".dlq") else int(o.headers["fuzz-seq"])
+                     for o in outs)
+    assert offsets == list(range(len(messages))), f"seed {FUZZ_SEED}"
+    kinds = Counter(o.topic.rsplit(".", 1)[1] for o in outs)
+    reasons = Counter(re.sub(r"[^a-zA-Z ].*", "", o.headers["neardup-error"].decode())
+                      for o in outs if o.topic.endswith(".dlq"))
+    print(f"seed {FUZZ_SEED}: {dict(kinds)}; dead letters by reason: {dict(reasons)}")
+    assert set(kinds) == {"unique", "duplicates", "dlq"}
+    for o in outs:
+        own = [k for k, _ in o.header_list if k.startswith("neardup-") and not k.startswith("neardup-input-")]
+        assert len(own) == len(set(own)), (own, f"seed {FUZZ_SEED}")
+        if not o.topic.endswith(".dlq"):
+            key, value, _ = messages[int(o.headers["fuzz-seq"])]
+            assert (o.key, o.value) == (key, value)
