@@ -4,6 +4,7 @@ topic, incoming neardup headers, and a fuzz run; against the real broker."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -18,6 +19,7 @@ from kafka_util import create_topic, excerpt, produce, read_all, run_until_commi
 from test_messages import POISON
 
 from neardup.config import load_settings
+from neardup.io.limits import TopicLimits
 
 JSON = {"text_field": ["text"], "id_field": "id"}
 #: max.message.bytes of the input topics here: 10 MiB, ten times the broker's default.
@@ -332,3 +334,20 @@ def test_fuzz_every_message_lands_exactly_once(kafka_bootstrap, tmp_path):
         if not o.topic.endswith(".dlq"):
             key, value, _ = messages[int(o.headers["fuzz-seq"])]
             assert (o.key, o.value) == (key, value)
+
+
+def test_topic_limits_are_read_from_the_broker(kafka_bootstrap, caplog):
+    """A topic's own max.message.bytes, the broker's message.max.bytes for a topic not
+    created yet, a warning for a limit below the producer's batch.size; read again
+    after ``forget``."""
+    small = create_topic(kafka_bootstrap, f"small-{uuid.uuid4().hex[:12]}", {"max.message.bytes": "500000"})
+    limits = TopicLimits({"bootstrap.servers": kafka_bootstrap})
+    with caplog.at_level(logging.WARNING, logger="neardup.io.limits"):
+        assert limits.get(small) == 500_000
+        assert limits.get(f"absent-{uuid.uuid4().hex}") == 1_048_588  # the broker's default
+    assert f"topic {small} takes record batches of at most 500000 bytes" in caplog.text
+    assert "set -X batch.size=" in caplog.text
+    _set_limit(kafka_bootstrap, [small], 2_000_000)
+    assert limits.get(small) == 500_000  # cached
+    limits.forget()
+    assert limits.get(small) == 2_000_000

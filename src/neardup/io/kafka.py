@@ -124,7 +124,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never,
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, PreparedBatch, warm_up
-from neardup.io.limits import PRODUCER_MAX_BYTES, TopicLimits
+from neardup.io.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, TopicLimits
 from neardup.io.messages import (
     LAST_STAGE,
     OFFSET_BE,
@@ -328,7 +328,7 @@ class KafkaDeduplicator:
                 **common,
             }
         )
-        self._limits = TopicLimits(common)
+        self._limits = TopicLimits(common, int(s.kafka.get("batch.size", PRODUCER_BATCH_BYTES)))
         self._new_producer()
         self._broker_answered()
         topics = list(s.input_topics)

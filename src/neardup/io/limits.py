@@ -23,6 +23,8 @@ KAFKA_DEFAULT_MAX_BYTES = 1_048_588
 #: producer is given it (unless ``-X message.max.bytes`` says otherwise) so that the
 #: topics' limits, not the client's, decide what fits.
 PRODUCER_MAX_BYTES = 1_000_000_000
+#: librdkafka's default ``batch.size``: the most bytes of records it puts in one batch.
+PRODUCER_BATCH_BYTES = 1_000_000
 _DENIED = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED,
            KafkaError.TOPIC_EXCEPTION}
 
@@ -32,11 +34,16 @@ class TopicLimits:
 
     Args:
         config: librdkafka settings of an admin client (``bootstrap.servers``, security).
+        batch_bytes: the producer's ``batch.size``; a topic whose limit is lower is
+            logged (the broker would refuse a batch of small records as a whole).
         timeout: seconds to wait for the broker's answer.
     """
 
-    def __init__(self, config: dict[str, object], timeout: float = 10.0) -> None:
+    def __init__(self, config: dict[str, object], batch_bytes: int = PRODUCER_BATCH_BYTES,
+                 timeout: float = 10.0) -> None:
         self._admin = AdminClient(config)
+        self._batch_bytes = batch_bytes
+        self._warned: set[str] = set()
         self._timeout = timeout
         self._limits: dict[str, int] = {}
         self._broker_default: int | None = None
@@ -52,6 +59,12 @@ class TopicLimits:
         limit = self._limits.get(topic)
         if limit is None:
             limit = self._limits[topic] = self._read(ResourceType.TOPIC, topic, "max.message.bytes")
+            if limit < self._batch_bytes and topic not in self._warned:
+                self._warned.add(topic)
+                log.warning("topic %s takes record batches of at most %d bytes, less than the producer's "
+                            "batch.size (%d): set -X batch.size=%d or less, or a batch of small records "
+                            "to it may be refused whole (its messages then go to the dead-letter topic)",
+                            topic, limit, self._batch_bytes, limit - 200)
         return limit
 
     def forget(self) -> None:

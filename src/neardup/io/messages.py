@@ -294,15 +294,17 @@ def carried_headers(headers: Headers | None) -> Headers:
     return out
 
 
-def record_size(key: bytes | None, value: bytes | None, headers: Headers) -> int:
-    """Upper bound of the size in bytes of a record of ``key``, ``value`` and ``headers``
-    alone in an uncompressed record batch: what the broker compares with the topic's
-    ``max.message.bytes`` (``RECORD_OVERHEAD``, ``HEADER_OVERHEAD``)."""
+def record_size(key: bytes | None, value: bytes | None, *headers: Headers) -> int:
+    """Upper bound of the size in bytes of a record of ``key``, ``value`` and the
+    ``headers`` lists (one after the other) alone in an uncompressed record batch: what
+    the broker compares with the topic's ``max.message.bytes`` (``RECORD_OVERHEAD``,
+    ``HEADER_OVERHEAD``)."""
     size = RECORD_OVERHEAD + (len(key) if key else 0) + (len(value) if value else 0)
-    for k, v in headers:
-        size += HEADER_OVERHEAD + (len(k) if k.isascii() else len(k.encode("utf-8", "surrogatepass")))
-        if v:
-            size += len(v)
+    for part in headers:
+        for k, v in part:
+            size += HEADER_OVERHEAD + (len(k) if k.isascii() else len(k.encode("utf-8", "surrogatepass")))
+            if v:
+                size += len(v)
     return size
 
 
@@ -328,7 +330,7 @@ def fit(outcome: Outcome, key: bytes | None, value: bytes | None, carried: Heade
     """
     if outcome.target != "dlq":
         topic, limit = limits[outcome.target]
-        size = record_size(key, value, carried + outcome.headers)
+        size = record_size(key, value, carried, outcome.headers)
         if stage < 1 and size <= limit:
             return outcome
         if failure is None:
@@ -339,9 +341,9 @@ def fit(outcome: Outcome, key: bytes | None, value: bytes | None, carried: Heade
     topic, limit = limits["dlq"]
     value_bytes = len(value) if value else 0
     note = failure or f"left out to fit max.message.bytes {limit} of topic {topic}"
-    if outcome.content == "whole" and (stage >= 2 or record_size(key, value, carried + outcome.headers) > limit):
+    if outcome.content == "whole" and (stage >= 2 or record_size(key, value, carried, outcome.headers) > limit):
         outcome = outcome.stripped("no_value", value_bytes, f"value ({value_bytes} bytes) {note}")
-    if outcome.content == "no_value" and (stage >= 3 or record_size(key, None, carried + outcome.headers) > limit):
+    if outcome.content == "no_value" and (stage >= 3 or record_size(key, None, carried, outcome.headers) > limit):
         outcome = outcome.stripped("headers_only", value_bytes, f"key and headers {note}")
     return outcome
 
