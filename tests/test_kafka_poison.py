@@ -114,8 +114,13 @@ def test_records_too_large_for_their_topic_are_dead_lettered(dlq_max, kafka_boot
         messages += [(name.encode(), _json_of_size(name, size, i)), next_good]
     produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
     settings = _settings(kafka_bootstrap, topic, f"g-big-{dlq_max}", batch_size=3)
-    _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
+    batches = []
+    _, aborts = run_until_committed(settings, tmp_path / "state", len(messages),
+                                    on_batch=lambda dedup, stats: batches.append(stats))
     assert aborts == []
+    # each message counted once, by its verdict or as a dead letter
+    assert sum(len(b.verdicts) for b in batches) == len(messages) - 3
+    assert sum((Counter(b.dead_letter) for b in batches), Counter()) == {"too_large": 2, "output_too_large": 1}
 
     outs = _outputs(kafka_bootstrap, topic, len(messages))
     key_offsets = {key: offset for offset, (key, _) in enumerate(messages)}

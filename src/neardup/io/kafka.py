@@ -203,6 +203,7 @@ class _Item:
     message: Message
     outcome: Outcome | None = None
     replay: bool = False
+    verdict: Verdict | None = None  # of a message detected in this batch
 
 
 @dataclass
@@ -667,6 +668,7 @@ class KafkaDeduplicator:
                 it.outcome = Outcome.of_error("empty_text", res.reason, m.topic(), m.partition(), m.offset())
             else:
                 it.outcome = Outcome.of_verdict(res)
+                it.verdict = res
                 stats.verdicts.append(res)
 
         assert self.producer is not None and self.consumer is not None
@@ -716,6 +718,8 @@ class KafkaDeduplicator:
             else:
                 kind = outcome.error_kind or "unknown"
                 dead_letter[kind] = dead_letter.get(kind, 0) + 1
+                if it.verdict is not None:  # its record did not fit: a dead letter, not a verdict
+                    stats.verdicts.remove(it.verdict)
             ts_type, ts = m.timestamp()
             if ts_type != 0:
                 timestamps.append(ts)
