@@ -312,11 +312,11 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
         from neardup.evaluate import evaluate, render
     except ImportError as exc:
         raise ValueError(f"neardup eval needs the eval extra: pip install 'neardup[eval]' ({exc})") from None
-    from neardup.io.files import open_text, read_lines
+    from neardup.io.files import open_binary, read_lines
     from neardup.plots import write_plots
     from neardup.records import lookup
 
-    with open_text(args.corpus) as stream:
+    with open_binary(args.corpus) as stream:
         lines = [line for line in read_lines(stream, settings.text_field or ["text"], settings.id_field or "id")
                  if line.document is not None]
     docs = [line.document for line in lines]

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
-from neardup.io.files import Input, InputError, Line, OutputFiles, check_input, open_text, read_lines
+from neardup.io.files import Input, InputError, Line, OutputFiles, check_input, open_binary, read_lines
 from neardup.pipeline import prepared_ahead
 from neardup.state.base import StateError, StateUpdate
 from neardup.state.rocksdb import RocksDBStateStore
@@ -151,11 +151,11 @@ def _start_line(store: RocksDBStateStore, source: Input) -> int:
     return start
 
 
-def _lines(source: Input, stream: Iterable[str], text_fields: list[str], id_field: str | None,
+def _lines(source: Input, stream: Iterable[bytes], text_fields: list[str], id_field: str | None,
            start: int, ids: DistinctIds) -> Iterator[Line]:
     name = "stdin" if source.path == "-" else Path(source.path).name
     try:
-        for line in read_lines(stream, text_fields, id_field, start=start):  # type: ignore[arg-type]
+        for line in read_lines(stream, text_fields, id_field, start=start):
             yield ids(line, name)
     except (EOFError, OSError, zlib.error) as exc:  # truncated or corrupt gzip, I/O error
         raise InputError(f"cannot read input {source.path}: {exc}") from None
@@ -239,7 +239,7 @@ def dedup_files(
                 start = _start_line(store, source)
                 if start:
                     summary.resumed_at_line[source.path] = start
-                with open_text(source.path) as stream:
+                with open_binary(source.path) as stream:
                     lines = _lines(source, stream, text_fields, id_field, start, ids)
                     for batch, prepared in prepared_ahead(
                         _batches(lines, batch_size), _documents, settings, parallel
@@ -257,7 +257,7 @@ def dedup_files(
                                 outputs.write_reject(line.number, outcome.reason, outcome.id)
                                 summary.rejects += 1
                                 continue
-                            outputs.write_verdict(line.record, outcome)
+                            outputs.write_verdict(line.record, outcome, line.data)
                             summary.documents += 1
                             summary.rejected_candidates += outcome.rejected
                             if outcome.is_duplicate:

@@ -15,11 +15,12 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 import xxhash
 
 from neardup.core.types import Document, Verdict
@@ -48,6 +49,7 @@ class Line:
     document: Document | None
     error: str | None = None
     raw: str | None = None
+    data: bytes | None = None  # a parsed line's bytes as read (the outputs repeat them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +124,8 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
     return data
 
 
-def open_text(path: str) -> IO[str]:
-    """Open ``path`` for reading text: ``-`` is stdin; gzip (by its magic bytes, whatever
+def open_binary(path: str) -> IO[bytes]:
+    """Open ``path`` for reading bytes: ``-`` is stdin; gzip (by its magic bytes, whatever
     the name) is gunzipped.
 
     Raises:
@@ -140,41 +142,65 @@ def open_text(path: str) -> IO[str]:
         with open(path, "rb") as f:
             magic = f.read(2)
         binary = gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
-    return io.TextIOWrapper(binary, encoding="utf-8", errors="surrogateescape")
+    return binary
+
+
+def open_text(path: str) -> IO[str]:
+    """``open_binary`` decoded as UTF-8 (undecodable bytes as lone surrogates).
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        IsADirectoryError: the path is a directory.
+    """
+    return io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="surrogateescape")
 
 
 def read_lines(
-    stream: IO[str],
+    stream: Iterable[bytes],
     text_fields: Sequence[str],
     id_field: str | None,
     start: int = 0,
 ) -> Iterator[Line]:
-    """Parse JSONL from ``stream``, skipping the first ``start`` lines.
+    """Parse JSONL from the byte lines of ``stream`` (``open_binary``), skipping the first
+    ``start`` lines.
 
     A record's id is its ``id_field`` value, else its line number. Blank lines are
     skipped. Lines that are not valid UTF-8, not JSON, or lack the text field come out
-    with ``document=None`` and ``error`` set.
+    with ``document=None`` and ``error`` set. Lines are parsed by orjson; what it refuses
+    is parsed again by ``json``, which also reads NaN, integers beyond 64 bits and lone
+    surrogate escapes, and whose error message a reject carries.
     """
-    for number, raw in enumerate(stream, start=1):
-        if number <= start or not raw.strip():
+    for number, data in enumerate(stream, start=1):
+        if number <= start or not data.strip():
             continue
         try:
-            raw.encode("utf-8")
-        except UnicodeEncodeError:
-            yield Line(number, None, None, "invalid UTF-8", raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-            continue
+            record = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError:
+                yield Line(number, None, None, "invalid UTF-8", data.decode("utf-8", "replace"))
+                continue
+            if not raw.strip():  # blank by Unicode's white space
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                yield Line(number, None, None, f"invalid JSON: {exc}", raw)
+                continue
         try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            yield Line(number, None, None, f"invalid JSON: {exc}", raw)
-            continue
-        try:
-            text = record_text(record, text_fields)
-            doc_id = record_id(record, id_field) or str(number)
+            try:
+                text = record_text(record, text_fields)
+                doc_id = record_id(record, id_field) or str(number)
+            except RecordError:
+                # orjson reads an integer beyond 64 bits as a float: json keeps it exact
+                record = json.loads(data)
+                text = record_text(record, text_fields)
+                doc_id = record_id(record, id_field) or str(number)
         except RecordError as exc:
-            yield Line(number, record, None, str(exc), raw)
+            yield Line(number, record, None, str(exc), data.decode("utf-8"))
             continue
-        yield Line(number, record, Document(doc_id, text))
+        yield Line(number, record, Document(doc_id, text), data=data)
 
 
 def _dumps(entry: dict[str, Any]) -> bytes:
@@ -217,6 +243,7 @@ class OutputFiles:
                  append: bool = False, overwrite: bool = False) -> None:
         self.paths = {name: out_dir / f"{name}.jsonl" for name in OUTPUT_NAMES}
         self._files: dict[str, IO[bytes]] = {}
+        self._pending: dict[str, list[bytes]] = {name: [] for name in OUTPUT_NAMES}  # lines not written yet
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             sizes = {name: path.stat().st_size if path.exists() else 0 for name, path in self.paths.items()}
@@ -229,35 +256,51 @@ class OutputFiles:
             self.close()
             raise OutputError(f"--out-dir {out_dir}: cannot write the outputs: {exc.strerror or exc}") from exc
 
-    def write_verdict(self, record: Any, verdict: Verdict) -> None:
+    def write_verdict(self, record: Any, verdict: Verdict, data: bytes | None = None) -> None:
+        """Queue the output line of ``record`` (parsed from ``data``, the line's bytes, if
+        given) and its verdict; ``flush`` writes it.
+
+        A JSON object read from ``data`` is written as those bytes with the ``neardup``
+        member spliced in before its closing brace: the record comes out byte for byte as
+        it came, without being encoded again. Any other record (not an object, empty, or
+        holding a ``neardup`` member already) is encoded with ``neardup`` set.
+        """
+        name = "duplicates" if verdict.is_duplicate else "unique"
+        entry = {"id": verdict.id, **verdict.to_dict()}
+        if data is not None and type(record) is dict and record and "neardup" not in record:
+            head = data.rstrip()
+            if head.endswith(b"}"):
+                try:
+                    self._pending[name].append(b"".join((head[:-1], b',"neardup":', orjson.dumps(entry), b"}\n")))
+                    return
+                except orjson.JSONEncodeError:  # a lone surrogate in the id: json escapes it
+                    pass
+        if data is not None:  # read again by json, which keeps integers beyond 64 bits exact
+            record = json.loads(data)
         out = dict(record) if isinstance(record, dict) else {"value": record}
-        out["neardup"] = {"id": verdict.id, **verdict.to_dict()}
-        self._write("duplicates" if verdict.is_duplicate else "unique", _dumps(out))
+        out["neardup"] = entry
+        self._pending[name].append(_dumps(out))
 
     def write_reject(self, line: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
+        """Queue a reject line; ``flush`` writes it."""
         entry = {"line": line, "reason": reason, "id": doc_id, "raw": raw}
-        self._write("rejects", _dumps(entry))
-
-    def _write(self, name: str, data: bytes | None) -> None:
-        """Write ``data`` to output ``name`` (None: flush it). Raises OutputError."""
-        f = self._files[name]
-        try:
-            if data is None:
-                f.flush()
-            else:
-                f.write(data)
-        except OSError as exc:  # a full disk, a quota, an I/O error
-            raise OutputError(f"cannot write {self.paths[name]}: {exc.strerror or exc}") from exc
+        self._pending["rejects"].append(_dumps(entry))
 
     def flush(self) -> dict[str, int]:
-        """Write everything out (to the operating system); returns each file's length in
-        bytes, to be committed with the batch's state.
+        """Write out what was queued (one write per file) and flush to the operating system;
+        returns each file's length in bytes, to be committed with the batch's state.
 
         Raises:
             OutputError: a file cannot be written (full disk, ...).
         """
-        for name in self._files:
-            self._write(name, None)
+        for name, f in self._files.items():
+            lines, self._pending[name] = self._pending[name], []
+            try:
+                if lines:
+                    f.write(b"".join(lines))
+                f.flush()
+            except OSError as exc:  # a full disk, a quota, an I/O error
+                raise OutputError(f"cannot write {self.paths[name]}: {exc.strerror or exc}") from exc
         return {name: f.tell() for name, f in self._files.items()}
 
     def close(self) -> None:

@@ -1,0 +1,51 @@
+"""The embedded mode's JSONL reading and writing (``neardup.io.files``) through
+``dedup_files``: records come out byte for byte as they came, and what orjson reads
+differently from ``json`` is read as ``json`` reads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from neardup.core.settings import EngineSettings
+from neardup.embedded import dedup_files
+
+STORY = "the central bank left its key interest rate unchanged on thursday, as markets expected"
+
+
+def _run(tmp_path: Path, lines: list[bytes]) -> dict[str, list[bytes]]:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(line + b"\n" for line in lines))
+    out = tmp_path / "out"
+    dedup_files([str(src)], EngineSettings(), out, ["text"], "id", progress=False, parallel=False)
+    return {name: (out / f"{name}.jsonl").read_bytes().splitlines() for name in ("unique", "duplicates", "rejects")}
+
+
+def test_records_come_out_as_they_came(tmp_path: Path) -> None:
+    first = ('{"id": "a", "price": 1.50, "place": "Z\\u00fcrich", "text": "%s"}' % STORY).encode()
+    copy = ('{ "text" : "%s", "id":"b" }' % STORY).encode()
+    out = _run(tmp_path, [first, copy])
+    [unique], [duplicate] = out["unique"], out["duplicates"]
+    assert unique.startswith(first[:-1] + b',"neardup":')
+    assert duplicate.startswith(copy.rstrip()[:-1] + b',"neardup":')
+    assert json.loads(duplicate)["neardup"]["match"] == "a"
+    assert json.loads(unique)["price"] == 1.5 and json.loads(unique)["place"] == "Zürich"
+
+
+def test_what_orjson_reads_otherwise_is_read_as_json_reads_it(tmp_path: Path) -> None:
+    big = 123456789012345678901234567890
+    lines = [
+        ('{"id": %d, "text": "%s"}' % (big, STORY)).encode(),  # orjson: a float
+        ('{"id": "n", "score": NaN, "text": "%s and more"}' % STORY[:40]).encode(),  # orjson: refused
+        ('{"id": "m", "neardup": 1, "count": %d, "text": "other words for another story here"}' % big).encode(),
+        b"\xc2\xa0",  # blank by Unicode's white space
+        b'{"id": "x", "text": "bad \xff byte"}',
+        b"not json",
+    ]
+    out = _run(tmp_path, lines)
+    unique = [json.loads(line) for line in out["unique"]]
+    assert [u["neardup"]["id"] for u in unique] == [str(big), "n", "m"]
+    assert unique[0]["id"] == big and unique[2]["count"] == big and unique[2]["neardup"]["verdict"] == "unique"
+    assert out["unique"][1].startswith(lines[1][:-1])  # NaN kept as it came
+    rejects = [json.loads(line) for line in out["rejects"]]
+    assert [(r["line"], r["reason"].split(":")[0]) for r in rejects] == [(5, "invalid UTF-8"), (6, "invalid JSON")]
