@@ -18,11 +18,15 @@ from scipy.sparse.csgraph import connected_components
 
 from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
+from neardup.core.decide import decide_batch
 from neardup.core.cluster import (
     CANONICAL,
     COMPONENTS,
     CONTAINMENT,
+    CONTAINMENT_EITHER,
+    CONTAINMENT_OF_EARLIER,
     JACCARD,
+    MEASURES,
     Sets,
     cluster_batch,
     pair_similarities,
@@ -594,9 +598,13 @@ def _cluster_reference(n_stored: int, roots: list[int], sets: list[set[int]],
     Stored document k starts in the cluster of canonical ``roots[k]``."""
     cluster = {k: roots[k] for k in range(n_stored)}  # element -> canonical
 
-    def sim(a: int, b: int) -> float:
+    def sim(a: int, b: int) -> float:  # a the later document, b the earlier
         inter = len(sets[a] & sets[b])
-        return inter / len(sets[a] | sets[b]) if measure == JACCARD else min(inter / len(sets[a]), 1.0)
+        if measure == JACCARD:
+            return inter / len(sets[a] | sets[b])
+        whole = {CONTAINMENT: len(sets[a]), CONTAINMENT_OF_EARLIER: len(sets[b]),
+                 CONTAINMENT_EITHER: min(len(sets[a]), len(sets[b]))}[measure]
+        return inter / whole
 
     out = []
     for i, cands in enumerate(pairs):
@@ -628,7 +636,7 @@ def _cluster_reference(n_stored: int, roots: list[int], sets: list[set[int]],
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from([COMPONENTS, CANONICAL]), st.sampled_from([JACCARD, CONTAINMENT]))
+@given(st.data(), st.sampled_from([COMPONENTS, CANONICAL]), st.sampled_from(MEASURES))
 def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measure: int) -> None:
     n_stored = data.draw(st.integers(0, 6))
     n = data.draw(st.integers(1, 8))
@@ -652,7 +660,7 @@ def test_cluster_batch_matches_the_rules(data: st.DataObject, policy: int, measu
     bounds = np.cumsum([0] + [len(c) for c in pairs]).astype(np.int64)
     cands = np.array([c for cs in pairs for c in cs], dtype=np.int64)
     left = np.repeat(np.arange(n_stored, n_stored + n), np.diff(bounds))
-    jaccard, containment = pair_similarities(exact, left, cands)
+    jaccard, containment = pair_similarities(exact, left, cands, measure)
     sim = jaccard if measure == JACCARD else containment
 
     got = cluster_batch(parent, size, canonical, n_stored, bounds, cands, sim, threshold, policy,
@@ -705,6 +713,34 @@ def test_batch_candidates_follow_the_bucket_rules(data: st.DataObject, bands: in
     assert got.joined.tolist() == joined
 
 
+def _ranked_below(near_similarity: float, match_similarity: float, extra: int) -> tuple[int, int]:
+    """One new document (local id 9) whose 8 stored candidates sharing 2 of its 3 buckets
+    (local ids 0-7) have Jaccard ``near_similarity`` with it, and whose ninth (8), sharing
+    one bucket, has ``match_similarity``: threshold 0.8, near misses from 0.55, the cap
+    at 8 plus ``extra``. Returns (match local id or -1, candidates verified)."""
+    text = np.arange(100, dtype=np.uint32)
+    sets = [text[: round(100 * near_similarity)]] * 8 + [text[: round(100 * match_similarity)], text]
+    counts = np.array([8, 8, 1], dtype=np.int64)
+    starts = np.array([0, 8, 16], dtype=np.int64)
+    seqs = np.array(list(range(8)) * 2 + [8], dtype=np.uint64)
+    parent, size, canonical = singletons(10)
+    out = decide_batch(np.array([0, 1, 2], dtype=np.int64), 3, starts, counts, seqs, 256, 9, 8,
+                       np.arange(9, dtype=np.uint64), parent, size, canonical, 0.8, CANONICAL,
+                       JACCARD, True, flatten(sets), extra, 0.55)
+    match = int(out.clustering.match[0])
+    return (int(out.seqs[match]) if match >= 0 else -1), int(out.bounds[1])
+
+
+def test_verification_goes_past_the_cap_only_after_near_misses() -> None:
+    # the true match ranks ninth, behind eight near misses of the same template: found
+    assert _ranked_below(0.6, 1.0, extra=4) == (8, 9)
+    assert _ranked_below(0.6, 1.0, extra=0) == (-1, 8)  # the plain cap loses it
+    # behind eight clear misses, the verification stops at the cap
+    assert _ranked_below(0.3, 1.0, extra=4) == (-1, 8)
+    # a copy among the first eight is accepted: the cap holds (a story republished often)
+    assert _ranked_below(1.0, 1.0, extra=4) == (0, 8)
+
+
 # --- sorted arrays ----------------------------------------------------------------------
 
 
@@ -736,6 +772,10 @@ def test_pair_similarities_equal_python_sets(sets: list[np.ndarray], data: st.Da
     python = [(set(sets[a].tolist()), set(sets[b].tolist())) for a, b in pairs]
     assert jaccard.tolist() == [len(x & y) / len(x | y) for x, y in python]
     assert containment.tolist() == [min(len(x & y) / len(x), 1.0) for x, y in python]
+    _, of_earlier = pair_similarities(flatten(sets), left, right, CONTAINMENT_OF_EARLIER)
+    assert of_earlier.tolist() == [len(x & y) / len(y) for x, y in python]
+    _, either = pair_similarities(flatten(sets), left, right, CONTAINMENT_EITHER)
+    assert either.tolist() == [len(x & y) / min(len(x), len(y)) for x, y in python]
 
 
 def test_pair_similarities_estimate_from_signatures() -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from neardup.composites import composites
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling, shingle_batch
@@ -143,6 +144,73 @@ def test_containment_flags_a_shortened_republication(verify):
     assert short.is_duplicate and short.match == "story"
     assert short.containment == pytest.approx(1.0, abs=0.1 if verify == "estimate" else 1e-9)
     assert short.jaccard == pytest.approx(206 / 296, abs=0.1 if verify == "estimate" else 1e-9)
+
+
+def _story(prefix: str, words: int) -> str:
+    return " ".join(f"{prefix}{i}" for i in range(words))
+
+
+@pytest.mark.parametrize("ratio", [2, 4, 7])
+def test_containment_both_ways_at_every_size_ratio(ratio):
+    """A wire story inside an article ``ratio`` times longer is found whichever comes
+    first, in the direction asked for."""
+    wire = _story("w", 60)
+    article = " ".join([_story("a", 30 * (ratio - 1)), wire, _story("b", 30 * (ratio - 1))])
+    for direction, first, later, found in [
+        ("new-in-earlier", "article", "wire", True),
+        ("new-in-earlier", "wire", "article", False),
+        ("earlier-in-new", "wire", "article", True),
+        ("earlier-in-new", "article", "wire", False),
+        ("both", "wire", "article", True),
+        ("both", "article", "wire", True),
+    ]:
+        texts = {"wire": wire, "article": article}
+        settings = EngineSettings(measure="containment", containment_direction=direction)
+        v = _run([Document(first, texts[first]), Document(later, texts[later])], settings)[1]
+        assert v.is_duplicate == found, (direction, first)
+        assert v.nearest == first and v.containment == (1.0 if found else pytest.approx(1 / ratio, abs=0.02))
+
+
+def _contained_pairs(docs: list[Document], shingling: Shingling) -> tuple[sp.coo_matrix, np.ndarray]:
+    """Upper-triangular |A ∩ B| of every pair sharing a shingle, and the set sizes."""
+    batch = shingle_batch([normalize(d.text) for d in docs], shingling)
+    sets = [set(batch.hashes[batch.offsets[i]:batch.offsets[i + 1]].tolist()) for i in range(len(docs))]
+    vocab: dict[int, int] = {}
+    rows, cols = [], []
+    for i, x in enumerate(sets):
+        for h in x:
+            rows.append(i)
+            cols.append(vocab.setdefault(h, len(vocab)))
+    m = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(docs), len(vocab)))
+    return sp.triu(m @ m.T, k=1).tocoo(), np.array([len(x) for x in sets], dtype=np.float64)
+
+
+@pytest.mark.parametrize("shingle", ["word:3", "word:5", "char:5"])
+def test_containment_recall_per_size_ratio_on_composites(shingle):
+    """Reuters stories embedded in composites 2-6 times longer: every exactly contained
+    pair (either way, containment >= 0.7) found at each size ratio up to 8, and only those."""
+    docs = composites(_excerpt()[:1200], 300, seed=3)
+    shingling = Shingling.parse(shingle)
+    inter, sizes = _contained_pairs(docs, shingling)
+    smaller = np.minimum(sizes[inter.row], sizes[inter.col])
+    ratio = np.maximum(sizes[inter.row], sizes[inter.col]) / smaller
+    contained = inter.data / smaller >= 0.7
+    settings = EngineSettings(shingling=shingling, threshold=0.7, measure="containment",
+                              containment_direction="both", duplicate_buckets="all")
+    detector = Detector(settings, MemoryStateStore(settings.state_shape()))
+    linked = set()
+    for i in range(0, len(docs), 250):
+        result = detector.detect(docs[i:i + 250])
+        detector.store.commit(result.update)
+        linked |= {(a, b) for a, b, _ in result.links}
+    truth = set(zip(inter.row[contained].tolist(), inter.col[contained].tolist()))
+    assert linked <= truth  # exact verification: nothing below the threshold
+    for low, high in [(1, 2), (2, 4), (4, 8)]:
+        band = contained & (ratio >= low) & (ratio < high)
+        pairs = set(zip(inter.row[band].tolist(), inter.col[band].tolist()))
+        recall = len(pairs & linked) / len(pairs)
+        print(f"{shingle} {low}-{high}x: {len(pairs)} contained pairs, recall {recall:.4f}")
+        assert len(pairs) >= 40 and recall >= 0.97
 
 
 def test_multiset_counts_repeats():

@@ -38,7 +38,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help="delete punctuation (default off)")
     g.add_argument("--max-bucket-size", type=int, help="documents kept per band bucket (default 256)")
     g.add_argument("--max-candidates", type=int, help="candidates verified per document, those sharing the most buckets first (default 8)")
+    g.add_argument("--extra-candidates", type=int, help="candidates verified beyond --max-candidates while none is accepted and the best so far is a near miss (default 56)")
     g.add_argument("--measure", choices=["jaccard", "containment"], help="jaccard (default), or containment: the share of a document's shingles found in an earlier one")
+    g.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help="with --measure containment: a new text inside an earlier one (default), an earlier text inside a new one, or both")
+    g.add_argument("--containment-ratio", type=float, help="with --measure containment: the largest size ratio of a contained text to its container that the banding is tuned for (default 8)")
     g.add_argument("--verify", choices=["exact", "estimate"], help="decide on exact similarity of stored shingle fingerprints (default) or on the MinHash estimate (less disk)")
     g.add_argument("--duplicate-buckets", choices=["new", "all"], help="new (default): a duplicate joins only the LSH buckets holding none of its matches; all: every bucket")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help="canonical (default): join a cluster only if similar to its canonical document; components: classic union-find")
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--measure", choices=["jaccard", "containment"], default="jaccard")
     params.add_argument("--verify", choices=["exact", "estimate"], default="exact")
     params.add_argument("--candidate-threshold", type=float)
+    params.add_argument("--containment-ratio", type=float, default=8.0)
     params.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -184,7 +188,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     engine = EngineSettings(
         threshold=args.threshold, num_perm=args.num_perm, measure=args.measure,
         verify=args.verify, candidate_threshold=args.candidate_threshold,
-        lsh=LshParams(args.bands, args.rows) if args.bands else None,
+        containment_ratio=args.containment_ratio, lsh=LshParams(args.bands, args.rows) if args.bands else None,
     )
     lsh = engine.bands
     grid = np.round(np.arange(0.5, 1.0001, 0.05), 2)

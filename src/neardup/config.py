@@ -56,8 +56,11 @@ class Settings(BaseSettings):
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
     max_candidates: int = Field(8, ge=1)
+    extra_candidates: int = Field(56, ge=0)
     duplicate_buckets: Literal["new", "all"] = "new"
     measure: Literal["jaccard", "containment"] = "jaccard"
+    containment_direction: Literal["new-in-earlier", "earlier-in-new", "both"] = "new-in-earlier"
+    containment_ratio: float = Field(8.0, ge=1.0)
     verify: Literal["exact", "estimate"] = "exact"
     cluster_policy: Literal["canonical", "components"] = "canonical"
     candidate_threshold: float | None = Field(None, gt=0.0, lt=1.0)
@@ -135,8 +138,11 @@ class Settings(BaseSettings):
             lsh=lsh,
             max_bucket_size=self.max_bucket_size,
             max_candidates=self.max_candidates,
+            extra_candidates=self.extra_candidates,
             duplicate_buckets=self.duplicate_buckets,
             measure=self.measure,
+            containment_direction=self.containment_direction,
+            containment_ratio=self.containment_ratio,
             verify=self.verify,
             cluster_policy=self.cluster_policy,
             candidate_threshold=self.candidate_threshold,

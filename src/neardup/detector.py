@@ -5,9 +5,10 @@ For each batch:
 1. ``Preparer`` (state-free, possibly in another process): normalise, shingle and MinHash
    every text at once (numpy), cut the signatures into LSH band bucket ids.
 2. The stored candidates each document can get: the members of its buckets in the
-   store's bucket index (``neardup.state.index``), at most ``max_candidates``, those
-   sharing the most buckets first; then the union-find nodes they reach in the store's
-   forest (``neardup.state.forest``) and the sets verification needs, read in multi-gets.
+   store's bucket index (``neardup.state.index``), at most ``max_candidates`` +
+   ``extra_candidates``, those sharing the most buckets first; then the union-find
+   nodes they reach in the store's forest (``neardup.state.forest``) and the sets
+   verification needs, read in multi-gets.
 3. One compiled pass, document by document in arrival order (``neardup.core.decide``):
    its candidates (those stored members and the earlier documents of the batch in its
    buckets), their verification (the exact Jaccard or containment of the shingle
@@ -37,7 +38,16 @@ import numpy as np
 
 from neardup.core.arrays import sorted_unique
 from neardup.core.candidates import batch_candidates
-from neardup.core.cluster import CANONICAL, COMPONENTS, CONTAINMENT, JACCARD, Clustering, Sets
+from neardup.core.cluster import (
+    CANONICAL,
+    COMPONENTS,
+    CONTAINMENT,
+    CONTAINMENT_EITHER,
+    CONTAINMENT_OF_EARLIER,
+    JACCARD,
+    Clustering,
+    Sets,
+)
 from neardup.core.decide import decide_batch
 from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
@@ -68,6 +78,15 @@ def fingerprint_sets(shingles: ShingleBatch, docs: np.ndarray) -> tuple[np.ndarr
         ``docs[k]`` is ``values[offsets[k]:offsets[k + 1]]`` (``neardup.core.overlap.fingerprints``).
     """
     return fingerprints(shingles.hashes, shingles.offsets, docs)
+
+
+_CONTAINMENTS = {"new-in-earlier": CONTAINMENT, "earlier-in-new": CONTAINMENT_OF_EARLIER,
+                 "both": CONTAINMENT_EITHER}
+
+
+def measure_code(settings: EngineSettings) -> int:
+    """The compiled loops' code of the settings' measure (``neardup.core.cluster``)."""
+    return _CONTAINMENTS[settings.containment_direction] if settings.measure == "containment" else JACCARD
 
 
 def nearest_candidates(bounds: np.ndarray, similarity: np.ndarray) -> np.ndarray:
@@ -250,7 +269,7 @@ class Detector:
         starts = np.zeros(len(p.bucket_keys), dtype=np.int64)
         np.cumsum(members.counts[:-1], out=starts[1:])
         possible = batch_candidates(entries, bands, starts, members.counts, members.seqs,
-                                    0, first_seq, s.max_candidates)  # 0: no batch joins, stored only
+                                    0, first_seq, s.max_candidates + s.extra_candidates)  # 0: no batch joins, stored only
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
@@ -269,8 +288,7 @@ class Detector:
             entries, bands, starts, members.counts, members.seqs, s.max_bucket_size, first_seq,
             s.max_candidates, reach, parent, size, canonical, s.threshold,
             COMPONENTS if s.cluster_policy == "components" else CANONICAL,
-            CONTAINMENT if s.measure == "containment" else JACCARD,
-            s.duplicate_buckets == "new", sets)
+            measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity)
         bounds, candidates, jaccard, containment = (decisions.bounds, decisions.seqs,
                                                     decisions.jaccard, decisions.containment)
         similarity = containment if s.measure == "containment" else jaccard

@@ -35,7 +35,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.shingle import shingle_batch
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
-from neardup.groundtruth import all_pairs, best_earlier
+from neardup.groundtruth import Pairs, all_pairs, best_earlier
 from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -108,10 +108,11 @@ def evaluate(
     kept = shingle_batch([texts[i] for i in valid], settings.shingling)
     floor = min(HISTOGRAM_FLOOR, settings.threshold)
     everything = all_pairs(kept)
-    exact_best, _ = best_earlier(everything, n, settings.measure)
-    pairs = everything.select(everything.similarity(settings.measure) >= floor)
+    direction = settings.containment_direction
+    exact_best, _ = best_earlier(everything, n, settings.measure, direction)
+    pairs = everything.select(everything.similarity(settings.measure, direction) >= floor)
     del everything
-    sim_values = pairs.similarity(settings.measure)
+    sim_values = pairs.similarity(settings.measure, direction)
     truth_seconds = time.perf_counter() - t0
     truth = pairs.select(sim_values >= settings.threshold)
     sim = sp.csr_matrix((sim_values, (pairs.earlier, pairs.later)), shape=(n, n))
@@ -160,6 +161,7 @@ def evaluate(
         "documents": n,
         "settings": {**settings.state_shape(), "threshold": settings.threshold,
                      "measure": settings.measure,
+                     "containment_direction": direction if settings.measure == "containment" else None,
                      "banding_threshold": settings.banding_threshold},
         "exact_pairs": int(len(truth)),
         "linked_pairs": int(len(link_keys)),
@@ -173,6 +175,8 @@ def evaluate(
         "policies": policies,
         "disk_bytes_per_document": round(main.disk_bytes / n, 1) if main.disk_bytes else None,
         "seconds": {"ground_truth": round(truth_seconds, 3), "detector": round(main.seconds, 3)},
+        "size_ratios": _by_ratio(truth, found, main.links, exact_of_link, settings.threshold,
+                                 pairs.sizes, n) if settings.measure == "containment" else None,
         "scores": _score_summary(reported, exact_best, settings.threshold),
         "score_pairs": {"reported": reported.tolist(), "exact_best": exact_best.tolist()},
         "histogram": {
@@ -180,6 +184,35 @@ def evaluate(
             "missed": sim_values[~np.isin(_pair_index(pairs.earlier, pairs.later, n), link_keys)].tolist(),
         },
     }
+
+
+#: Size-ratio bands (larger set over smaller) of the containment report.
+RATIO_BANDS = ((1.0, 2.0), (2.0, 4.0), (4.0, 8.0), (8.0, float("inf")))
+
+
+def _by_ratio(truth: Pairs, found: np.ndarray, links: np.ndarray, exact_of_link: np.ndarray,
+              threshold: float, sizes: np.ndarray, n: int) -> list[dict[str, Any]]:
+    """Pair recall and precision per size-ratio band (``RATIO_BANDS``, the larger set's
+    size over the smaller's, lower bound included): exact pairs at or above the
+    threshold linked, and linked pairs whose exact similarity reaches it."""
+    truth_ratio = truth.ratio()
+    a, b = sizes[links[:, 0]], sizes[links[:, 1]]
+    link_ratio = np.maximum(a, b) / np.maximum(np.minimum(a, b), 1)
+    _, first = np.unique(_pair_index(links[:, 0], links[:, 1], n), return_index=True)
+    out = []
+    for low, high in RATIO_BANDS:
+        t = (truth_ratio >= low) & (truth_ratio < high)
+        linked = np.zeros(len(links), dtype=bool)
+        linked[first] = True
+        linked &= (link_ratio >= low) & (link_ratio < high)
+        out.append({
+            "ratio": f"{low:g}-{high:g}x" if high < float("inf") else f">={low:g}x",
+            "exact_pairs": int(t.sum()),
+            "pair_recall": _ratio(found[t].sum(), t.sum()),
+            "linked_pairs": int(linked.sum()),
+            "pair_precision": _ratio((exact_of_link[linked] >= threshold).sum(), linked.sum()),
+        })
+    return out
 
 
 def _score_summary(reported: np.ndarray, exact_best: np.ndarray, threshold: float) -> dict[str, float]:
@@ -236,6 +269,10 @@ def render(report: dict[str, Any]) -> str:
             f"  {policy:<11} ARI {p['adjusted_rand_index']:.4f}  largest cluster {p['largest_cluster']}"
             f"  diameter {p['cluster_diameter']:.3f}  clusters {p['clusters_with_duplicates']:,}"
         )
+    for band in report.get("size_ratios") or []:
+        lines.append(
+            f"  size ratio {band['ratio']:<6} exact pairs {band['exact_pairs']:>6,}  recall {band['pair_recall']:.4f}"
+            f"  linked {band['linked_pairs']:>6,}  precision {band['pair_precision']:.4f}")
     sc = report["scores"]
     lines.append(
         f"score = exact best          {sc['equal_to_exact_best']:.4f} of documents, "

@@ -26,21 +26,51 @@ class Pairs:
         jaccard: float64, shape (n_pairs,).
         containment: float64, shape (n_pairs,): share of ``later``'s shingles found in
             ``earlier``.
+        sizes: int64, shape (n_docs,): every document's set size (None if unknown).
     """
 
     earlier: np.ndarray
     later: np.ndarray
     jaccard: np.ndarray
     containment: np.ndarray
+    sizes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.earlier)
 
-    def similarity(self, measure: str) -> np.ndarray:
-        return self.containment if measure == "containment" else self.jaccard
+    def similarity(self, measure: str, direction: str = "new-in-earlier") -> np.ndarray:
+        """float64, shape (n_pairs,): Jaccard, or the containment of ``direction``
+        (``neardup.core.settings.EngineSettings.containment_direction``: the later in
+        the earlier, the earlier in the later, or the larger of the two).
+
+        Raises:
+            ValueError: another direction than these, or one that needs ``sizes``
+                without them.
+        """
+        if measure != "containment":
+            return self.jaccard
+        if direction == "new-in-earlier":
+            return self.containment
+        if direction not in ("earlier-in-new", "both") or self.sizes is None:
+            raise ValueError(f"containment direction {direction!r} needs known set sizes")
+        inter = self.containment * self.sizes[self.later]
+        of_earlier = np.minimum(inter / np.maximum(self.sizes[self.earlier], 1), 1.0)
+        return of_earlier if direction == "earlier-in-new" else np.maximum(self.containment, of_earlier)
+
+    def ratio(self) -> np.ndarray:
+        """float64, shape (n_pairs,): the larger set's size over the smaller's.
+
+        Raises:
+            ValueError: ``sizes`` unknown.
+        """
+        if self.sizes is None:
+            raise ValueError("set sizes unknown")
+        a, b = self.sizes[self.earlier], self.sizes[self.later]
+        return np.maximum(a, b) / np.maximum(np.minimum(a, b), 1)
 
     def select(self, mask: np.ndarray) -> Pairs:
-        return Pairs(self.earlier[mask], self.later[mask], self.jaccard[mask], self.containment[mask])
+        return Pairs(self.earlier[mask], self.later[mask], self.jaccard[mask], self.containment[mask],
+                     self.sizes)
 
 
 def incidence(shingles: ShingleBatch) -> sp.csr_matrix:
@@ -56,31 +86,34 @@ def incidence(shingles: ShingleBatch) -> sp.csr_matrix:
     return m
 
 
-def exact_pairs(shingles: ShingleBatch, min_similarity: float = 0.0, measure: str = "jaccard") -> Pairs:
+def exact_pairs(shingles: ShingleBatch, min_similarity: float = 0.0, measure: str = "jaccard",
+                direction: str = "new-in-earlier") -> Pairs:
     """Every pair sharing a shingle whose exact ``measure`` reaches ``min_similarity``.
 
     Args:
         shingles: the documents' shingle hashes (sets: repeats are ignored).
-        measure: ``"jaccard"`` or ``"containment"`` (of the later document in the earlier).
+        measure: ``"jaccard"`` or ``"containment"`` (``direction`` as in
+            ``Pairs.similarity``).
     """
     pairs = all_pairs(shingles)
-    return pairs.select(pairs.similarity(measure) >= min_similarity)
+    return pairs.select(pairs.similarity(measure, direction) >= min_similarity)
 
 
-def best_earlier(pairs: Pairs, n: int, measure: str = "jaccard") -> tuple[np.ndarray, np.ndarray]:
+def best_earlier(pairs: Pairs, n: int, measure: str = "jaccard",
+                 direction: str = "new-in-earlier") -> tuple[np.ndarray, np.ndarray]:
     """Each document's most similar earlier document among ``pairs`` (the earliest among
     equals).
 
     Args:
         pairs: e.g. ``all_pairs``: every pair sharing a shingle.
         n: number of documents.
-        measure: ``"jaccard"`` or ``"containment"`` (of the later document in the earlier).
+        measure: ``"jaccard"`` or ``"containment"`` (``direction`` as in ``Pairs.similarity``).
 
     Returns:
         (similarity float64, shape (n,), 0.0 for a document with no earlier one sharing a
         shingle; earlier int64, shape (n,), -1 then).
     """
-    sim = pairs.similarity(measure)
+    sim = pairs.similarity(measure, direction)
     order = np.lexsort((pairs.earlier, -sim, pairs.later))
     later = pairs.later[order]
     first = np.flatnonzero(np.r_[True, later[1:] != later[:-1]]) if len(later) else np.empty(0, np.int64)
@@ -100,4 +133,4 @@ def all_pairs(shingles: ShingleBatch) -> Pairs:
     inter = product.data.astype(np.float64)
     jaccard = inter / (sizes[earlier] + sizes[later] - inter)
     containment = inter / np.maximum(sizes[later], 1)
-    return Pairs(earlier, later, jaccard, containment)
+    return Pairs(earlier, later, jaccard, containment, sizes.astype(np.int64))

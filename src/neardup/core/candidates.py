@@ -81,9 +81,9 @@ def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarra
 
 @njit(nogil=True, cache=True)
 def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
-         bands: int, max_candidates: int) -> np.ndarray:  # pragma: no cover - compiled
-    """The ``max_candidates`` members sharing the most buckets, earliest first among
-    equals, as ascending seqs; empties the table's used slots."""
+         bands: int, limit: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The ``limit`` members sharing the most buckets, in that order (earliest first
+    among equals), as seqs; empties the table's used slots."""
     # most shared buckets first, then earliest: one sort of (bands - shared, seq) keys
     keys = np.empty(u, dtype=np.uint64)
     for i in range(u):
@@ -91,18 +91,19 @@ def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: 
         keys[i] = (np.uint64(bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
         table_counts[h] = 0
     keys.sort()
-    return np.sort(keys[:max_candidates] & np.uint64(0xFFFFFFFF))
+    return keys[:limit] & np.uint64(0xFFFFFFFF)
 
 
 @njit(nogil=True, cache=True)
 def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
-            below: np.ndarray, taken: np.ndarray, first_seq: int, max_candidates: int,
+            below: np.ndarray, taken: np.ndarray, first_seq: int, limit: int,
             bits: int, table_keys: np.ndarray, table_counts: np.ndarray,
             used: np.ndarray):  # pragma: no cover - compiled
-    """Document ``d``'s candidates, ascending seqs (``_meet`` then ``_top``), with the
-    counting table of 2**bits slots, grown first if the members met (with repeats)
-    would fill more than half of it. Returns (candidates, bits, the table's arrays)."""
+    """Document ``d``'s ``limit`` best candidates, most shared buckets first (``_meet``
+    then ``_top``), with the counting table of 2**bits slots, grown first if the members
+    met (with repeats) would fill more than half of it. Returns (candidates, bits, the
+    table's arrays)."""
     met = 0
     for e in range(d * bands, (d + 1) * bands):
         met += member_counts[entry_bucket[e]] + taken[entry_bucket[e]]
@@ -112,7 +113,7 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
         table_keys, table_counts, used = _table(bits)
     u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
               first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
-    chosen = _top(table_keys, table_counts, used, u, bands, max_candidates)
+    chosen = _top(table_keys, table_counts, used, u, bands, limit)
     return chosen, bits, table_keys, table_counts, used
 
 
@@ -144,7 +145,7 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
             first_seq, max_candidates, bits, table_keys, table_counts, used)
-        out[filled : filled + len(chosen)] = chosen
+        out[filled : filled + len(chosen)] = np.sort(chosen)
         filled += len(chosen)
         bounds[d + 1] = filled
         for e in range(d * bands, (d + 1) * bands):
@@ -183,20 +184,23 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
 
 def checked_members(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                     member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
-                    max_candidates: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    max_candidates: int, extra_candidates: int = 0,
+                    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The arguments of ``batch_candidates`` checked and as the compiled loops take them:
     (entry_bucket int64, bands, member_starts int64, member_counts int64, member_seqs
     uint64, room int64: new members each bucket takes).
 
     Raises:
-        ValueError: ``entry_bucket`` is not a whole number of documents, or
-            ``max_candidates`` is below 1.
+        ValueError: ``entry_bucket`` is not a whole number of documents,
+            ``max_candidates`` is below 1 or ``extra_candidates`` below 0.
     """
     entry_bucket = np.asarray(entry_bucket, dtype=np.int64)
     if bands < 1 or len(entry_bucket) % bands:
         raise ValueError(f"{len(entry_bucket)} bucket entries for documents of {bands} bands")
     if max_candidates < 1:
         raise ValueError(f"max_candidates must be at least 1, not {max_candidates}")
+    if extra_candidates < 0:
+        raise ValueError(f"extra_candidates must be at least 0, not {extra_candidates}")
     member_counts = np.asarray(member_counts, dtype=np.int64)
     room = np.maximum(max_bucket_size - member_counts, 0)
     return (entry_bucket, bands, np.asarray(member_starts, dtype=np.int64), member_counts,

@@ -29,7 +29,11 @@ from neardup.core.overlap import merge_count
 from neardup.core.unionfind import find, peek_root, union
 
 COMPONENTS, CANONICAL = 0, 1
-JACCARD, CONTAINMENT = 0, 1
+#: Measures: Jaccard; containment of the new document in the earlier one |A ∩ B| / |A|;
+#: of the earlier one in the new |A ∩ B| / |B|; or either, the larger of the two
+#: |A ∩ B| / min(|A|, |B|) (the overlap coefficient).
+JACCARD, CONTAINMENT, CONTAINMENT_OF_EARLIER, CONTAINMENT_EITHER = 0, 1, 2, 3
+MEASURES = (JACCARD, CONTAINMENT, CONTAINMENT_OF_EARLIER, CONTAINMENT_EITHER)
 
 
 class Sets(NamedTuple):
@@ -71,8 +75,10 @@ class Clustering(NamedTuple):
 
 @njit(nogil=True, cache=True)
 def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.ndarray,
-          signatures: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
-    """Jaccard of sets a and b, and the containment of a in b."""
+          signatures: np.ndarray, measure: int) -> tuple[float, float]:  # pragma: no cover - compiled
+    """Jaccard of sets a (the later) and b (the earlier), and their containment: of b in
+    a with ``CONTAINMENT_OF_EARLIER``, the larger one with ``CONTAINMENT_EITHER``, of a
+    in b otherwise."""
     size_a, size_b = sizes[a], sizes[b]
     if signatures.shape[1] == 0:
         inter = float(merge_count(values, offsets, a, b))
@@ -84,21 +90,30 @@ def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.nda
         jaccard = equal / signatures.shape[1]
         # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
         inter = jaccard * (size_a + size_b) / (1.0 + jaccard)
-    return jaccard, min(inter / size_a, 1.0)
+    if measure == CONTAINMENT_OF_EARLIER:
+        whole = size_b
+    elif measure == CONTAINMENT_EITHER:
+        whole = min(size_a, size_b)
+    else:
+        whole = size_a
+    return jaccard, min(inter / whole, 1.0)
 
 
 @njit(nogil=True, cache=True)
 def _pairs(left: np.ndarray, right: np.ndarray, sizes: np.ndarray, values: np.ndarray,
-           offsets: np.ndarray, signatures: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+           offsets: np.ndarray, signatures: np.ndarray, measure: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     jaccard = np.empty(len(left))
     containment = np.empty(len(left))
     for k in range(len(left)):
-        jaccard[k], containment[k] = _pair(left[k], right[k], sizes, values, offsets, signatures)
+        jaccard[k], containment[k] = _pair(left[k], right[k], sizes, values, offsets, signatures, measure)
     return jaccard, containment
 
 
-def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Jaccard and containment (of set ``left[k]`` in set ``right[k]``) of each pair k.
+def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray,
+                      measure: int = CONTAINMENT) -> tuple[np.ndarray, np.ndarray]:
+    """Jaccard and containment of each pair k: of set ``left[k]`` in set ``right[k]``,
+    or as ``measure`` says (``CONTAINMENT_OF_EARLIER``: of ``right[k]`` in ``left[k]``;
+    ``CONTAINMENT_EITHER``: the larger of the two).
 
     Exact sets: from the merge of the sorted fingerprints (``neardup.core.overlap``).
     Signatures: the share of equal slots estimates the Jaccard J, and the containment
@@ -122,7 +137,7 @@ def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray) -> tuple[
     for side in (left, right):
         if len(side) and (side.min() < 0 or side.max() >= len(sets.sizes)):
             raise IndexError(f"set id outside 0..{len(sets.sizes) - 1}")
-    return _pairs(left, right, sets.sizes, sets.values, sets.offsets, sets.signatures)
+    return _pairs(left, right, sets.sizes, sets.values, sets.offsets, sets.signatures, measure)
 
 
 @njit(nogil=True, cache=True)
@@ -167,7 +182,7 @@ def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.
                     s = similarity[k]
                     break
             if s < 0.0:
-                jaccard, containment = _pair(x, c, sizes, values, offsets, signatures)
+                jaccard, containment = _pair(x, c, sizes, values, offsets, signatures, measure)
                 s = jaccard if measure == JACCARD else containment
             if s > target_similarity:
                 target, target_similarity = c, s
@@ -221,7 +236,7 @@ def cluster_batch(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, f
         similarity: float64, shape (n_pairs,): each pair's similarity (``measure``).
         threshold: a pair is accepted when its similarity is at least this.
         policy: ``COMPONENTS`` or ``CANONICAL``.
-        measure: ``JACCARD`` or ``CONTAINMENT`` (of the document in the other).
+        measure: ``JACCARD`` or a containment (``MEASURES``).
         sets: the sets of the batch's documents and of the canonicals, for similarities
             the pairs do not give (``CANONICAL`` only).
 
@@ -231,7 +246,7 @@ def cluster_batch(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, f
     n = len(bounds) - 1
     if len(candidates) != len(similarity) or (n >= 0 and bounds[-1] != len(candidates)):
         raise ValueError("bounds, candidates and similarity disagree")
-    if policy not in (COMPONENTS, CANONICAL) or measure not in (JACCARD, CONTAINMENT):
+    if policy not in (COMPONENTS, CANONICAL) or measure not in MEASURES:
         raise ValueError(f"unknown policy {policy} or measure {measure}")
     return Clustering(*_cluster(parent, size, canonical, first, bounds, candidates, similarity,
                                 float(threshold), policy, measure, sets.sizes, sets.values,

@@ -3,7 +3,9 @@ clustering, then the document's bucket joins.
 
 Doing the four in turn for each document lets a document's bucket joins depend on its
 verdict: with ``only_new`` a duplicate joins only the buckets that hold none of its
-accepted candidates. A story's copies then do not pile up in its buckets: a bucket keeps
+accepted candidates that are near copies of it (Jaccard at least the threshold; with a
+containment measure, a short text contained in a long one does not stand in for it, so
+the long one still joins those buckets). A story's copies then do not pile up in its buckets: a bucket keeps
 the earliest version, and a later document that would have met a copy there meets that
 version instead (its similarity to it is then verified in the copy's place). Buckets grow
 with clusters, not with copies, so the members met, the candidates verified and the index
@@ -82,26 +84,43 @@ def _covered(k: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def _by_seq(lo: int, hi: int, seqs: np.ndarray, local: np.ndarray, jaccard: np.ndarray,
+            containment: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Sort the pairs ``lo`` to ``hi`` by candidate seq, in place (insertion sort: a
+    document has a few dozen pairs at most)."""
+    for i in range(lo + 1, hi):
+        s, y, j_, c_ = seqs[i], local[i], jaccard[i], containment[i]
+        k = i - 1
+        while k >= lo and seqs[k] > s:
+            seqs[k + 1], local[k + 1], jaccard[k + 1], containment[k + 1] = (
+                seqs[k], local[k], jaccard[k], containment[k])
+            k -= 1
+        seqs[k + 1], local[k + 1], jaccard[k + 1], containment[k + 1] = s, y, j_, c_
+
+
+@njit(nogil=True, cache=True)
 def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
-            first_seq: int, max_candidates: int, stored_local: np.ndarray, parent: np.ndarray,
+            first_seq: int, max_candidates: int, extra_candidates: int, near: float,
+            stored_local: np.ndarray, parent: np.ndarray,
             size: np.ndarray, canonical: np.ndarray, threshold: float, policy: int,
             measure: int, only_new: bool, sizes: np.ndarray, values: np.ndarray,
             offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     first = len(stored_local)
+    limit = max_candidates + extra_candidates
     head = np.full(len(member_starts), -1, dtype=np.int64)
     below = np.full(len(entry_bucket), -1, dtype=np.int64)
     taken = np.zeros(len(member_starts), dtype=np.int64)
     joined = np.zeros(len(entry_bucket), dtype=np.bool_)
     bounds = np.zeros(n + 1, dtype=np.int64)
-    seqs = np.empty(n * max_candidates, dtype=np.uint64)
-    local = np.empty(n * max_candidates, dtype=np.int64)
-    jaccard = np.empty(n * max_candidates)
-    containment = np.empty(n * max_candidates)
+    seqs = np.empty(n * limit, dtype=np.uint64)
+    local = np.empty(n * limit, dtype=np.int64)
+    jaccard = np.empty(n * limit)
+    containment = np.empty(n * limit)
     similarity = jaccard if measure == JACCARD else containment
     match, accepted, cluster, cluster_size, related = _outputs(n, first)
-    seen = np.empty(max_candidates, dtype=np.int64)
+    seen = np.empty(limit, dtype=np.int64)
     bits = 10
     table_keys, table_counts, used = _table(bits)
     filled = 0
@@ -109,17 +128,26 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         x = first + d
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
-            first_seq, max_candidates, bits, table_keys, table_counts, used)
+            first_seq, limit, bits, table_keys, table_counts, used)
         lo = filled
-        for c in chosen:
+        best = -1.0
+        for j in range(len(chosen)):
+            # past max_candidates, only after a near miss, and (Jaccard) while none is
+            # accepted: an accepted copy stands in for its cluster, while a contained
+            # text says nothing of the others a long text contains
+            if j >= max_candidates and (best < near or (measure == JACCARD and best >= threshold)):
+                break
+            c = chosen[j]
             ci = np.int64(c)  # seqs < 2**32: no mixed signed/unsigned arithmetic below
             if ci < first_seq:
                 y = np.int64(np.searchsorted(stored_local, c))
             else:
                 y = first + ci - first_seq
             seqs[filled], local[filled] = c, y
-            jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures)
+            jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures, measure)
+            best = max(best, similarity[filled])
             filled += 1
+        _by_seq(lo, filled, seqs, local, jaccard, containment)
         bounds[d + 1] = filled
         _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
                      policy, measure, sizes, values, offsets, signatures, seen, match, accepted,
@@ -139,7 +167,8 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                  member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
                  first_seq: int, max_candidates: int, stored_local: np.ndarray,
                  parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, threshold: float,
-                 policy: int, measure: int, only_new: bool, sets: Sets) -> Decisions:
+                 policy: int, measure: int, only_new: bool, sets: Sets,
+                 extra_candidates: int = 0, near: float = 1.0) -> Decisions:
     """Candidates, verification, clustering and bucket joins of documents ``first_seq``,
     ``first_seq + 1``, … in arrival order (see the module docstring).
 
@@ -157,7 +186,8 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
         member_seqs: uint64: the stored members' seqs, ascending within a bucket.
         max_bucket_size: a bucket takes new members while it holds fewer.
         first_seq: the seq of the batch's first document.
-        max_candidates: the most candidates kept per document (at least 1).
+        max_candidates: candidates verified per document (at least 1), those sharing the
+            most buckets first (the earliest among equals).
         stored_local: uint64, shape (first,): the stored seqs with local ids 0 … first - 1,
             ascending; every stored candidate must be among them. The batch's documents
             are local ids ``first`` on.
@@ -165,22 +195,28 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
             (``neardup.core.unionfind``), changed in place.
         threshold: a pair is accepted when its similarity is at least this.
         policy: ``neardup.core.cluster.COMPONENTS`` or ``CANONICAL``.
-        measure: ``neardup.core.cluster.JACCARD`` or ``CONTAINMENT``.
+        measure: ``neardup.core.cluster.JACCARD`` or a containment (``MEASURES``).
         only_new: a duplicate joins only the buckets that hold none of its accepted
             candidates; False: every bucket with room.
         sets: the sets by local id: of the batch's documents, the possible stored
             candidates and the canonicals of their clusters.
+        extra_candidates: candidates verified beyond ``max_candidates``, in the same
+            order, one by one once the most similar so far is at least ``near`` (a near
+            miss: the true match may be further down the list), and with ``JACCARD``
+            only while none is accepted.
+        near: the similarity that keeps the verification going past ``max_candidates``.
 
     Returns:
         ``Decisions``.
 
     Raises:
         ValueError: ``entry_bucket`` is not a whole number of documents, or
-            ``max_candidates`` is below 1.
+            ``max_candidates`` is below 1 or ``extra_candidates`` below 0.
     """
     out = _decide(*checked_members(entry_bucket, bands, member_starts, member_counts, member_seqs,
-                                   max_bucket_size, max_candidates),
-                  first_seq, max_candidates, np.asarray(stored_local, dtype=np.uint64), parent, size,
+                                   max_bucket_size, max_candidates, extra_candidates),
+                  first_seq, max_candidates, extra_candidates, float(near),
+                  np.asarray(stored_local, dtype=np.uint64), parent, size,
                   canonical, float(threshold), policy, measure, bool(only_new), sets.sizes,
                   sets.values, sets.offsets, sets.signatures)
     return Decisions(*out[:5], Clustering(*out[5:]))

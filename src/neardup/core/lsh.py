@@ -138,3 +138,30 @@ def bucket_ids(band_hashes: np.ndarray) -> np.ndarray:
     """
     bands = np.arange(band_hashes.shape[1], dtype=np.uint64)
     return combine(band_hashes, np.broadcast_to(bands, band_hashes.shape))
+
+
+def recall_params(similarity: float, num_perm: int = 128, recall: float = 0.995) -> LshParams:
+    """The banding with the most rows (the fewest false candidates) whose S-curve still
+    makes a pair of Jaccard ``similarity`` a candidate with probability at least
+    ``recall``, each band as wide as ``num_perm`` allows (bands = num_perm // rows); one
+    row per band (every slot a bucket) if none reaches it.
+
+    Used where the Jaccard similarity of the pairs sought is known only from below, as
+    for containment: a set A contained to at least t in a set B at most R times larger
+    has a Jaccard similarity of at least t / (1 + R - t) (the size-bound conversion of
+    LSH Ensemble, Zhu, Nargesian, Pu, Miller, VLDB 2016).
+
+    Raises:
+        ValueError: similarity outside (0, 1), num_perm < 1, or recall outside (0, 1).
+    """
+    if not 0.0 < similarity < 1.0:
+        raise ValueError(f"similarity must lie in (0, 1), not {similarity}")
+    if num_perm < 1:
+        raise ValueError(f"num_perm must be at least 1, not {num_perm}")
+    if not 0.0 < recall < 1.0:
+        raise ValueError(f"recall must lie in (0, 1), not {recall}")
+    for rows in range(num_perm, 1, -1):
+        params = LshParams(num_perm // rows, rows)
+        if params.probability(similarity) >= recall:
+            return params
+    return LshParams(num_perm, 1)

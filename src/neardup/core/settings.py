@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from neardup.core.lsh import LshParams, optimal_params
+from neardup.core.lsh import LshParams, optimal_params, recall_params
 from neardup.core.normalize import TextNorm
 from neardup.core.shingle import Shingling
 
@@ -14,18 +14,23 @@ Verify = Literal["exact", "estimate"]
 ClusterPolicy = Literal["canonical", "components"]
 Scheme = Literal["oph", "classic"]
 DuplicateBuckets = Literal["new", "all"]
+Direction = Literal["new-in-earlier", "earlier-in-new", "both"]
 
-#: How far below the decision threshold the LSH banding is tuned, by (measure, verify).
-#: With exact verification more candidates cost little and each is checked exactly, so
-#: recall rises while precision stays exact. Containment needs a margin in both modes:
-#: a document contained in a longer one has a Jaccard similarity (what banding sees)
-#: well below its containment.
-CANDIDATE_MARGIN = {
-    ("jaccard", "exact"): 0.25,
-    ("jaccard", "estimate"): 0.0,
-    ("containment", "exact"): 0.3,
-    ("containment", "estimate"): 0.3,
-}
+#: How far below the Jaccard threshold the LSH banding is tuned, by ``verify``. With
+#: exact verification more candidates cost little and each is checked exactly, so recall
+#: rises while precision stays exact. (Containment is banded from its size bound
+#: instead: ``containment_jaccard``.)
+CANDIDATE_MARGIN = {"exact": 0.25, "estimate": 0.0}
+#: The share of the pairs at the containment bound that the containment banding makes
+#: candidates (``neardup.core.lsh.recall_params``).
+CONTAINMENT_RECALL = 0.995
+
+
+def containment_jaccard(threshold: float, ratio: float) -> float:
+    """The lowest Jaccard similarity of two sets, one contained in the other to at least
+    ``threshold``, the larger at most ``ratio`` times the smaller: t / (1 + R - t)
+    (|A ∩ B| >= t |A| and |B| <= R |A|; Zhu et al., LSH Ensemble, VLDB 2016)."""
+    return threshold / (1.0 + ratio - threshold)
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,18 @@ class EngineSettings:
             per shingle; ``neardup.core.oph``), or ``"classic"``, ``num_perm``
             independent hash functions (``neardup.core.minhash``).
         threshold: similarity (``measure``) at or above which a candidate is a duplicate.
-        measure: ``"jaccard"`` |A ∩ B| / |A ∪ B|, or ``"containment"`` |A ∩ B| / |A|,
-            the share of the new document's shingles found in the earlier one.
+        measure: ``"jaccard"`` |A ∩ B| / |A ∪ B|, or ``"containment"``: by default
+            |A ∩ B| / |A|, the share of the new document's shingles found in the
+            earlier one (see ``containment_direction``).
+        containment_direction: which text is contained in which: ``"new-in-earlier"``
+            (a new short text inside an earlier long one), ``"earlier-in-new"`` (an
+            earlier short text, e.g. a wire story, inside a new long one: |A ∩ B| / |B|),
+            or ``"both"``, the larger of the two, |A ∩ B| / min(|A|, |B|).
+        containment_ratio: the largest size ratio between a contained text and the one
+            containing it that the containment banding is tuned for: it makes a
+            candidate of a pair at the lowest Jaccard such a pair can have
+            (``containment_jaccard``) with probability ``CONTAINMENT_RECALL``; texts
+            more unequal than that are found less surely.
         verify: ``"exact"`` keeps every document's shingle fingerprints in the store and
             decides on the exact similarity; ``"estimate"`` keeps signatures only and
             decides on the MinHash estimate (cheaper on disk, noisier).
@@ -51,16 +66,27 @@ class EngineSettings:
             threshold, so clusters cannot chain; ``"components"`` joins every verified
             pair (classic union-find connected components).
         candidate_threshold: the Jaccard similarity the LSH banding is tuned for; None
-            means ``threshold`` minus ``CANDIDATE_MARGIN[(measure, verify)]``: 0.25 for
-            exact Jaccard, 0 for estimated Jaccard, 0.3 for containment.
-        lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``.
+            means ``threshold`` minus ``CANDIDATE_MARGIN[verify]`` for Jaccard (0.25 for
+            exact, 0 for estimated), ``containment_jaccard(threshold,
+            containment_ratio)`` for containment.
+        lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``
+            for Jaccard, ``recall_params(candidate_threshold, num_perm,
+            CONTAINMENT_RECALL)`` for containment.
         max_bucket_size: documents kept per band bucket; later arrivals in a full bucket
             are still compared with its documents but not added (bounds hot buckets made
             by boilerplate).
-        max_candidates: candidates verified per document, at most; when there are more,
-            those sharing the most band buckets with it (the likeliest to be similar)
-            are kept, earlier ones first among equals. Bounds the work per document as
-            a stream of many copies of the same story grows.
+        max_candidates: candidates verified per document; when there are more, those
+            sharing the most band buckets with it (the likeliest to be similar) first,
+            earlier ones first among equals. Bounds the work per document as a stream
+            of many copies of the same story grows.
+        extra_candidates: candidates verified beyond ``max_candidates``, next in the
+            same order, one at a time once the most similar so far is a near miss (at
+            least ``near_similarity``), and for Jaccard only while none is accepted: on
+            templated text the true match can rank below ``max_candidates`` others of
+            the same template. A copy of a story republished many times is accepted
+            among its first candidates and stops there, so the protection of the cap is
+            kept. With containment, a long text can contain several earlier ones, so an
+            accepted one does not stop the verification.
         duplicate_buckets: which band buckets a duplicate joins. ``"new"``: only those
             holding none of its accepted candidates, so a story's copies do not pile up
             in its buckets (a later document meets the earlier version there instead;
@@ -74,12 +100,15 @@ class EngineSettings:
     minhash: Scheme = "oph"
     threshold: float = 0.8
     measure: Measure = "jaccard"
+    containment_direction: Direction = "new-in-earlier"
+    containment_ratio: float = 8.0
     verify: Verify = "exact"
     cluster_policy: ClusterPolicy = "canonical"
     candidate_threshold: float | None = None
     lsh: LshParams | None = None
     max_bucket_size: int = 256
     max_candidates: int = 8
+    extra_candidates: int = 56
     duplicate_buckets: DuplicateBuckets = "new"
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
@@ -90,6 +119,11 @@ class EngineSettings:
             raise ValueError(f"minhash must be oph or classic, not {self.minhash!r}")
         if self.measure not in ("jaccard", "containment"):
             raise ValueError(f"measure must be jaccard or containment, not {self.measure!r}")
+        if self.containment_direction not in ("new-in-earlier", "earlier-in-new", "both"):
+            raise ValueError("containment direction must be new-in-earlier, earlier-in-new or "
+                             f"both, not {self.containment_direction!r}")
+        if not self.containment_ratio >= 1.0:
+            raise ValueError(f"containment ratio must be at least 1, not {self.containment_ratio}")
         if self.verify not in ("exact", "estimate"):
             raise ValueError(f"verify must be exact or estimate, not {self.verify!r}")
         if self.cluster_policy not in ("canonical", "components"):
@@ -102,7 +136,14 @@ class EngineSettings:
             raise ValueError("max_bucket_size must be at least 1")
         if self.max_candidates < 1:
             raise ValueError("max_candidates must be at least 1")
-        lsh = self.lsh or optimal_params(self.banding_threshold, self.num_perm)
+        if self.extra_candidates < 0:
+            raise ValueError("extra_candidates must be at least 0")
+        if self.lsh is not None:
+            lsh = self.lsh
+        elif self.measure == "containment":
+            lsh = recall_params(self.banding_threshold, self.num_perm, CONTAINMENT_RECALL)
+        else:
+            lsh = optimal_params(self.banding_threshold, self.num_perm)
         if lsh.bands * lsh.rows > self.num_perm:
             raise ValueError(
                 f"{lsh.bands} bands x {lsh.rows} rows need more than num_perm={self.num_perm}"
@@ -114,9 +155,18 @@ class EngineSettings:
         """The similarity the banding is tuned for (see ``candidate_threshold``)."""
         if self.candidate_threshold is not None:
             t = self.candidate_threshold
+        elif self.measure == "containment":
+            return min(max(containment_jaccard(self.threshold, self.containment_ratio), 0.01), 0.99)
         else:
-            t = self.threshold - CANDIDATE_MARGIN[(self.measure, self.verify)]
+            t = self.threshold - CANDIDATE_MARGIN[self.verify]
         return min(max(t, 0.05), 0.99)
+
+    @property
+    def near_similarity(self) -> float:
+        """The similarity (``measure``) of a near miss, which keeps the verification
+        going past ``max_candidates`` (see ``extra_candidates``): ``threshold`` minus
+        ``CANDIDATE_MARGIN["exact"]``, the similarity exact Jaccard banding is tuned for."""
+        return max(self.threshold - CANDIDATE_MARGIN["exact"], 0.05)
 
     @property
     def bands(self) -> LshParams:
