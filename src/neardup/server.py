@@ -17,12 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
-
-from neardup.metrics import Metrics
+if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by every command
+    from neardup.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +105,8 @@ class MetricsServer:
         self.host = host
         self.port = port
         self.ready = ready
+        from prometheus_client import make_wsgi_app
+
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
