@@ -216,3 +216,21 @@ def test_a_killed_run_resumed_gives_the_outputs_of_an_uninterrupted_run(tmp_path
                            env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=900)
     assert again.returncode == 0, again.stderr.decode()[-2000:]
     assert _outputs(out) == expected
+
+
+def test_a_cold_kernel_cache_is_announced(tmp_path: Path, capsys) -> None:
+    cold = subprocess.run(
+        [sys.executable, "-m", "neardup.cli", "dedup", str(tmp_path / "missing.jsonl")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(SRC), "NUMBA_CACHE_DIR": str(tmp_path / "numba")},
+    )
+    assert cold.returncode == 2
+    assert "compiling kernels, first run only" in cold.stderr
+    from neardup.core.settings import EngineSettings
+    from neardup.detector import kernels_cached, warm_up
+
+    warm_up(EngineSettings())  # loads the kernels, compiling those not cached yet
+    assert kernels_cached()
+    stories = _write(tmp_path / "in.jsonl", _stories(20))
+    assert main(["dedup", str(stories), "--out-dir", str(tmp_path / "out"), "--no-pipeline"]) == 0
+    assert "compiling kernels" not in capsys.readouterr().err

@@ -289,3 +289,28 @@ def test_two_registries_do_not_clash():
     a, b = Metrics(), Metrics()
     a.documents.labels("unique").inc(3)
     assert _value(_samples(b.exposition().decode()), "neardup_documents_total", verdict="unique") == 0
+
+
+def test_endpoints_answer_get_and_head_only():
+    import http.client
+
+    def request(server: MetricsServer, method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:
+            conn.request(method, path)
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            conn.close()
+
+    with MetricsServer(Metrics(), "127.0.0.1", 0) as server:
+        for path in ("/", "/healthz", "/readyz", "/metrics"):
+            status, headers, body = request(server, "GET", path)
+            assert status == 200 and body
+            status, head_headers, head_body = request(server, "HEAD", path)
+            assert status == 200 and head_body == b""
+            assert head_headers.get("Content-Type") == headers.get("Content-Type")
+            for method in ("POST", "PUT", "PATCH", "DELETE", "TRACE", "OPTIONS"):
+                status, headers, _ = request(server, method, path)
+                assert status == 405, (method, path, status)
+                assert headers["Allow"] == "GET, HEAD"

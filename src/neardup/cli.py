@@ -182,6 +182,13 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+def _compile_notice() -> None:
+    from neardup.detector import kernels_cached
+
+    if not kernels_cached():
+        log.info("compiling kernels, first run only (about a minute of CPU time)")
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     if (args.bands is None) != (args.rows is None):
         raise ValueError("give both --bands and --rows, or neither")
@@ -346,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings(args)
         settings.engine()  # validate early
         _setup_logging(settings)
+        _compile_notice()
         if args.command == "dedup":
             return cmd_dedup(args, settings)
         if args.command == "run":

@@ -403,3 +403,40 @@ def warm_up(settings: EngineSettings) -> None:
     text = "the quick brown fox jumps over the lazy dog near the river bank at dawn"
     detector.store.commit(detector.detect([Document("original", text)]).update)
     detector.detect([Document("copy", text)])
+
+
+#: The modules holding the compiled kernels (numba, ``cache=True``).
+KERNEL_MODULES = ("neardup.core.xxh3", "neardup.core.oph", "neardup.core.candidates",
+                  "neardup.core.overlap", "neardup.core.decide", "neardup.core.cluster",
+                  "neardup.core.unionfind", "neardup.state.index", "neardup.state.setcache")
+
+
+def kernels_cached() -> bool:
+    """Whether numba's on-disk cache holds an up-to-date build of the kernels, i.e.
+    whether this run loads them (about a second) rather than compiling them (a minute or
+    more on a busy machine): False when a kernel module has no cache index at all, or an
+    index is stale (its source changed). Kernels only ever called from other kernels
+    have no index of their own. Reads the indexes only; True when it cannot tell.
+    """
+    import importlib  # noqa: PLC0415 - only here
+    import os  # noqa: PLC0415
+
+    from numba.core.registry import CPUDispatcher  # noqa: PLC0415
+
+    for name in KERNEL_MODULES:
+        indexed = False
+        for kernel in vars(importlib.import_module(name)).values():
+            if not isinstance(kernel, CPUDispatcher) or kernel.__module__ != name:
+                continue
+            try:
+                cache = kernel._cache._cache_file
+                if not os.path.exists(cache._index_path):
+                    continue
+                if not cache._load_index():  # numba's own freshness check
+                    return False
+            except (AttributeError, OSError, EOFError, ValueError):
+                return True
+            indexed = True
+        if not indexed:
+            return False
+    return True

@@ -7,6 +7,8 @@ server runs it, one thread per request, in a daemon thread. Paths:
 - ``/healthz``: 200 ``ok`` while the process is alive (liveness).
 - ``/readyz``: 200 when the ``ready`` check passes, 503 otherwise; the body says why in
   one line (readiness).
+
+Every path answers GET and HEAD only (405 otherwise).
 """
 
 from __future__ import annotations
@@ -82,10 +84,16 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
-def _text(start_response: Callable[..., Any], status: str, body: str) -> Iterable[bytes]:
+def _text(start_response: Callable[..., Any], status: str, body: str,
+          headers: Sequence[tuple[str, str]] = ()) -> Iterable[bytes]:
     data = (body + "\n").encode("utf-8")
-    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))])
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                            ("Content-Length", str(len(data))), *headers])
     return [data]
+
+
+#: The only methods served: the endpoints are read-only.
+METHODS = ("GET", "HEAD")
 
 
 class MetricsServer:
@@ -112,7 +120,20 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
 
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        """The WSGI application."""
+        """The WSGI application: GET and HEAD (the headers of a GET, no body) only; any
+        other method gets 405 with ``Allow: GET, HEAD``."""
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in METHODS:
+            return _text(start_response, "405 Method Not Allowed", "GET or HEAD only",
+                         [("Allow", ", ".join(METHODS))])
+        body = self._route({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        if method == "HEAD":
+            if hasattr(body, "close"):
+                body.close()
+            return []
+        return body
+
+    def _route(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
