@@ -75,6 +75,11 @@ def test_a_kafka_setting_librdkafka_refuses_is_one_line(capsys, kafka_bootstrap,
     line = _error(capsys, [*ssl, "-X", f"ssl.key.location={tmp_path / 'bad.pem'}"])
     assert "ssl.key.location" in line
     assert not (tmp_path / "state").exists(), "checked before the state was opened"
+    (tmp_path / "one.jsonl").write_text('{"id": "1", "text": "one story"}\n')
+    produce = ["produce", tmp_path / "one.jsonl", "--topic", "wire", "--bootstrap-servers", kafka_bootstrap]
+    assert '"foo.bar"' in _error(capsys, [*produce, "-X", "foo.bar=1"])
+    line = _error(capsys, [*produce, "-X", f"sasl.password=@{tmp_path / 'missing'}"])
+    assert "sasl.password" in line and "cannot read the file" in line
 
 
 def test_run_checks_its_settings_before_serving_metrics(capsys, tmp_path) -> None:

@@ -303,13 +303,14 @@ def cmd_run(settings: Settings) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    from neardup.io.kafka_config import read_value_files
     from neardup.io.produce import ProduceError, produce_files
 
     _setup_logging(Settings(log_level=args.log_level, log_format=args.log_format))
     try:
         summary = produce_files(
             args.inputs, args.topic, args.bootstrap_servers, id_field=args.id_field or None,
-            kafka=dict(args.kafka or []), limit=args.limit, rate=args.rate,
+            kafka=read_value_files(dict(args.kafka or [])), limit=args.limit, rate=args.rate,
         )
     except ProduceError as exc:
         print(f"neardup: error: {exc}", file=sys.stderr)
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:  # the one place where a user error becomes one line
-        line = user_error(exc, settings)
+        line = user_error(exc, settings, dict(getattr(args, "kafka", None) or []))
         if line is None:
             raise
         print(f"neardup: error: {line}", file=sys.stderr)

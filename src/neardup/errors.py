@@ -79,23 +79,34 @@ def _mismatch(exc: SettingsMismatchError, settings: Settings | None) -> str:
             + "; use the state's settings or another --state-dir")
 
 
-def user_error(exc: BaseException, settings: Settings | None = None) -> str | None:
+def _refused_setting(exc: BaseException) -> bool:
+    """A KafkaException of librdkafka refusing a setting (``_INVALID_ARG``) when a client
+    is created; other Kafka errors are not the user's."""
+    error = exc.args[0] if type(exc).__name__ == "KafkaException" and exc.args else None
+    return hasattr(error, "code") and error.code() == -186  # KafkaError._INVALID_ARG
+
+
+def user_error(exc: BaseException, settings: Settings | None = None,
+               kafka: dict[str, str] | None = None) -> str | None:
     """The one line that reports ``exc`` to the user, or None when it is not a user
     error (a bug: let its traceback show).
 
     Args:
         settings: the run's settings, when known (for the state mismatch and secrets).
+        kafka: the librdkafka settings given, when ``settings`` is not known (secrets).
     """
-    kafka: dict[str, Any] = settings.kafka if settings is not None else {}
+    secrets: dict[str, Any] = settings.kafka if settings is not None else (kafka or {})
     if isinstance(exc, ValidationError):
         line = _validation(exc)
     elif isinstance(exc, SettingsMismatchError):
         line = _mismatch(exc, settings)
     elif isinstance(exc, (ValueError, StateError, ServerError)):
         line = str(exc)
+    elif _refused_setting(exc):
+        line = f"-X: {exc.args[0].str()}"
     elif isinstance(exc, OSError):
         what = f"{exc.filename}: " if exc.filename else ""
         line = f"{what}{exc.strerror or exc}"
     else:
         return None
-    return redact(" ".join(line.split()), kafka)
+    return redact(" ".join(line.split()), secrets)
