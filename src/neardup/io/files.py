@@ -219,9 +219,8 @@ class OutputFiles:
     ``{"line", "reason", "id", "raw"}``.
 
     Earlier outputs are never destroyed unasked. ``committed`` is what the state recorded
-    at its last commit: each file's length in bytes (``flush``'s value). Outputs are
-    continued when the state
-    recorded them (``committed``), cut back to the recorded lengths first: what a killed
+    at its last commit: each file's length in bytes (``flush``'s value). Outputs the
+    state recorded are continued, cut back to the recorded lengths first: what a killed
     run wrote after its last commit is written again by the rerun, exactly once; outputs
     shorter than recorded (changed since) are refused. Outputs the state did not record
     are appended to with ``append`` and refused otherwise. ``overwrite`` empties them in
