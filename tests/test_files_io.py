@@ -49,3 +49,18 @@ def test_what_orjson_reads_otherwise_is_read_as_json_reads_it(tmp_path: Path) ->
     assert out["unique"][1].startswith(lines[1][:-1])  # NaN kept as it came
     rejects = [json.loads(line) for line in out["rejects"]]
     assert [(r["line"], r["reason"].split(":")[0]) for r in rejects] == [(5, "invalid UTF-8"), (6, "invalid JSON")]
+
+
+def test_a_corrupt_gzip_input_is_one_error(tmp_path: Path) -> None:
+    import gzip
+
+    import pytest
+
+    from neardup.io.files import InputError
+
+    data = bytearray(gzip.compress(('{"id": "a", "text": "%s"}\n' % STORY).encode() * 50))
+    data[20] ^= 0xFF  # inside the deflate stream
+    src = tmp_path / "in.jsonl.gz"
+    src.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="cannot read input"):
+        dedup_files([str(src)], EngineSettings(), tmp_path / "out", ["text"], "id", progress=False, parallel=False)

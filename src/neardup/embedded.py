@@ -12,7 +12,6 @@ import json
 import logging
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
-from neardup.io.files import Input, InputError, Line, OutputFiles, check_input, open_binary, read_lines
+from neardup.io.files import READ_ERRORS, Input, InputError, Line, OutputFiles, check_input, open_binary, read_lines
 from neardup.pipeline import prepared_ahead
 from neardup.state.base import StateError, StateUpdate
 from neardup.state.rocksdb import RocksDBStateStore
@@ -157,7 +156,7 @@ def _lines(source: Input, stream: Iterable[bytes], text_fields: list[str], id_fi
     try:
         for line in read_lines(stream, text_fields, id_field, start=start):
             yield ids(line, name)
-    except (EOFError, OSError, zlib.error) as exc:  # truncated or corrupt gzip, I/O error
+    except READ_ERRORS as exc:  # truncated or corrupt gzip, I/O error
         raise InputError(f"cannot read input {source.path}: {exc}") from None
 
 

@@ -9,7 +9,6 @@ its magic bytes, on stdin too.
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import os
@@ -22,11 +21,15 @@ from typing import IO, Any
 
 import orjson
 import xxhash
+from isal import igzip, isal_zlib
 
 from neardup.core.types import Document, Verdict
 from neardup.records import RecordError, record_id, record_text
 
 GZIP_MAGIC = b"\x1f\x8b"
+#: What reading a corrupt or truncated input raises (gzip data is decompressed by ISA-L,
+#: ``isal.igzip``: about half the CPU time of the standard ``gzip`` module).
+READ_ERRORS: tuple[type[BaseException], ...] = (EOFError, OSError, isal_zlib.error)
 #: Bytes of an input hashed into its key (with its size).
 HEAD_BYTES = 1 << 20
 OUTPUT_NAMES = ("unique", "duplicates", "rejects")
@@ -126,7 +129,7 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes:
 
 def open_binary(path: str) -> IO[bytes]:
     """Open ``path`` for reading bytes: ``-`` is stdin; gzip (by its magic bytes, whatever
-    the name) is gunzipped.
+    the name) is gunzipped (``isal.igzip``; errors: ``READ_ERRORS``).
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -137,11 +140,11 @@ def open_binary(path: str) -> IO[bytes]:
         stdin = sys.stdin.buffer
         binary = io.BufferedReader(_Prefixed(_read_exactly(stdin, 2), stdin))
         if binary.peek(2)[:2] == GZIP_MAGIC:
-            binary = gzip.GzipFile(fileobj=binary, mode="rb")
+            binary = igzip.IGzipFile(fileobj=binary, mode="rb")
     else:
         with open(path, "rb") as f:
             magic = f.read(2)
-        binary = gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
+        binary = igzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
     return binary
 
 
