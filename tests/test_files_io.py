@@ -64,3 +64,22 @@ def test_a_corrupt_gzip_input_is_one_error(tmp_path: Path) -> None:
     src.write_bytes(bytes(data))
     with pytest.raises(InputError, match="cannot read input"):
         dedup_files([str(src)], EngineSettings(), tmp_path / "out", ["text"], "id", progress=False, parallel=False)
+
+
+def test_lines_nested_deeper_than_json_reads_are_rejected(tmp_path: Path) -> None:
+    """Nesting beyond orjson's 1,024 levels (and so read again by json, which recurses),
+    and digits beyond json's limit for integers, are rejects; the run goes on."""
+    deep = b"[" * 5000 + b"]" * 5000
+    lines = [
+        ('{"id": "a", "text": "%s"}' % STORY).encode(),
+        deep,
+        b'{"id": "s", "text": "x", "y": ' + deep + b"}",
+        b"[" * 1000 + b"]" * 1000,  # orjson reads it: a list, not an object
+        b'{"id": 1' + b"0" * 5000 + b', "text": "a story"}',
+        ('{"id": "b", "text": "%s"}' % STORY[:50]).encode(),
+    ]
+    out = _run(tmp_path, lines)
+    assert [json.loads(line)["id"] for line in out["unique"]] == ["a", "b"]
+    rejects = [json.loads(line) for line in out["rejects"]]
+    assert [(r["line"], r["reason"].split(":")[0].split(",")[0]) for r in rejects] == [
+        (2, "invalid JSON"), (3, "invalid JSON"), (4, "record is a JSON list"), (5, "invalid JSON")]

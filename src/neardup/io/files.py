@@ -188,16 +188,19 @@ def read_lines(
                 continue
             try:
                 record = json.loads(raw)
-            except json.JSONDecodeError as exc:
+            except (ValueError, RecursionError) as exc:  # also: nesting or digits beyond json's limits
                 yield Line(number, None, None, f"invalid JSON: {exc}", raw)
                 continue
         try:
             try:
                 text = record_text(record, text_fields)
                 doc_id = record_id(record, id_field) or str(number)
-            except RecordError:
+            except RecordError as refused:
                 # orjson reads an integer beyond 64 bits as a float: json keeps it exact
-                record = json.loads(data)
+                try:
+                    record = json.loads(data)
+                except (ValueError, RecursionError):
+                    raise refused from None
                 text = record_text(record, text_fields)
                 doc_id = record_id(record, id_field) or str(number)
         except RecordError as exc:
