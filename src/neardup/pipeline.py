@@ -170,8 +170,10 @@ class PrepareWorker:
 #: The worker takes a second or more to start (imports, compiled code loading) and
 #: prepares about half of the work per document; an input the caller gets through in
 #: that time gains nothing from it and, on a busy machine, loses the CPU the start
-#: costs (benchmarks/README.md, "Start-up", has the measurements).
-WORKER_AFTER_BATCHES = 8
+#: costs: on a loaded 2-core machine, inputs of up to 21,578 documents (Reuters-21578)
+#: took 1.6 to 1.8 CPU seconds more with the worker and no less wall time
+#: (benchmarks/README.md, "Whole process and start-up").
+WORKER_AFTER_BATCHES = 24
 
 
 def prepared_ahead(
