@@ -8,14 +8,17 @@ import logging
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError, Producer
 
-from kafka_util import create_topic, excerpt, produce, read_all, run_until_committed
+from kafka_util import committed_offset, create_topic, excerpt, produce, read_all, run_until_committed
 from test_messages import POISON
 
 from neardup.config import load_settings
@@ -79,14 +82,15 @@ def test_poison_values_land_once_between_good_messages(kafka_bootstrap, tmp_path
     assert "value (2000000 bytes) left out to fit max.message.bytes 1048588 of topic" in deep.headers["neardup-error"].decode()
 
 
+WORDS = [f"w{i}" for i in range(100_000)]
+
+
 def _json_of_size(doc_id: str, size: int, seed: int) -> bytes:
     """A JSON record of exactly ``size`` bytes: ``id`` and a text of random words."""
     rng = random.Random(seed)
     head = json.dumps({"id": doc_id, "text": ""}).encode()[:-2]
-    words = bytearray()
-    while len(words) < size - len(head) - 2:
-        words += f"w{rng.randrange(10**6)} ".encode()
-    return head + bytes(words[: size - len(head) - 2]) + b'"}'
+    words = " ".join(rng.choices(WORDS, k=size // 6 + 1)).encode()
+    return head + words[: size - len(head) - 2] + b'"}'
 
 
 def _read_limit(bootstrap: str, topic: str) -> int:
@@ -356,3 +360,31 @@ def test_topic_limits_are_read_from_the_broker(kafka_bootstrap, caplog):
     assert limits.get(small) == 500_000  # cached
     limits.forget()
     assert limits.get(small) == 2_000_000
+
+
+def test_a_replay_produces_the_stored_record_though_a_limit_changed(kafka_bootstrap, tmp_path):
+    """Where a record goes is decided before the state commit and stored: a crash after
+    that commit, then the dead-letter topic's limit raised, and the restarted consumer
+    still produces the dead letter without its value, as decided before the crash."""
+    topic = _input_topic(kafka_bootstrap, "replay")
+    create_topic(kafka_bootstrap, f"{topic}.dlq")  # the broker's default limit, 1 MiB
+    good = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in excerpt(150)]
+    messages = [(b"huge", _json_of_size("huge", 5 << 20, 0))] + good  # in the first batch, whatever its size
+    produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
+    group, state = "g-replay", tmp_path / "state"
+    crashed = subprocess.run([sys.executable, str(Path(__file__).parent / "crash_run.py"), "after_state_commit",
+                              "1", kafka_bootstrap, topic, group, str(state)],
+                             capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 9, crashed.stderr[-2000:]
+    assert committed_offset(kafka_bootstrap, group, topic) < 0  # the first batch's transaction never committed
+    _set_limit(kafka_bootstrap, [f"{topic}.dlq"], INPUT_MAX_BYTES)
+
+    settings = _settings(kafka_bootstrap, topic, group, batch_size=100)  # as crash_run.py
+    _, aborts = run_until_committed(settings, state, len(messages))
+    assert aborts == []
+    outs = _outputs(kafka_bootstrap, topic, len(messages))
+    key_offsets = {key: offset for offset, (key, _) in enumerate(messages)}
+    assert _offsets(outs, key_offsets) == list(range(len(messages)))
+    [dead] = [o for o in outs if o.topic == f"{topic}.dlq"]
+    assert dead.key == b"huge" and dead.value is None
+    assert dead.headers["neardup-value-bytes"] == str(5 << 20).encode()
