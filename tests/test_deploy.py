@@ -340,6 +340,8 @@ def test_k8s_statefulset_keeps_state_on_a_claim_and_probes_health(tmp_path):
     # The pod name is the stable transactional id.
     env = {e["name"]: e for e in container["env"]}
     assert env["NEARDUP_TRANSACTIONAL_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # ... and the static group membership (expanded by Kubernetes from that variable).
+    assert settings.kafka["group.instance.id"] == "$(NEARDUP_TRANSACTIONAL_ID)"
 
     # The service selects the pods and tells Prometheus where to scrape.
     service = _k8s("Service")

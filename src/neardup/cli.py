@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-message-bytes", type=int, help="larger values go to the dead-letter topic (default 1048576)")
     k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help="a new group starts at the earliest offset (default: latest)")
     k.add_argument("--transactional-id", help="one per instance, stable across restarts (default neardup-<group-id>)")
+    k.add_argument("--reset-state", action="store_true", default=None, help="accept a state that does not match the input (deleted, older, or of a topic created again): resume at the group's committed offsets, logged (default: refuse to start)")
     k.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer (SASL, TLS, ...); repeatable")
     _engine_flags(run)
     _record_flags(run)

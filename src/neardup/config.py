@@ -82,6 +82,7 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(1 << 20, ge=1)
     from_beginning: bool = False
     transactional_id: str | None = None
+    reset_state: bool = False
     kafka: dict[str, str] = {}
     # operations
     metrics_host: str = "0.0.0.0"

@@ -41,6 +41,23 @@ repairs it:
   their stored outcomes are produced again, identical, and the detector never sees a
   document twice (no document is ever a duplicate of itself).
 - after step 5: both agree; nothing to repair.
+- a producer abandoned while the process lives on (a transactional call that has not
+  returned after ``CALL_WAIT_S``, ``neardup.io.bounded``; librdkafka's own timeouts do
+  not hold after a broker restart): as a crash at the same point. The abandoned producer
+  is never called again; a new one with the same ``transactional.id`` fences it and has
+  the broker abort its open transaction (a wedged call that returns later cannot commit:
+  its epoch is fenced). Abandoned before step 4, the batch is rewound and processed
+  anew; in step 5, it is rewound with the next batch and replayed from its stored
+  outcomes.
+
+These repairs need the state the group's offsets were committed with. When partitions
+are assigned, and before any of their messages is read, ``neardup.io.state_check``
+compares the state with the broker: a partition the group has committed offsets for but
+the state has never seen (state directory deleted or replaced), a state behind the
+group's offsets, or a topic deleted and created again (another topic id, or a stored
+position beyond the partition's end) stops ``run`` with ``StateMismatchError``, unless
+``--reset-state`` accepts it (the partition's position becomes the group's committed
+offset).
 
 A record that the producer or the broker refuses for a reason of its own
 (``PER_MESSAGE_ERRORS``: too large after all, e.g. a topic's limit lowered since it was
@@ -61,13 +78,20 @@ rewinds and retries the same way; after ``MAX_PRODUCER_RESETS`` such errors with
 committed batch in between (a live second instance with the same id), ``run`` raises.
 A commit or abort that still times out after ``TRANSACTION_RETRY_S`` (a producer wedged
 by an outage) fails the batch the same way, and the abort then starts a new producer.
+Every transactional call (``init_transactions``, ``begin_transaction``,
+``send_offsets_to_transaction``, ``commit_transaction``, ``abort_transaction``) is waited
+for at most ``CALL_WAIT_S`` and every wait for step 5's thread at most ``STEP5_WAIT_S``;
+past that the producer is abandoned (``ProducerWedged``) and replaced, rewound and
+retried as for a fatal error, without counting towards ``MAX_PRODUCER_RESETS``.
 A step 5 that fails in its thread is seen when the next batch is about to begin its
 transaction (or when the consumer is idle): the failed batch's partitions are rewound
 with the next batch's, to the failed batch's first offsets, and the next batch is
 dropped (it wrote nothing); its messages come back as replays.
 
 Rebalances happen only inside ``consume`` (step 1), and the revoke callback first waits
-for a step 5 in progress, so no transaction is open when partitions go and a revoked
+for a step 5 in progress (at most until ``STEP5_WAIT_S``; a step 5 still running then
+counts as wedged, and its producer is replaced, aborting its transaction, before the next
+batch), so no transaction is open when partitions go and a revoked
 partition never leaves anything half-done. Verdicts equal those of an
 uninterrupted run when the input order is the same, i.e. per partition; with several
 partitions the interleaving (and so which copy is the canonical) follows arrival order.
@@ -118,13 +142,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicCollection, TopicPartition
+from confluent_kafka.admin import AdminClient
 from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential
 
 from neardup.config import Settings
+from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, PreparedBatch, warm_up
 from neardup.io.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, TopicLimits
+from neardup.io import state_check
+from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.messages import (
     LAST_STAGE,
     OFFSET_BE,
@@ -160,6 +188,9 @@ PER_MESSAGE_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
     KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.INVALID_TIMESTAMP,
 })
+#: Longest wait for step 5's thread, seconds: its calls are bounded one by one
+#: (``neardup.io.bounded``), this is a backstop above their sum.
+STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -233,6 +264,7 @@ class _Pending:
     prepared: bool
     thread: threading.Thread | None = None
     error: BaseException | None = None
+    deadline: float = 0.0  # time.monotonic() after which the thread counts as wedged
 
 
 class KafkaDeduplicator:
@@ -290,6 +322,8 @@ class KafkaDeduplicator:
         self.batches = 0  # committed
         self.batches_prepared_ahead = 0  # of them, prepared in the worker
         self._revoked_while_reading: set[tuple[str, int]] | None = None
+        self._unchecked: list[tuple[str, int]] = []  # assigned, state not checked yet
+        self._admin: AdminClient | None = None  # for topic ids
         self._consumed = False  # any message yet (logged once)
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
@@ -317,18 +351,7 @@ class KafkaDeduplicator:
     def _connect(self) -> None:
         s = self.settings
         common = {"bootstrap.servers": s.bootstrap_servers, **s.kafka}
-        self.consumer = Consumer(
-            {
-                "group.id": s.group_id,
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest" if s.from_beginning else "latest",
-                "statistics.interval.ms": 5000,
-                "stats_cb": self._statistics,
-                **common,
-            }
-        )
+        self.consumer = Consumer(self._consumer_config())
         self._limits = TopicLimits(common, int(s.kafka.get("batch.size", PRODUCER_BATCH_BYTES)))
         self._new_producer()
         self._broker_answered()
@@ -338,22 +361,70 @@ class KafkaDeduplicator:
         )
         log.info("subscribed to %s as group %s", ", ".join(topics), s.group_id)
 
-    def _new_producer(self) -> None:
-        """A transactional producer, initialised (retried until the broker answers).
+    def _consumer_config(self) -> dict[str, Any]:
+        """The consumer's librdkafka settings: neardup's, then the user's (``-X``).
 
-        ``init_transactions`` fences any older producer of this transactional.id and
-        aborts its open transaction.
+        Static membership (``group.instance.id``) is on by default, named after the
+        transactional id (unique per instance already): a consumer restarted after a
+        crash gets its partitions back at once instead of after ``session.timeout.ms``.
+        ``-X group.instance.id=NAME`` names it; an empty value turns it off.
         """
         s = self.settings
-        self.producer = Producer(
-            {
-                "transactional.id": self.transactional_id,
-                "linger.ms": 5,
-                "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
-                "bootstrap.servers": s.bootstrap_servers,
-                **s.kafka,
-            }
-        )
+        config = {
+            "bootstrap.servers": s.bootstrap_servers,
+            "group.id": s.group_id,
+            "group.instance.id": self.transactional_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest" if s.from_beginning else "latest",
+            "statistics.interval.ms": 5000,
+            "stats_cb": self._statistics,
+            "logger": rdkafka_logger(),
+            **s.kafka,
+        }
+        if not config["group.instance.id"]:
+            del config["group.instance.id"]
+        return config
+
+    def _producer_config(self) -> dict[str, Any]:
+        """The transactional producer's librdkafka settings (the user's ``-X`` win,
+        except the consumer-only ``group.instance.id``)."""
+        s = self.settings
+        config = {
+            "transactional.id": self.transactional_id,
+            "linger.ms": 5,
+            "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
+            "bootstrap.servers": s.bootstrap_servers,
+            "logger": rdkafka_logger(),
+            **s.kafka,
+        }
+        config.pop("group.instance.id", None)
+        return config
+
+    def _new_producer(self) -> None:
+        """A transactional producer, initialised (retried until the broker answers), in
+        place of the current one, which is dropped without being called again.
+
+        ``init_transactions`` fences any older producer of this transactional.id and
+        aborts its open transaction. One that does not return in ``CALL_WAIT_S`` is
+        abandoned for another new producer.
+        """
+        self._discard_producer()
+        while True:
+            producer = Producer(self._producer_config())
+            try:
+                self._init_transactions(producer)
+            except ProducerWedged as exc:
+                log.warning("%s; starting another producer", exc)
+                discard(producer)
+                del producer
+                continue
+            self.producer = producer
+            log.info("transactional producer %s ready", self.transactional_id)
+            return
+
+    def _init_transactions(self, producer: Producer) -> None:
         for attempt in Retrying(
             retry=retry_if_exception(_retriable),
             wait=wait_exponential(multiplier=0.5, max=30),
@@ -365,23 +436,31 @@ class KafkaDeduplicator:
             with attempt:
                 if self._stop.is_set():
                     raise InterruptedError("stopped before the broker answered")
-                self.producer.init_transactions(10.0)
-        log.info("transactional producer %s ready", self.transactional_id)
+                bounded("init_transactions", producer.init_transactions, CALL_TIMEOUT_S)
+
+    def _discard_producer(self) -> None:
+        """Drop the producer, never to call it again (``neardup.io.bounded.discard``)."""
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            discard(producer)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
         self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
+        self._unchecked += [(p.topic, p.partition) for p in partitions]
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
         if self.on_assignment:
             self.on_assignment(self.assignment)
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # No transaction may be committing when partitions go: their next owner resumes
-        # at the group's committed offsets. Its outcome is taken up after the rebalance.
-        if self._pending is not None and self._pending.thread is not None:
-            self._pending.thread.join()
+        # at the group's committed offsets. Its outcome is taken up after the rebalance
+        # (a wedged one: the producer is replaced then, which aborts the transaction).
+        if self._pending is not None:
+            self._join_pending(self._pending)
         gone = {(p.topic, p.partition) for p in partitions}
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
+        self._unchecked = [tp for tp in self._unchecked if tp not in gone]
         for tp in gone:
             self._positions.pop(tp, None)
         if self._revoked_while_reading is not None:
@@ -453,7 +532,13 @@ class KafkaDeduplicator:
                 in a row.
         """
         assert self._pending is None  # ``_process`` and the idle loop take it up first
-        if _fatal(exc):
+        if isinstance(exc, ProducerWedged) or self.producer is None:
+            # librdkafka's own timeout did not hold (a broker restarted under a call):
+            # the producer is dropped uncalled; a new one fences it and the broker aborts
+            # its transaction. Not counted as a reset: no second instance is implied.
+            log.warning("%s; starting a new producer", exc)
+            self._new_producer()
+        elif _fatal(exc):
             # e.g. the broker aborted a transaction that outlived its timeout and bumped
             # the producer epoch: a new producer (same transactional.id) resumes; the
             # replay rule makes it exact.
@@ -487,10 +572,13 @@ class KafkaDeduplicator:
                 self.producer.flush(10)
             except KafkaException as exc:  # a failed producer has nothing left to deliver
                 log.warning("producer flush at close: %s", exc)
-            self.producer = None
+            self._discard_producer()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+        if self._admin is not None:
+            admin, self._admin = self._admin, None
+            discard(admin)
         log.info("consumer closed after %d batches, %d of them prepared ahead in the worker process",
                  self.batches, self.batches_prepared_ahead)
 
@@ -530,9 +618,73 @@ class KafkaDeduplicator:
         """Up to ``batch_size`` messages, waiting at most ``timeout`` s; None if none."""
         assert self.consumer is not None
         messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
+        if self._unchecked:  # newly assigned partitions: before any of their messages is read
+            self._check_state()
         full = len(messages) == self.settings.batch_size
         messages = self._usable(messages)
         return self._read(messages, full) if messages else None
+
+    def _check_state(self) -> None:
+        """Check the state against the newly assigned partitions (``state_check``).
+
+        Raises:
+            StateMismatchError: it does not match and ``--reset-state`` was not given.
+        """
+        assert self.consumer is not None
+        tps = list(dict.fromkeys(self._unchecked))
+        topics = sorted({t for t, _ in tps})
+        committed = self._committed(tps)
+        ids = self._topic_ids(topics)
+        stored = dict(zip(topics, self.store.get_verdicts([state_check.topic_id_key(t) for t in topics])))
+        facts = [
+            state_check.PartitionFacts(
+                topic=t, partition=n, position=self.store.get_position(source_name(t, n)),
+                committed=committed.get((t, n)), high=self._high_watermark(t, n),
+                stored_topic_id=stored[t].decode("ascii") if stored[t] else None, topic_id=ids.get(t),
+            )
+            for t, n in tps
+        ]
+        self._positions.update(state_check.check(self.store, facts, self.settings.reset_state))
+        self._unchecked = []
+        log.info("state checked against %s", ", ".join(p.name for p in facts))
+
+    def _committed(self, tps: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The consumer group's committed offsets (none: left out); asked again while
+        the coordinator does not answer."""
+        assert self.consumer is not None
+        for attempt in Retrying(
+            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not _fatal(e)),
+            wait=wait_exponential(multiplier=0.5, max=10),
+            stop=stop_never,
+            before_sleep=lambda rs: log.warning("committed offsets: %s; retrying", rs.outcome.exception()),
+        ):
+            with attempt:
+                if self._stop.is_set():
+                    raise InterruptedError("stopped before the committed offsets were read")
+                got = self.consumer.committed([TopicPartition(t, n) for t, n in tps], timeout=10)
+        return {(p.topic, p.partition): p.offset for p in got if p.offset >= 0}
+
+    def _high_watermark(self, topic: str, partition: int) -> int | None:
+        assert self.consumer is not None
+        try:
+            return self.consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
+        except KafkaException as exc:
+            log.warning("end offset of %s[%d] not known (%s); not checked", topic, partition, exc)
+            return None
+
+    def _topic_ids(self, topics: list[str]) -> dict[str, str]:
+        """The broker's topic ids (base64 text); those it does not give are left out."""
+        if self._admin is None:
+            config = self._producer_config()
+            del config["transactional.id"], config["linger.ms"]
+            self._admin = AdminClient(config)
+        out = {}
+        for topic, future in self._admin.describe_topics(TopicCollection(topics), request_timeout=10).items():
+            try:
+                out[topic] = str(future.result().topic_id)
+            except KafkaException as exc:
+                log.warning("topic id of %s not known (%s); not checked", topic, exc)
+        return out
 
     def _read_ahead(self, batch: _Batch) -> tuple[_Batch | None, _Batch | None]:
         """(``batch``, the next batch) with the next one's preparation started in the
@@ -675,7 +827,7 @@ class KafkaDeduplicator:
         self._finish_pending()  # the previous batch's transaction, committed meanwhile
         self._delivery_errors.clear()
         self._purged = False
-        self.producer.begin_transaction()
+        self._call("begin_transaction", self.producer.begin_transaction)
         # Per message: the hot loop. What depends on the partition only is looked up once.
         partitions: dict[tuple[str, int], _Partition] = {}
         keys: list[bytes] = []  # verdict keys of all the batch's messages (items are 1:1)
@@ -736,26 +888,37 @@ class KafkaDeduplicator:
         # Step 5 in a thread: the broker's answers are waited for while this thread
         # consumes and detects the next batch; ``_finish_pending`` takes it up.
         offsets = [TopicPartition(t, p, part.next_offset) for (t, p), part in partitions.items()]
-        pending = _Pending(messages, keys, stats, batch.prepared is not None)
+        pending = _Pending(messages, keys, stats, batch.prepared is not None,
+                           deadline=time.monotonic() + STEP5_WAIT_S)
         metadata = self.consumer.consumer_group_metadata()
-        pending.thread = threading.Thread(target=self._commit_offsets, args=(pending, offsets, metadata, started),
+        pending.thread = threading.Thread(target=self._commit_offsets,
+                                          args=(self.producer, pending, offsets, metadata, started),
                                           name="neardup-commit", daemon=True)
         self._pending = pending
         pending.thread.start()
         return stats
 
-    def _commit_offsets(self, pending: _Pending, offsets: list[TopicPartition], metadata: Any,
-                        started: float) -> None:
+    def _commit_offsets(self, producer: Producer, pending: _Pending, offsets: list[TopicPartition],
+                        metadata: Any, started: float) -> None:
         """Step 5 of a batch (in its own thread): the input offsets (with the consumer
         group's ``metadata``) into the transaction, then its commit; an error is kept in
-        ``pending.error``."""
-        assert self.producer is not None
+        ``pending.error`` (``ProducerWedged``: a call that did not return in time, the
+        producer is never called again)."""
         try:
-            self.producer.send_offsets_to_transaction(offsets, metadata, 30.0)
-            self._commit_transaction()
+            bounded("send_offsets_to_transaction", producer.send_offsets_to_transaction,
+                    offsets, metadata, CALL_TIMEOUT_S)
+            self._commit_transaction(producer)
             pending.stats.seconds = time.perf_counter() - started
         except BaseException as exc:  # noqa: BLE001 - raised again by _finish_pending
             pending.error = exc
+
+    def _join_pending(self, pending: _Pending) -> None:
+        """Wait for step 5's thread until its deadline; still running then, it counts as
+        wedged (``pending.error``)."""
+        assert pending.thread is not None
+        pending.thread.join(max(0.0, pending.deadline - time.monotonic()))
+        if pending.thread.is_alive() and pending.error is None:
+            pending.error = ProducerWedged("step 5 (offsets and commit)", STEP5_WAIT_S)
 
     def _finish_pending(self) -> None:
         """Wait for the batch whose transaction is committing, then count it (or raise).
@@ -767,10 +930,11 @@ class KafkaDeduplicator:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        assert pending.thread is not None
-        pending.thread.join()
+        self._join_pending(pending)
         if pending.error is not None:
             self._unsettled = pending.messages
+            if isinstance(pending.error, ProducerWedged):
+                self._discard_producer()
             raise pending.error
         if self._delivery_errors:
             log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
@@ -857,8 +1021,7 @@ class KafkaDeduplicator:
             self._purged = True
             self.producer.purge(in_queue=True, in_flight=True, blocking=False)
 
-    def _commit_transaction(self) -> None:
-        assert self.producer is not None
+    def _commit_transaction(self, producer: Producer) -> None:
         for attempt in Retrying(
             retry=retry_if_exception(_retriable),
             wait=wait_exponential(multiplier=0.2, max=10),
@@ -867,24 +1030,30 @@ class KafkaDeduplicator:
             before_sleep=lambda rs: log.warning("commit_transaction: %s; retrying", rs.outcome.exception()),
         ):
             with attempt:
-                self.producer.commit_transaction(30.0)
+                bounded("commit_transaction", producer.commit_transaction, CALL_TIMEOUT_S)
 
     def _abort(self) -> None:
         """Abort the open transaction (retried for ``TRANSACTION_RETRY_S`` while the error is
-        not fatal); a fatal error, or no success in that time, starts a new producer,
-        which aborts it as well."""
+        not fatal); a fatal error, a call that does not return, or no success in that
+        time, starts a new producer, which aborts it as well."""
         assert self.producer is not None
         try:
             self._abort_transaction()
         except KafkaException as exc:
-            reason = "failed fatally" if _fatal(exc) else f"did not succeed in {TRANSACTION_RETRY_S:.0f} s"
+            if _fatal(exc):
+                reason = "failed fatally"
+            elif isinstance(exc, ProducerWedged):
+                reason = "did not return"
+            else:
+                reason = f"did not succeed in {TRANSACTION_RETRY_S:.0f} s"
             log.warning("abort_transaction %s (%s); starting a new producer", reason, exc)
             self._new_producer()
 
     def _abort_transaction(self) -> None:
         assert self.producer is not None
         for attempt in Retrying(
-            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not _fatal(e)),
+            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not _fatal(e)
+                                     and not isinstance(e, ProducerWedged)),
             wait=wait_exponential(multiplier=0.5, max=30),
             stop=stop_after_delay(TRANSACTION_RETRY_S),
             reraise=True,
@@ -892,10 +1061,23 @@ class KafkaDeduplicator:
         ):
             with attempt:
                 try:
-                    self.producer.abort_transaction(30.0)
+                    self._call("abort_transaction", self.producer.abort_transaction, CALL_TIMEOUT_S)
                 except KafkaException as exc:
                     if exc.args[0].code() != KafkaError._STATE:  # _STATE: none open
                         raise
+
+    def _call(self, what: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on the producer, waited for at most ``CALL_WAIT_S``.
+
+        Raises:
+            ProducerWedged: it did not return; the producer is dropped (``self.producer``
+                is None until ``_recover`` starts a new one).
+        """
+        try:
+            return bounded(what, call, *args)
+        except ProducerWedged:
+            self._discard_producer()
+            raise
 
     def _rewind(self, messages: list[Message]) -> None:
         """Seek the batch's partitions back to its first offsets, to consume it again."""
