@@ -19,6 +19,8 @@ shingles   seq u64 BE                                sorted distinct shingle fin
 positions  source name, UTF-8                        next position, u64 LE
 verdicts   caller-defined bytes                      caller-defined bytes (Kafka: the
                                                      ``Outcome`` record, neardup.io.messages;
+                                                     under NUL "topic-id:" topic, the
+                                                     topic's id, neardup.io.state_check;
                                                      files: outputs' lengths and the inputs
                                                      read per path, neardup.embedded)
 ========== ========================================= ==================================
