@@ -216,7 +216,7 @@ def test_a_consumer_restarted_after_sigkill_gets_its_partition_at_once(kafka_boo
                                                                         tmp_path):
     """Static membership (group.instance.id from the transactional id) by default: a
     consumer SIGKILLed and started again is assigned its partition without waiting for
-    the old member's session (45 s here) to expire."""
+    the old member's session (120 s here) to expire."""
     from kafka_util import produce
 
     topic = kafka_topic_factory("static")
@@ -224,7 +224,7 @@ def test_a_consumer_restarted_after_sigkill_gets_its_partition_at_once(kafka_boo
     messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
     produce(kafka_bootstrap, topic, messages[:400])
     group, state = "g-static", tmp_path / "state"
-    long_session = ["-X", "session.timeout.ms=45000"]
+    long_session = ["-X", "session.timeout.ms=120000"]
     first = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, *long_session,
                       log=tmp_path / "first.log")
     try:
@@ -246,4 +246,4 @@ def test_a_consumer_restarted_after_sigkill_gets_its_partition_at_once(kafka_boo
                 stamps[what] = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     waited = (stamps["assigned"] - stamps["subscribed to"]).total_seconds()
     print(f"assigned {waited:.1f} s after subscribing")
-    assert waited < 20, "the restarted consumer waited for the old member's session to expire"
+    assert waited < 30, "the restarted consumer waited for the old member's session to expire"
