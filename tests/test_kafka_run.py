@@ -522,12 +522,12 @@ class _FailingCommit(KafkaDeduplicator):
         self.aborted: list[Exception] = []
         self.on_abort = self.aborted.append
 
-    def _commit_offsets(self, pending, offsets, metadata, started) -> None:
+    def _commit_offsets(self, producer, pending, offsets, metadata, started) -> None:
         self.step5 += 1
         if self.step5 == self.fail_at:
             pending.error = KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected", retriable=True))
             return
-        super()._commit_offsets(pending, offsets, metadata, started)
+        super()._commit_offsets(producer, pending, offsets, metadata, started)
 
 
 def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, kafka_topic_factory, tmp_path):

@@ -188,6 +188,8 @@ PER_MESSAGE_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
     KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.INVALID_TIMESTAMP,
 })
+#: Timeout handed to ``init_transactions``, seconds (retried while the broker is away).
+INIT_TIMEOUT_S = 10.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
 #: (``neardup.io.bounded``), this is a backstop above their sum.
 STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
@@ -436,7 +438,8 @@ class KafkaDeduplicator:
             with attempt:
                 if self._stop.is_set():
                     raise InterruptedError("stopped before the broker answered")
-                bounded("init_transactions", producer.init_transactions, CALL_TIMEOUT_S)
+                bounded("init_transactions", producer.init_transactions, INIT_TIMEOUT_S,
+                        wait_s=INIT_TIMEOUT_S + CALL_WAIT_S - CALL_TIMEOUT_S)
 
     def _discard_producer(self) -> None:
         """Drop the producer, never to call it again (``neardup.io.bounded.discard``)."""
