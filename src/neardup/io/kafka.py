@@ -352,16 +352,41 @@ class KafkaDeduplicator:
 
     def _connect(self) -> None:
         s = self.settings
-        common = {"bootstrap.servers": s.bootstrap_servers, **s.kafka}
+        common = {"bootstrap.servers": s.bootstrap_servers, "logger": rdkafka_logger(), **s.kafka}
         self.consumer = Consumer(self._consumer_config())
         self._limits = TopicLimits(common, int(s.kafka.get("batch.size", PRODUCER_BATCH_BYTES)))
         self._new_producer()
         self._broker_answered()
-        topics = list(s.input_topics)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        assert self.consumer is not None
+        topics = list(self.settings.input_topics)
         self.consumer.subscribe(
             topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
         )
-        log.info("subscribed to %s as group %s", ", ".join(topics), s.group_id)
+        log.info("subscribed to %s as group %s", ", ".join(topics), self.settings.group_id)
+
+    def _new_consumer(self, error: KafkaError) -> None:
+        """Replace a consumer that failed fatally (typically a static member fenced by
+        its own JoinGroup, retried across an outage longer than the session): its
+        partitions are given up as in a revocation, the old consumer is dropped uncalled
+        (``neardup.io.bounded.discard``), and a new one subscribes; the partitions
+        resume at the group's committed offsets.
+
+        Raises:
+            KafkaException: the fatal error ``MAX_PRODUCER_RESETS`` + 1 times in a row.
+        """
+        self._resets += 1
+        if self._resets > MAX_PRODUCER_RESETS:
+            raise KafkaException(error)
+        log.warning("consumer failed fatally (%s); starting a new one", error)
+        old, self.consumer = self.consumer, None
+        self._revoked(old, list(self.assignment))
+        discard(old)
+        del old
+        self.consumer = Consumer(self._consumer_config())
+        self._subscribe()
 
     def _consumer_config(self) -> dict[str, Any]:
         """The consumer's librdkafka settings: neardup's, then the user's (``-X``).
@@ -621,6 +646,10 @@ class KafkaDeduplicator:
         """Up to ``batch_size`` messages, waiting at most ``timeout`` s; None if none."""
         assert self.consumer is not None
         messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
+        fatal = next((m.error() for m in messages if _consumer_fatal(m.error())), None)
+        if fatal is not None:
+            self._new_consumer(fatal)
+            return None
         if self._unchecked:  # newly assigned partitions: before any of their messages is read
             self._check_state()
         full = len(messages) == self.settings.batch_size
@@ -1093,6 +1122,12 @@ class KafkaDeduplicator:
         for (topic, partition), offset in first.items():
             if (topic, partition) in assigned:
                 self.consumer.seek(TopicPartition(topic, partition, offset))
+
+
+def _consumer_fatal(err: KafkaError | None) -> bool:
+    """A consume error after which the consumer is unusable (librdkafka reports it as
+    ``_FATAL``, its ``fatal()`` flag unset)."""
+    return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
 
 
 def _fatal(exc: KafkaException) -> bool:
