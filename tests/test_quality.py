@@ -223,6 +223,15 @@ def test_multiset_counts_repeats():
     assert not bags["thrice"].is_duplicate  # as bags the copy is three times larger
 
 
+def test_estimate_mode_recall_and_precision():
+    """The estimate's banding is tuned below the threshold: pairs just above it are
+    candidates, and recall is lost only to the estimate's own error."""
+    docs = _excerpt()
+    report = evaluate(docs, EngineSettings(verify="estimate"))
+    assert report["settings"]["banding_threshold"] == pytest.approx(0.7)
+    assert report["document_recall"] >= 0.99 and report["document_precision"] >= 0.98
+
+
 def test_estimate_mode_keeps_no_fingerprints(tmp_path):
     docs = _excerpt()[:300]
     sizes = {}

@@ -45,7 +45,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify", choices=["exact", "estimate"], help="decide on exact similarity of stored shingle fingerprints (default) or on the MinHash estimate (less disk)")
     g.add_argument("--duplicate-buckets", choices=["new", "all"], help="new (default): a duplicate joins only the LSH buckets holding none of its matches; all: every bucket")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help="canonical (default): join a cluster only if similar to its canonical document; components: classic union-find")
-    g.add_argument("--candidate-threshold", type=float, help="Jaccard similarity the LSH banding is tuned for (default: threshold minus 0.25 for exact Jaccard, 0 for estimated Jaccard, 0.3 for containment)")
+    g.add_argument("--candidate-threshold", type=float, help="Jaccard similarity the LSH banding is tuned for (default: threshold minus 0.25 for exact Jaccard, 0.1 for estimated Jaccard; for containment t / (1 + R - t), R the containment ratio)")
     g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help="count repeated shingles (a bag) instead of a set")
 
 

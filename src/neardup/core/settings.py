@@ -18,9 +18,12 @@ Direction = Literal["new-in-earlier", "earlier-in-new", "both"]
 
 #: How far below the Jaccard threshold the LSH banding is tuned, by ``verify``. With
 #: exact verification more candidates cost little and each is checked exactly, so recall
-#: rises while precision stays exact. (Containment is banded from its size bound
-#: instead: ``containment_jaccard``.)
-CANDIDATE_MARGIN = {"exact": 0.25, "estimate": 0.0}
+#: rises while precision stays exact. With the estimate, a banding tuned at the threshold
+#: itself would miss most pairs just above it (9 bands of 13 rows make a pair at 0.8 a
+#: candidate with probability 0.40); 0.1 below it they are all candidates, and what is
+#: left is the estimate's own error. (Containment is banded from its size bound instead:
+#: ``containment_jaccard``.)
+CANDIDATE_MARGIN = {"exact": 0.25, "estimate": 0.1}
 #: The share of the pairs at the containment bound that the containment banding makes
 #: candidates (``neardup.core.lsh.recall_params``).
 CONTAINMENT_RECALL = 0.995
@@ -67,7 +70,7 @@ class EngineSettings:
             pair (classic union-find connected components).
         candidate_threshold: the Jaccard similarity the LSH banding is tuned for; None
             means ``threshold`` minus ``CANDIDATE_MARGIN[verify]`` for Jaccard (0.25 for
-            exact, 0 for estimated), ``containment_jaccard(threshold,
+            exact, 0.1 for estimated), ``containment_jaccard(threshold,
             containment_ratio)`` for containment.
         lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``
             for Jaccard, ``recall_params(candidate_threshold, num_perm,
