@@ -30,6 +30,7 @@ Nothing is written until the caller commits the batch's ``StateUpdate``, atomica
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neardup.core.arrays import sorted_unique
-from neardup.core.candidates import batch_candidates
+from neardup.core.candidates import Window, batch_candidates
 from neardup.core.cluster import (
     CANONICAL,
     COMPONENTS,
@@ -53,6 +54,7 @@ from neardup.core.lsh import band_hashes, bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
 from neardup.core.overlap import fingerprints
+from neardup.core.retention import until, watermarks
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
@@ -268,8 +270,17 @@ class Detector:
         members = self.store.bucket_members(p.bucket_keys)
         starts = np.zeros(len(p.bucket_keys), dtype=np.int64)
         np.cumsum(members.counts[:-1], out=starts[1:])
+        times = document_times(documents, p.valid)
+        retention = self.store.retention
+        window = None
+        if retention.active:  # which members each document may meet (neardup.core.retention)
+            marks = watermarks(self.store.watermark(), times)
+            batch_seqs = np.arange(first_seq, first_seq + n, dtype=np.int64)
+            window = Window(until(members.seqs, self.store.get_times(members.seqs), first_seq, marks, retention),
+                            until(batch_seqs, times, first_seq, marks, retention))
         possible = batch_candidates(entries, bands, starts, members.counts, members.seqs,
-                                    0, first_seq, s.max_candidates + s.extra_candidates)  # 0: no batch joins, stored only
+                                    0, first_seq, s.max_candidates + s.extra_candidates,
+                                    window)  # 0: no batch joins, stored only
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
@@ -279,6 +290,12 @@ class Detector:
         first = len(reach)
         parent, size, canonical = self.store.forest.local_copy(reach, n)
         before = parent.copy(), size.copy(), canonical.copy()
+        local_until = None
+        if window is not None:
+            local_until = np.concatenate([until(reach, self.store.get_times(reach), first_seq, marks, retention),
+                                          window.batch_until])
+            # a canonical expired for the whole batch is never read (its set may be gone)
+            canonicals = canonicals[local_until[np.searchsorted(reach, canonicals)] > 0]
         needed = stored if s.cluster_policy == "components" else sorted_unique(np.concatenate([stored, canonicals]))
         sets = self._sets(p, local, first, needed)
 
@@ -288,7 +305,8 @@ class Detector:
             entries, bands, starts, members.counts, members.seqs, s.max_bucket_size, first_seq,
             s.max_candidates, reach, parent, size, canonical, s.threshold,
             COMPONENTS if s.cluster_policy == "components" else CANONICAL,
-            measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity)
+            measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity,
+            window, local_until)
         bounds, candidates, jaccard, containment = (decisions.bounds, decisions.seqs,
                                                     decisions.jaccard, decisions.containment)
         similarity = containment if s.measure == "containment" else jaccard
@@ -320,6 +338,7 @@ class Detector:
             signatures=p.signatures,
             store_signatures=not exact,
             ids=ids,
+            times=times,
             sizes=p.sizes,
             fingerprints=p.fingerprints if exact else None,
             fingerprint_offsets=p.fingerprint_offsets if exact else None,
@@ -389,6 +408,14 @@ class Detector:
             result.update.positions.update(positions)
         self.store.commit(result.update)
         return result.results
+
+
+def document_times(documents: Sequence[Document], valid: np.ndarray) -> np.ndarray:
+    """int64, shape (len(valid),): the times of ``documents[valid]`` in ms since the Unix
+    epoch; a document without one gets the time now (its arrival)."""
+    now = time.time()
+    return np.array([round(1000 * (now if t is None else t)) for t in
+                     (documents[i].time for i in valid.tolist())], dtype=np.int64)
 
 
 def warm_up(settings: EngineSettings) -> None:

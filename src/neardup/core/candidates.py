@@ -63,18 +63,23 @@ def _table(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: n
 def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
           member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
           below: np.ndarray, first_seq: int, table_keys: np.ndarray, table_counts: np.ndarray,
-          used: np.ndarray, shift: np.uint64) -> int:  # pragma: no cover - compiled
+          used: np.ndarray, shift: np.uint64, windowed: bool, member_until: np.ndarray,
+          batch_until: np.ndarray) -> int:  # pragma: no cover - compiled
     """Count the members of document ``d``'s buckets in the table: the stored ones, and
-    the batch's entries that joined (``head``/``below`` chains). Returns the number of
-    distinct members, whose slots are ``used[:u]``."""
+    the batch's entries that joined (``head``/``below`` chains); when ``windowed``, only
+    those held for ``d`` (``until`` above ``d``, ``neardup.core.retention``). Returns the
+    number of distinct members, whose slots are ``used[:u]``."""
     u = 0
     for e in range(d * bands, (d + 1) * bands):
         k = entry_bucket[e]
         for j in range(member_starts[k], member_starts[k] + member_counts[k]):
+            if windowed and member_until[j] <= d:
+                continue
             u = _count(table_keys, table_counts, used, u, shift, member_seqs[j])
         x = head[k]
         while x >= 0:
-            u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
+            if not (windowed and batch_until[x // bands] <= d):
+                u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
             x = below[x]
     return u
 
@@ -99,7 +104,8 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
             member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
             below: np.ndarray, taken: np.ndarray, first_seq: int, limit: int,
             bits: int, table_keys: np.ndarray, table_counts: np.ndarray,
-            used: np.ndarray):  # pragma: no cover - compiled
+            used: np.ndarray, windowed: bool, member_until: np.ndarray,
+            batch_until: np.ndarray):  # pragma: no cover - compiled
     """Document ``d``'s ``limit`` best candidates, most shared buckets first (``_meet``
     then ``_top``), with the counting table of 2**bits slots, grown first if the members
     met (with repeats) would fill more than half of it. Returns (candidates, bits, the
@@ -112,7 +118,8 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
             bits += 1
         table_keys, table_counts, used = _table(bits)
     u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
-              first_seq, table_keys, table_counts, used, np.uint64(64 - bits))
+              first_seq, table_keys, table_counts, used, np.uint64(64 - bits), windowed,
+              member_until, batch_until)
     chosen = _top(table_keys, table_counts, used, u, bands, limit)
     return chosen, bits, table_keys, table_counts, used
 
@@ -130,7 +137,8 @@ def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray
 @njit(nogil=True, cache=True)
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
-                first_seq: int, max_candidates: int):  # pragma: no cover - compiled
+                first_seq: int, max_candidates: int, windowed: bool, member_until: np.ndarray,
+                batch_until: np.ndarray):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     head = np.full(len(member_starts), -1, dtype=np.int64)  # last entry that joined a bucket
     below = np.full(len(entry_bucket), -1, dtype=np.int64)  # the entry that joined before it
@@ -144,7 +152,8 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     for d in range(n):
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
-            first_seq, max_candidates, bits, table_keys, table_counts, used)
+            first_seq, max_candidates, bits, table_keys, table_counts, used, windowed, member_until,
+            batch_until)
         out[filled : filled + len(chosen)] = np.sort(chosen)
         filled += len(chosen)
         bounds[d + 1] = filled
@@ -156,7 +165,8 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
 
 def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                      member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
-                     first_seq: int, max_candidates: int) -> Candidates:
+                     first_seq: int, max_candidates: int,
+                     window: Window | None = None) -> Candidates:
     """Candidates of documents ``first_seq``, ``first_seq + 1``, … in arrival order.
 
     Args:
@@ -169,6 +179,7 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
         max_bucket_size: a bucket takes new members while it holds fewer.
         first_seq: the seq of the batch's first document.
         max_candidates: the most candidates kept per document (at least 1).
+        window: which members each document may meet (a retention window); None: all.
 
     Returns:
         ``Candidates``.
@@ -179,7 +190,36 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
     """
     return Candidates(*_candidates(*checked_members(entry_bucket, bands, member_starts, member_counts,
                                                     member_seqs, max_bucket_size, max_candidates),
-                                   first_seq, max_candidates))
+                                   first_seq, max_candidates, *window_arrays(window, member_seqs,
+                                                                             len(entry_bucket) // max(bands, 1))))
+
+
+class Window(NamedTuple):
+    """Which members each document of a batch may meet (``neardup.core.retention``).
+
+    Attributes:
+        member_until: int64, shape (n_members,): for each stored member (aligned with
+            ``member_seqs``), the first document of the batch it is no longer held for.
+        batch_until: int64, shape (n,): the same for each document of the batch.
+    """
+
+    member_until: np.ndarray
+    batch_until: np.ndarray
+
+
+def window_arrays(window: Window | None, member_seqs: np.ndarray,
+                  n: int) -> tuple[bool, np.ndarray, np.ndarray]:
+    """(windowed, member_until int64, batch_until int64) as the compiled loops take them.
+
+    Raises:
+        ValueError: the arrays do not match the members or the batch.
+    """
+    if window is None:
+        return False, np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if len(window.member_until) != len(member_seqs) or len(window.batch_until) != n:
+        raise ValueError("the window's arrays do not match the members or the batch")
+    return (True, np.asarray(window.member_until, dtype=np.int64),
+            np.asarray(window.batch_until, dtype=np.int64))
 
 
 def checked_members(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,

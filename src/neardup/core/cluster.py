@@ -146,10 +146,13 @@ def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.
                  threshold: float, policy: int, measure: int, sizes: np.ndarray,
                  values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray,
                  seen: np.ndarray, match: np.ndarray, accepted: np.ndarray, cluster: np.ndarray,
-                 cluster_size: np.ndarray, related: np.ndarray) -> None:  # pragma: no cover - compiled
+                 cluster_size: np.ndarray, related: np.ndarray, windowed: bool,
+                 local_until: np.ndarray) -> None:  # pragma: no cover - compiled
     """Cluster document ``i`` of the batch (local id ``x``), whose candidates are the pairs
     ``lo`` to ``hi``; its decisions go to entry ``i`` of the output arrays. ``seen``:
-    scratch space of at least ``hi - lo`` entries."""
+    scratch space of at least ``hi - lo`` entries. When ``windowed``, a canonical whose
+    ``local_until`` is at most ``i`` has expired (``neardup.core.retention``): its cluster
+    is judged by its best accepted candidate instead, which the document then joins."""
     best = -1
     for k in range(lo, hi):
         if similarity[k] >= threshold:
@@ -177,15 +180,22 @@ def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.
             if j > 0 and c == ordered[j - 1]:
                 continue
             s = -1.0
-            for k in range(lo, hi):  # a candidate's similarity is known already
-                if candidates[k] == c:
-                    s = similarity[k]
-                    break
-            if s < 0.0:
-                jaccard, containment = _pair(x, c, sizes, values, offsets, signatures, measure)
-                s = jaccard if measure == JACCARD else containment
+            join = c
+            if windowed and local_until[c] <= i:  # expired: its best held member stands in
+                for k in range(lo, hi):
+                    if (similarity[k] >= threshold and similarity[k] > s
+                            and canonical[peek_root(parent, candidates[k])] == c):
+                        s, join = similarity[k], candidates[k]
+            else:
+                for k in range(lo, hi):  # a candidate's similarity is known already
+                    if candidates[k] == c:
+                        s = similarity[k]
+                        break
+                if s < 0.0:
+                    jaccard, containment = _pair(x, c, sizes, values, offsets, signatures, measure)
+                    s = jaccard if measure == JACCARD else containment
             if s > target_similarity:
-                target, target_similarity = c, s
+                target, target_similarity = join, s
         if target_similarity < threshold:
             related[i] = canonical[peek_root(parent, candidates[best])]
             return
@@ -215,7 +225,7 @@ def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first:
     for i in range(n):
         _cluster_one(i, first + i, bounds[i], bounds[i + 1], parent, size, canonical, candidates,
                      similarity, threshold, policy, measure, sizes, values, offsets, signatures,
-                     seen, match, accepted, cluster, cluster_size, related)
+                     seen, match, accepted, cluster, cluster_size, related, False, bounds[:0])
     return match, accepted, cluster, cluster_size, related
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from neardup.core.candidates import _choose, _join, _table, checked_members
+from neardup.core.candidates import Window, _choose, _join, _table, checked_members, window_arrays
 from neardup.core.cluster import JACCARD, Clustering, Sets, _cluster_one, _outputs, _pair
 
 
@@ -99,13 +99,31 @@ def _by_seq(lo: int, hi: int, seqs: np.ndarray, local: np.ndarray, jaccard: np.n
 
 
 @njit(nogil=True, cache=True)
+def _has_room(k: int, d: int, bands: int, max_bucket_size: int, member_starts: np.ndarray,
+              member_counts: np.ndarray, member_until: np.ndarray, head: np.ndarray,
+              below: np.ndarray, batch_until: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """Whether bucket ``k`` holds fewer than ``max_bucket_size`` members held for document
+    ``d`` (a retention window: expired members leave their bucket's room)."""
+    held = 0
+    for j in range(member_starts[k], member_starts[k] + member_counts[k]):
+        held += member_until[j] > d
+    x = head[k]
+    while x >= 0:
+        held += batch_until[x // bands] > d
+        x = below[x]
+    return held < max_bucket_size
+
+
+@njit(nogil=True, cache=True)
 def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
             first_seq: int, max_candidates: int, extra_candidates: int, near: float,
             stored_local: np.ndarray, parent: np.ndarray,
             size: np.ndarray, canonical: np.ndarray, threshold: float, policy: int,
             measure: int, only_new: bool, sizes: np.ndarray, values: np.ndarray,
-            offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
+            offsets: np.ndarray, signatures: np.ndarray, windowed: bool,
+            member_until: np.ndarray, batch_until: np.ndarray, local_until: np.ndarray,
+            max_bucket_size: int):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     first = len(stored_local)
     limit = max_candidates + extra_candidates
@@ -128,7 +146,8 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         x = first + d
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
-            first_seq, limit, bits, table_keys, table_counts, used)
+            first_seq, limit, bits, table_keys, table_counts, used, windowed, member_until,
+            batch_until)
         lo = filled
         best = -1.0
         for j in range(len(chosen)):
@@ -151,11 +170,16 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         bounds[d + 1] = filled
         _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
                      policy, measure, sizes, values, offsets, signatures, seen, match, accepted,
-                     cluster, cluster_size, related)
+                     cluster, cluster_size, related, windowed, local_until)
         skip_covered = only_new and match[d] >= 0
         for e in range(d * bands, (d + 1) * bands):
             k = entry_bucket[e]
-            if taken[k] < room[k] and not (skip_covered and _covered(
+            if windowed and not taken[k] < room[k]:  # full, unless some members expired
+                room_left = _has_room(k, d, bands, max_bucket_size, member_starts, member_counts,
+                                      member_until, head, below, batch_until)
+            else:
+                room_left = taken[k] < room[k]
+            if room_left and not (skip_covered and _covered(
                     k, lo, filled, seqs, similarity, threshold, member_starts, member_counts,
                     member_seqs, entry_bucket, joined, bands, first_seq)):
                 _join(e, k, head, below, taken, joined)
@@ -168,7 +192,8 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                  first_seq: int, max_candidates: int, stored_local: np.ndarray,
                  parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, threshold: float,
                  policy: int, measure: int, only_new: bool, sets: Sets,
-                 extra_candidates: int = 0, near: float = 1.0) -> Decisions:
+                 extra_candidates: int = 0, near: float = 1.0, window: Window | None = None,
+                 local_until: np.ndarray | None = None) -> Decisions:
     """Candidates, verification, clustering and bucket joins of documents ``first_seq``,
     ``first_seq + 1``, … in arrival order (see the module docstring).
 
@@ -205,6 +230,12 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
             miss: the true match may be further down the list), and with ``JACCARD``
             only while none is accepted.
         near: the similarity that keeps the verification going past ``max_candidates``.
+        window: a retention window: which members each document may meet
+            (``neardup.core.candidates.Window``); a bucket's room then counts the members
+            held for the document only. None: every member.
+        local_until: int64, shape (n_local,), with ``window``: for each local id, the
+            first document of the batch it is no longer held for; a cluster whose
+            canonical has expired is judged by its held members (``neardup.core.cluster``).
 
     Returns:
         ``Decisions``.
@@ -213,10 +244,19 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
         ValueError: ``entry_bucket`` is not a whole number of documents, or
             ``max_candidates`` is below 1 or ``extra_candidates`` below 0.
     """
+    n = len(entry_bucket) // max(bands, 1)
+    windowed, member_until, batch_until = window_arrays(window, member_seqs, n)
+    if windowed:
+        if local_until is None or len(local_until) != len(parent):
+            raise ValueError("a window needs local_until, one entry per local id")
+        local_until = np.asarray(local_until, dtype=np.int64)
+    else:
+        local_until = np.zeros(0, np.int64)
     out = _decide(*checked_members(entry_bucket, bands, member_starts, member_counts, member_seqs,
                                    max_bucket_size, max_candidates, extra_candidates),
                   first_seq, max_candidates, extra_candidates, float(near),
                   np.asarray(stored_local, dtype=np.uint64), parent, size,
                   canonical, float(threshold), policy, measure, bool(only_new), sets.sizes,
-                  sets.values, sets.offsets, sets.signatures)
+                  sets.values, sets.offsets, sets.signatures, windowed, member_until, batch_until,
+                  local_until, int(max_bucket_size))
     return Decisions(*out[:5], Clustering(*out[5:]))

@@ -8,10 +8,12 @@ from typing import Literal
 
 @dataclass(frozen=True, slots=True)
 class Document:
-    """One record to deduplicate: its external ``id`` and raw ``text``."""
+    """One record to deduplicate: its external ``id`` and raw ``text``; ``time``, in
+    seconds since the Unix epoch, places it in a retention window (None: its arrival)."""
 
     id: str
     text: str
+    time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import numpy as np
 from neardup.core.unionfind import Node
 
 if TYPE_CHECKING:
+    from neardup.core.retention import Retention
     from neardup.state.forest import Forest
     from neardup.state.index import BucketMembers
 
@@ -44,6 +45,8 @@ class StateUpdate:
         store_signatures: False when nothing reads stored signatures back (exact
             verification): they are then checked for shape but not written.
         ids: external ids of the new documents, in sequence order.
+        times: int64, shape (n_new,): their times, ms since the Unix epoch (the retention
+            window's clock, ``neardup.core.retention``); None: now.
         sizes: int64, shape (n_new,): their shingle-set sizes (0s if not given).
         fingerprints, fingerprint_offsets: their sorted shingle fingerprints, kept for
             exact verification, as one uint32 array and int64 offsets of shape
@@ -64,6 +67,7 @@ class StateUpdate:
     signatures: np.ndarray
     ids: list[str]
     store_signatures: bool = True
+    times: np.ndarray | None = None
     sizes: np.ndarray | None = None
     fingerprints: np.ndarray | None = None
     fingerprint_offsets: np.ndarray | None = None
@@ -90,6 +94,20 @@ class StateStore(Protocol):
     def bucket_members(self, bucket_ids: np.ndarray) -> BucketMembers:
         """The committed members of each bucket of ``bucket_ids`` (uint64, shape (n,),
         distinct); see ``neardup.state.index``."""
+        ...
+
+    @property
+    def retention(self) -> Retention:
+        """The retention window in force (stored with the state)."""
+        ...
+
+    def watermark(self) -> int:
+        """The latest document time committed, ms (``neardup.core.retention``)."""
+        ...
+
+    def get_times(self, seqs: np.ndarray) -> np.ndarray:
+        """int64 ms, shape (len(seqs),): the documents' times; a very old time for a
+        document no longer stored."""
         ...
 
     def get_signatures(self, seqs: Sequence[int]) -> np.ndarray:

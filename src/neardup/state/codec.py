@@ -8,6 +8,12 @@ family     key                                       value
 default    b"settings"                               JSON of the state-shaping settings
 default    b"next_seq"                               u64 LE: documents stored
 default    b"max_bucket"                             u64 LE: largest bucket length seen
+default    b"retention"                              JSON of the retention window
+                                                     (``neardup.core.retention.Retention``)
+default    b"watermark"                              i64 LE: latest document time, ms
+default    b"expired_below"                          u64 LE: documents below this seq have
+                                                     expired and been removed
+times      first seq of a batch u64 BE               the batch's document times, i64 LE ms
 buckets    first seq of a batch u64 BE               the batch's bucket memberships: pairs
                                                      (bucket id u64 LE, seq u64 LE)
 signatures seq u64 BE (8 B)                          num_perm x u64 LE (8 * num_perm B); written
@@ -26,7 +32,10 @@ verdicts   caller-defined bytes                      caller-defined bytes (Kafka
 ========== ========================================= ==================================
 
 Big-endian keys sort numerically, so a scan of ``buckets`` or ``signatures`` runs in
-arrival order. ``LAYOUT`` is stored with the settings: a store of another layout is
+arrival order, and the records of expired documents (below ``expired_below``) are
+removed with one range delete per family. A ``documents`` record below it is kept
+while it is the canonical of a cluster with a held member (its id is the cluster id).
+A store written before ``times`` existed reads its documents as of time 0. ``LAYOUT`` is stored with the settings: a store of another layout is
 refused rather than misread.
 """
 
@@ -39,8 +48,14 @@ from typing import Any
 import numpy as np
 
 
-FAMILIES = ("buckets", "signatures", "nodes", "documents", "shingles", "positions", "verdicts")
+FAMILIES = ("buckets", "signatures", "nodes", "documents", "shingles", "positions", "verdicts", "times")
+#: Families keyed by the seq of a document, and by the first seq of a batch.
+SEQ_FAMILIES = ("signatures", "nodes", "documents", "shingles")
+BATCH_FAMILIES = ("buckets", "times")
 SETTINGS_KEY = b"settings"
+RETENTION_KEY = b"retention"
+WATERMARK_KEY = b"watermark"
+EXPIRED_BELOW_KEY = b"expired_below"
 NEXT_SEQ_KEY = b"next_seq"
 MAX_BUCKET_KEY = b"max_bucket"
 #: Version of these layouts, stored with the state-shaping settings.
@@ -77,6 +92,27 @@ def decode_memberships(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(bucket ids, seqs): uint64 arrays of one length."""
     pairs = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.uint64)
     return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+_I64 = struct.Struct("<q")
+
+
+def encode_i64(value: int) -> bytes:
+    return _I64.pack(value)
+
+
+def decode_i64(raw: bytes) -> int:
+    return _I64.unpack(raw)[0]
+
+
+def encode_times(times: np.ndarray) -> bytes:
+    """int64 ms times as i64 LE."""
+    return np.asarray(times, dtype="<i8").tobytes()
+
+
+def decode_times(raw: bytes) -> np.ndarray:
+    """int64, shape (k,)."""
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
 def encode_signature(signature: np.ndarray) -> bytes:

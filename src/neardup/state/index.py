@@ -13,7 +13,8 @@ directory probe and a short scan per bucket id and run, compiled, for a whole ba
 The store owns the index: it writes each batch's memberships to RocksDB in the batch's
 atomic write, adds them to the index only after that write, and rebuilds the index from
 those records when it opens. The index is therefore a cache of committed state, never
-ahead of it.
+ahead of it. With a retention window, the memberships of expired documents are removed
+in bulk (``drop_below``) when the store removes those documents.
 
 Memory: 12 bytes per membership (uint64 bucket id, uint32 seq) and 1 to 2 for the
 directories, plus up to twice ``MAX_RUN`` memberships for a moment while two runs merge.
@@ -132,6 +133,19 @@ class BucketIndex:
             newer_run = self._runs.pop()
             self._runs[-1] = _run(*_merge_runs(self._runs[-1].buckets, self._runs[-1].seqs,
                                                newer_run.buckets, newer_run.seqs))
+
+    def drop_below(self, base: int) -> None:
+        """Remove the memberships of the documents below ``base`` (expired), freeing their
+        memory: a run wholly below goes at once, a run holding some is rewritten without
+        them (runs keep their order, so they stay sorted)."""
+        runs = []
+        for run in self._runs:
+            keep = run.seqs >= base
+            if keep.all():
+                runs.append(run)
+            elif keep.any():
+                runs.append(_run(run.buckets[keep], run.seqs[keep]))
+        self._runs = runs
 
     def lookup(self, buckets: np.ndarray) -> BucketMembers:
         """Members of each bucket in ``buckets`` (uint64, shape (n,), distinct): one

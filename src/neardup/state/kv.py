@@ -6,21 +6,28 @@ them into the ``StateStore`` protocol with the layouts of ``neardup.state.codec`
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from neardup.core.arrays import sorted_unique
+from neardup.core.retention import NO_TIME, Retention
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
+from neardup.state.expiry import Times, held_since, removal_point
 from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
 from neardup.state.setcache import SetCache, merge_sets, select_sets
 
 Puts = dict[str, Iterable[tuple[bytes, bytes]]]  # family -> (key, value) pairs
 Deletes = dict[str, Iterable[bytes]]  # family -> keys
+Ranges = dict[str, tuple[bytes, bytes]]  # family -> [begin, end) keys
+
+log = logging.getLogger(__name__)
 
 
 class KeyValueStateStore:
@@ -33,9 +40,12 @@ class KeyValueStateStore:
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         raise NotImplementedError
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
-        """Apply ``deletes`` then ``puts`` atomically."""
+    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+        """Apply ``ranges`` (range deletes), ``deletes`` then ``puts`` atomically."""
         raise NotImplementedError
+
+    def _reclaim(self, end: bytes) -> None:
+        """Give back the space of the keys below ``end`` just deleted (compaction)."""
 
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) of ``family``, in key order."""
@@ -51,9 +61,12 @@ class KeyValueStateStore:
     def _get(self, family: str, key: bytes) -> bytes | None:
         return self._get_many(family, [key])[0]
 
-    def _open_settings(self, requested: dict[str, Any], set_cache_bytes: int = 0) -> None:
+    def _open_settings(self, requested: dict[str, Any], set_cache_bytes: int = 0,
+                       retention: Retention | None = None) -> None:
         """Store or check the settings, then load the counters and the bucket index, and
         start an empty set cache of ``set_cache_bytes`` (``neardup.state.setcache``).
+        ``retention`` replaces the stored retention window (None keeps it); a shorter one
+        expires documents at once.
 
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
@@ -79,10 +92,15 @@ class KeyValueStateStore:
         self._next_seq = codec.decode_u64(self._get("default", codec.NEXT_SEQ_KEY) or b"\0" * 8)
         max_bucket = self._get("default", codec.MAX_BUCKET_KEY)
         self._max_bucket = codec.decode_u64(max_bucket) if max_bucket else 0
+        raw = self._get("default", codec.EXPIRED_BELOW_KEY)
+        base = codec.decode_u64(raw) if raw else 0
+        raw = self._get("default", codec.WATERMARK_KEY)
+        self._watermark = codec.decode_i64(raw) if raw else NO_TIME
         self.index = BucketIndex()
         for _, raw in self._scan("buckets"):
             self.index.add(*codec.decode_memberships(raw))
-        self._forest = Forest()
+        self.index.drop_below(base)
+        self._forest = Forest(base)
         self._forest.grow(self._next_seq)
         keys, values = [], []
         for key, raw in self._scan("nodes"):
@@ -91,10 +109,60 @@ class KeyValueStateStore:
         seqs, nodes = codec.decode_nodes(keys, values)
         self._forest.set(seqs, nodes[:, 0], nodes[:, 1], nodes[:, 2])
         self.sets = SetCache(set_cache_bytes)
+        self.sets.drop_below(base)
+        self._times = Times(base)
+        for key, raw in self._scan("times"):
+            self._times.extend(codec.decode_u64(key[::-1]), codec.decode_times(raw))
+        self._times.grow(self._next_seq)
+        self._kept: dict[int, bytes] = {}  # expired canonicals' documents records, by seq
+        for key, raw in self._scan("documents"):
+            seq = int.from_bytes(key, "big")
+            if seq >= base:
+                break
+            self._kept[seq] = raw
+        self._expired_at_open = base
+        self._open_retention(retention)
+
+    def _open_retention(self, requested: Retention | None) -> None:
+        """Take the stored retention window, or store ``requested`` in its place (a log
+        line says what changes), then remove what has expired."""
+        raw = self._get("default", codec.RETENTION_KEY)
+        stored = Retention.from_dict(codec.decode_settings(raw)) if raw else Retention()
+        self._retention = stored if requested is None else requested
+        if requested is not None and requested != stored:
+            self._write({"default": [(codec.RETENTION_KEY, codec.encode_settings(requested.to_dict()))]})
+            if stored.shorter_than(requested) and self._times.base > 0:
+                log.warning("retention changed from %s to %s: it is longer now, but the %d documents "
+                            "that expired before stay forgotten; only documents from now on are kept longer",
+                            stored.describe(), requested.describe(), self._times.base)
+            else:
+                log.info("retention changed from %s to %s", stored.describe(), requested.describe())
+        self.expire()
 
     @property
     def forest(self) -> Forest:
         return self._forest
+
+    @property
+    def retention(self) -> Retention:
+        return self._retention
+
+    def watermark(self) -> int:
+        return self._watermark
+
+    def get_times(self, seqs: np.ndarray) -> np.ndarray:
+        return self._times.get(seqs)
+
+    def retention_stats(self) -> dict[str, int]:
+        """documents_held, documents_expired (held for the next document or not, by the
+        window; all held without one), expired_removed (removed from the store), and
+        oldest_held_ms (the earliest time among the held documents, 0 with none)."""
+        base = self._times.base
+        mask = held_since(self._times, base, self._next_seq, self._watermark, self._retention)
+        times = self._times.since(base)[: len(mask)][mask]
+        count = int(mask.sum())
+        return {"documents_held": count, "documents_expired": self._next_seq - count,
+                "expired_removed": base, "oldest_held_ms": int(times.min()) if count else 0}
 
     def next_seq(self) -> int:
         return self._next_seq
@@ -162,6 +230,10 @@ class KeyValueStateStore:
             )
         if update.next_seq > MAX_SEQ + 1:
             raise StateError(f"the store holds at most {MAX_SEQ + 1:,} documents")
+        times = update.times if update.times is not None else np.full(
+            len(update.ids), round(time.time() * 1000), dtype=np.int64)
+        if len(times) != len(update.ids):
+            raise StateError(f"{len(times)} times for {len(update.ids)} documents")
         keys = codec.seq_keys(np.arange(update.first_seq, update.next_seq))
         sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
         width = 8 * self.num_perm
@@ -181,17 +253,92 @@ class KeyValueStateStore:
         puts["positions"] = [(source.encode("utf-8"), codec.encode_u64(position))
                              for source, position in update.positions.items()]
         puts["verdicts"] = update.verdicts.items()
+        watermark = max(self._watermark, int(times.max())) if len(times) else self._watermark
         puts["default"] = [(codec.NEXT_SEQ_KEY, codec.encode_u64(update.next_seq)),
-                           (codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket))]
-        self._write(puts, {"verdicts": update.verdict_deletes})
+                           (codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket)),
+                           (codec.WATERMARK_KEY, codec.encode_i64(watermark))]
+        if len(times):
+            puts["times"] = [(codec.seq_key(update.first_seq), codec.encode_times(times))]
+        deletes: Deletes = {"verdicts": update.verdict_deletes}
+        self._times.extend(update.first_seq, times)  # undone below if the write fails
+        removal = self._removal(update.next_seq, watermark, update.first_seq, nodes, puts, deletes)
+        try:
+            self._write(puts, deletes, removal.ranges if removal else None)
+        except BaseException:
+            self._times.drop_after(update.first_seq)
+            raise
         self._next_seq = update.next_seq
         self._max_bucket = max_bucket
+        self._watermark = watermark
         self.index.add(update.bucket_ids, update.bucket_seqs)
-        self._forest.grow(update.next_seq)
-        self._forest.set(nodes[:, 0], nodes[:, 1], nodes[:, 2], nodes[:, 3])
+        if removal is None:
+            self._forest.grow(update.next_seq)
+            self._forest.set(nodes[:, 0], nodes[:, 1], nodes[:, 2], nodes[:, 3])
+        else:
+            self._removed(removal)
         if update.fingerprints is not None:
             # The newest sets that can be read again, those of the documents in a bucket (a
             # document in none is never a candidate): their copies may come soon.
             joined = sorted_unique(update.bucket_seqs).astype(np.int64)
             self.sets.add(joined, *select_sets(update.fingerprints, update.fingerprint_offsets,
                                                joined - update.first_seq))
+
+    # --- retention: removing expired documents (neardup.state.expiry) ---------------
+    def expire(self) -> None:
+        """Remove the expired documents now if that is due (after a shorter retention
+        window was set), in one atomic write."""
+        n = self._next_seq
+        puts: Puts = {}
+        deletes: Deletes = {}
+        removal = self._removal(n, self._watermark, n, np.empty((0, 4), np.uint64), puts, deletes)
+        if removal is not None:
+            self._write(puts, deletes, removal.ranges)
+            self._removed(removal)
+
+    def _removal(self, n: int, watermark: int, limit: int, nodes: np.ndarray, puts: Puts,
+                 deletes: Deletes) -> _Removal | None:
+        """Plan the removal of the expired documents below the first one held (at most
+        ``limit``) if due, adding its writes to ``puts`` and ``deletes``; None if not due.
+        ``nodes``: the batch's union-find rows, applied before re-rooting."""
+        new_base = removal_point(self._times, n, watermark, self._retention, limit)
+        if new_base is None:
+            return None
+        base = self._times.base
+        forest, rows = self._forest.rebased(nodes, n, new_base)
+        # the batch's rows of held documents, then the re-rooted ones (written later, so they win)
+        held_rows = nodes[nodes[:, 0] >= new_base] if len(nodes) else nodes
+        all_rows = np.concatenate([held_rows, rows]) if len(rows) else held_rows
+        puts["nodes"] = list(zip(codec.seq_keys(all_rows[:, 0]), codec.encode_nodes(all_rows[:, 1:])))
+        referenced = forest.canonicals_below(new_base).tolist()
+        newly = [seq for seq in referenced if seq >= base]
+        kept = {seq: raw for seq, raw in self._kept.items() if seq in set(referenced)}
+        for seq, raw in zip(newly, self._get_many("documents", codec.seq_keys(newly))):
+            if raw is not None:
+                kept[seq] = raw
+        puts["documents"] = [*puts.get("documents", []),
+                             *((codec.seq_key(seq), kept[seq]) for seq in newly if seq in kept)]
+        deletes["documents"] = [codec.seq_key(seq) for seq in self._kept if seq not in kept]
+        ranges: Ranges = {family: (codec.seq_key(base), codec.seq_key(new_base)) for family in codec.SEQ_FAMILIES}
+        batch_start = self._times.batch_start(new_base)
+        if batch_start is not None:
+            ranges.update({family: (codec.seq_key(0), codec.seq_key(batch_start)) for family in codec.BATCH_FAMILIES})
+        puts.setdefault("default", [])
+        puts["default"] = [*puts["default"], (codec.EXPIRED_BELOW_KEY, codec.encode_u64(new_base))]
+        return _Removal(new_base, forest, kept, ranges)
+
+    def _removed(self, removal: _Removal) -> None:
+        """After the write: drop the removed documents from memory, then reclaim disk."""
+        self._forest = removal.forest
+        self._kept = removal.kept
+        self.index.drop_below(removal.base)
+        self.sets.drop_below(removal.base)
+        self._times.drop_below(removal.base)
+        self._reclaim(codec.seq_key(removal.base))
+
+
+class _Removal:
+    """A planned removal: the new base, the re-rooted forest, the kept canonical records,
+    the range deletes."""
+
+    def __init__(self, base: int, forest: Forest, kept: dict[int, bytes], ranges: Ranges) -> None:
+        self.base, self.forest, self.kept, self.ranges = base, forest, kept, ranges

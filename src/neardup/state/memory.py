@@ -6,7 +6,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from neardup.state import codec
-from neardup.state.kv import Deletes, KeyValueStateStore, Puts
+from neardup.core.retention import Retention
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
 
 
 class MemoryStateStore(KeyValueStateStore):
@@ -16,13 +17,15 @@ class MemoryStateStore(KeyValueStateStore):
         settings: the state-shaping settings (``EngineSettings.state_shape()``).
         set_cache_bytes: size of the set cache in bytes (``neardup.state.setcache``);
             off by default, dict reads being cheap.
+        retention: the retention window (``neardup.core.retention``); None: keep all.
     """
 
-    def __init__(self, settings: dict[str, Any], set_cache_bytes: int = 0) -> None:
+    def __init__(self, settings: dict[str, Any], set_cache_bytes: int = 0,
+                 retention: Retention | None = None) -> None:
         self._data: dict[str, dict[bytes, bytes]] = {
             name: {} for name in ("default", *codec.FAMILIES)
         }
-        self._open_settings(settings, set_cache_bytes)
+        self._open_settings(settings, set_cache_bytes, retention)
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         table = self._data[family]
@@ -31,7 +34,11 @@ class MemoryStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return iter(sorted(self._data[family].items()))
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
+    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+        for family, (begin, end) in (ranges or {}).items():
+            table = self._data[family]
+            for key in [k for k in table if begin <= k < end]:
+                del table[key]
         for family, keys in (deletes or {}).items():
             for key in keys:
                 self._data[family].pop(key, None)
@@ -41,7 +48,7 @@ class MemoryStateStore(KeyValueStateStore):
     def stats(self) -> dict[str, int]:
         out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
                "index_entries": len(self.index), "index_bytes": self.index.nbytes,
-               "forest_bytes": self.forest.nbytes}
+               "forest_bytes": self.forest.nbytes, **self.retention_stats()}
         for name, table in self._data.items():
             out[f"keys_{name}"] = len(table)
         out["bytes"] = sum(len(k) + len(v) for t in self._data.values() for k, v in t.items())

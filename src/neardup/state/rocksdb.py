@@ -17,7 +17,8 @@ from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdic
 
 from neardup.state import codec
 from neardup.state.base import StateError
-from neardup.state.kv import Deletes, KeyValueStateStore, Puts
+from neardup.core.retention import Retention
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
 
 
 #: Memory bounds: a block cache shared by every family, the set cache
@@ -70,6 +71,8 @@ class RocksDBStateStore(KeyValueStateStore):
             first open, compared on every later open.
         set_cache_bytes: size of the in-memory cache of fingerprint sets in bytes
             (``neardup.state.setcache``); 0 turns it off.
+        retention: the retention window (``neardup.core.retention``), stored with the
+            state; None keeps the stored one (at first: keep everything).
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
@@ -78,7 +81,7 @@ class RocksDBStateStore(KeyValueStateStore):
     """
 
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
-                 set_cache_bytes: int = SET_CACHE_BYTES) -> None:
+                 set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | None = None) -> None:
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,7 @@ class RocksDBStateStore(KeyValueStateStore):
             self._families[name] = self._db.get_column_family(name)
             self._handles[name] = self._db.get_column_family_handle(name)
         self._closed = False
-        self._open_settings(settings, set_cache_bytes)
+        self._open_settings(settings, set_cache_bytes, retention)
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -106,8 +109,10 @@ class RocksDBStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return self._families[family].items()
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None) -> None:
+    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         batch = WriteBatch(raw_mode=True)
+        for family, (begin, end) in (ranges or {}).items():
+            batch.delete_range(begin, end, self._handles[family])
         for family, keys in (deletes or {}).items():
             handle, delete = self._handles[family], batch.delete
             for key in keys:
@@ -121,11 +126,17 @@ class RocksDBStateStore(KeyValueStateStore):
         except Exception as exc:  # rocksdict raises plain Exception (e.g. a full disk)
             raise StateError(f"cannot write the state store {self.path}: {exc}") from exc
 
+    def _reclaim(self, end: bytes) -> None:
+        """Compact the seq-keyed families below ``end``: the files wholly under a range
+        delete are dropped, so the disk space of expired documents comes back at once."""
+        for family in (*codec.SEQ_FAMILIES, *codec.BATCH_FAMILIES):
+            self._families[family].compact_range(None, end)
+
     def stats(self) -> dict[str, int]:
         """Documents, estimated keys per family, bytes of SST files and of memtables."""
         out = {"documents": self._next_seq, "max_bucket_size": self._max_bucket,
                "index_entries": len(self.index), "index_bytes": self.index.nbytes,
-               "forest_bytes": self.forest.nbytes, "set_cache_bytes": self.sets.nbytes,
+               "forest_bytes": self.forest.nbytes, **self.retention_stats(), "set_cache_bytes": self.sets.nbytes,
                "set_cache_hits": self.sets.hits, "set_cache_misses": self.sets.misses}
         sst = memtables = 0
         for name in ("default", *codec.FAMILIES):

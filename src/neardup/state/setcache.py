@@ -65,7 +65,8 @@ class SetCache:
             raise ValueError(f"capacity_bytes must be at least 0, not {capacity_bytes}")
         self._ring = np.zeros(capacity_bytes // 4, dtype=np.uint32)
         self._written = 0  # values ever added; the ring holds the last len(ring) of them
-        self._start = np.full(0, -1, dtype=np.int64)  # by seq: position of its set, -1 if never added
+        self._base = 0  # seqs below have expired and left the cache
+        self._start = np.full(0, -1, dtype=np.int64)  # by seq - base: position of its set, -1 if never added
         self._length = np.zeros(0, dtype=np.int32)
         self.hits = 0
         self.misses = 0
@@ -86,8 +87,8 @@ class SetCache:
             ``seqs[hit]``, in that order, as ``values`` (uint32) and ``offsets`` (int64,
             shape (hit.sum() + 1,)).
         """
-        seqs = np.asarray(seqs, dtype=np.int64)
-        known = seqs < len(self._start)
+        seqs = np.asarray(seqs, dtype=np.int64) - self._base
+        known = (seqs >= 0) & (seqs < len(self._start))
         starts = np.full(len(seqs), -1, dtype=np.int64)
         starts[known] = self._start[seqs[known]]
         hit = (starts >= 0) & (starts >= self._written - len(self._ring))
@@ -102,6 +103,15 @@ class SetCache:
         self.misses += len(seqs) - found
         return hit, values, offsets
 
+    def drop_below(self, base: int) -> None:
+        """Forget the sets of the documents below ``base`` (expired), and their memory."""
+        if base <= self._base:
+            return
+        cut = min(base - self._base, len(self._start))
+        self._start = self._start[cut:].copy()
+        self._length = self._length[cut:].copy()
+        self._base = base
+
     def add(self, seqs: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> None:
         """Add the sets of ``seqs`` (``values[offsets[i]:offsets[i + 1]]`` for ``seqs[i]``),
         overwriting the oldest. Of one call only the last sets that fit in the ring
@@ -113,6 +123,11 @@ class SetCache:
             offsets: int64, shape (k + 1,).
         """
         seqs = np.asarray(seqs, dtype=np.int64)
+        if len(seqs) and seqs.min() < self._base:  # expired documents are not added
+            keep = np.flatnonzero(seqs >= self._base)
+            values, offsets = select_sets(values, np.asarray(offsets, dtype=np.int64), keep)
+            seqs = seqs[keep]
+        seqs = seqs - self._base
         if not len(self._ring) or not len(seqs):
             return
         offsets = np.asarray(offsets, dtype=np.int64)
