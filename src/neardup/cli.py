@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from neardup import __version__
-from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings
+from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings, retention_changes
 from neardup.core.lsh import LshParams, false_negative_area, false_positive_area
 from neardup.core.settings import EngineSettings
 from neardup.errors import user_error
@@ -58,6 +58,14 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
 
 
+def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
+    g = p.add_argument_group("retention (stored with the state; given again, it changes: shorter expires at once, longer cannot bring back what expired)")
+    g.add_argument("--retention", metavar="DURATION", help="documents older than this stop being candidates, e.g. 72h, 7d, 30m (run: by Kafka record timestamp; dedup: by --timestamp-field, else arrival); none removes it (default: keep everything)")
+    g.add_argument("--retention-documents", metavar="N", help="only the N most recent documents are candidates; none removes it (default: keep everything)")
+    if timestamp_field:
+        g.add_argument("--timestamp-field", help="JSON field holding a record's time, ISO 8601 or epoch seconds (default: the time a line is read)")
+
+
 def _metrics_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}, dedup default off; 0 turns it off)")
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     dedup.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     _engine_flags(dedup)
     _record_flags(dedup)
+    _retention_flags(dedup, timestamp_field=True)
     _metrics_flags(dedup)
     _common_flags(dedup)
 
@@ -113,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer (SASL, TLS, ...); repeatable")
     _engine_flags(run)
     _record_flags(run)
+    _retention_flags(run, timestamp_field=False)
     _metrics_flags(run)
     _common_flags(run)
 
@@ -245,6 +255,8 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
             state_dir=settings.state_dir,
             batch_size=settings.batch_size,
             parallel=settings.pipeline,
+            time_field=settings.timestamp_field,
+            retention=retention_changes(settings),
             append=args.append,
             overwrite=args.overwrite,
             progress=args.progress,
@@ -275,7 +287,7 @@ def cmd_run(settings: Settings) -> int:
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
     metrics, server = _metrics_server(settings, port, readiness.check)
     try:
-        with RocksDBStateStore(state_dir, engine.state_shape()) as store:
+        with RocksDBStateStore(state_dir, engine.state_shape(), retention=retention_changes(settings)) as store:
             metrics.refresh_state(store, force=True)
 
             def on_batch(stats: Any) -> None:  # counters last: they tell a scrape the batch is in
@@ -354,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_produce(args)
         settings = _settings(args)
         settings.engine()  # validate early
+        retention_changes(settings)
         _setup_logging(settings)
         _compile_notice()
         if args.command == "dedup":

@@ -31,6 +31,7 @@ from pydantic_settings import (
 
 from neardup.core.lsh import LshParams
 from neardup.core.normalize import TextNorm
+from neardup.core.retention import parse_duration
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
 from neardup.io.kafka_config import read_value_files
@@ -65,6 +66,10 @@ class Settings(BaseSettings):
     cluster_policy: Literal["canonical", "components"] = "canonical"
     candidate_threshold: float | None = Field(None, gt=0.0, lt=1.0)
     multiset: bool = False
+    # retention (stored with the state; changeable)
+    retention: str | None = None  # duration, e.g. 72h; "none": no time bound
+    retention_documents: int | str | None = None  # count; "none": no count bound
+    timestamp_field: str | None = None  # dedup: the field holding each record's time
     # records
     text_field: Annotated[list[str], NoDecode] | None = None  # dedup: ["text"]; run: whole value
     id_field: str | None = None  # dedup: "id"; run: the message key
@@ -148,6 +153,29 @@ class Settings(BaseSettings):
             cluster_policy=self.cluster_policy,
             candidate_threshold=self.candidate_threshold,
         )
+
+
+def retention_changes(settings: Settings) -> dict[str, Any] | None:
+    """The retention bounds the settings change (``seconds``, ``documents``; a bound of
+    None removes it), or None when they name none (the stored window stays).
+
+    Raises:
+        ValueError: a duration or count that is not one.
+    """
+    changes: dict[str, Any] = {}
+    off = ("none", "off")
+    if settings.retention is not None:
+        text = str(settings.retention).strip().lower()
+        changes["seconds"] = None if text in off else parse_duration(text)
+    if settings.retention_documents is not None:
+        text = str(settings.retention_documents).strip().lower()
+        if text in off:
+            changes["documents"] = None
+        elif not text.isdigit() or int(text) < 1:
+            raise ValueError(f"--retention-documents must be a count of at least 1 or none, not {text!r}")
+        else:
+            changes["documents"] = int(text)
+    return changes or None
 
 
 def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
@@ -128,7 +130,7 @@ class DistinctIds:
         self.renamed += 1
         if self.renamed <= self.warnings:
             log.warning("%s:%d: id %r seen before; named %r in the outputs", source, line.number, doc.id, name)
-        return replace(line, document=Document(name, doc.text))
+        return replace(line, document=Document(name, doc.text, doc.time))
 
 
 def _path_key(source: Input) -> bytes:
@@ -151,10 +153,10 @@ def _start_line(store: RocksDBStateStore, source: Input) -> int:
 
 
 def _lines(source: Input, stream: Iterable[bytes], text_fields: list[str], id_field: str | None,
-           start: int, ids: DistinctIds) -> Iterator[Line]:
+           start: int, ids: DistinctIds, time_field: str | None = None) -> Iterator[Line]:
     name = "stdin" if source.path == "-" else Path(source.path).name
     try:
-        for line in read_lines(stream, text_fields, id_field, start=start):
+        for line in read_lines(stream, text_fields, id_field, start=start, time_field=time_field):
             yield ids(line, name)
     except READ_ERRORS as exc:  # truncated or corrupt gzip, I/O error
         raise InputError(f"cannot read input {source.path}: {exc}") from None
@@ -195,6 +197,8 @@ def dedup_files(
     progress: bool | None = None,
     on_batch: Callable[[list[Verdict | Rejected], float], None] | None = None,
     parallel: bool = True,
+    time_field: str | None = None,
+    retention: Retention | dict[str, Any] | None = None,
 ) -> Summary:
     """Deduplicate ``inputs`` (JSONL, gzipped or not, or ``-``) in order, into ``out_dir``.
 
@@ -212,6 +216,10 @@ def dedup_files(
         parallel: prepare the next batch (normalise, shingle, MinHash) in a worker
             process while the current one is verified and written
             (``neardup.pipeline``).
+        time_field: the field holding each record's time for a retention window (ISO
+            8601 or epoch seconds); None: the time a line is read.
+        retention: the retention window stored with the state (a mapping changes only
+            the bounds it names); None keeps the stored one (``neardup.core.retention``).
 
     Raises:
         InputError: an input is missing, a directory, unreadable or corrupt.
@@ -222,7 +230,7 @@ def dedup_files(
     summary = Summary()
     clusters: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="neardup-state-") as scratch:
-        store = RocksDBStateStore(state_dir or scratch, settings.state_shape())
+        store = RocksDBStateStore(state_dir or scratch, settings.state_shape(), retention=retention)
         outputs: OutputFiles | None = None
         bar = tqdm(unit=" docs", disable=None if progress is None else not progress)
         try:
@@ -239,7 +247,7 @@ def dedup_files(
                 if start:
                     summary.resumed_at_line[source.path] = start
                 with open_binary(source.path) as stream:
-                    lines = _lines(source, stream, text_fields, id_field, start, ids)
+                    lines = _lines(source, stream, text_fields, id_field, start, ids, time_field)
                     for batch, prepared in prepared_ahead(
                         _batches(lines, batch_size), _documents, settings, parallel
                     ):

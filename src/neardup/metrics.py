@@ -105,6 +105,16 @@ class Metrics:
             "neardup_state_bytes", "Bytes of the state, by kind (sst|memtable: RocksDB; bucket_index: the in-memory LSH bucket index; forest: the in-memory union-find forest; set_cache: the in-memory cache of fingerprint sets).", ["kind"], registry=r)
         self.state_documents = Gauge(
             "neardup_state_documents", "Documents stored in the state.", registry=r)
+        self.documents_held = Gauge(
+            "neardup_documents_held", "Documents still candidates under the retention window (all, without one).",
+            registry=r)
+        self.documents_expired = Gauge(
+            "neardup_documents_expired", "Documents expired by the retention window since the state began.",
+            registry=r)
+        self.oldest_held_age = Gauge(
+            "neardup_oldest_held_age_seconds",
+            "Age of the oldest document held (now minus its time: Kafka record timestamp or arrival), seconds.",
+            registry=r)
         self.largest_bucket = Gauge(
             "neardup_largest_bucket_size", "Members of the largest LSH band bucket ever written.", registry=r)
         self.build = Info(
@@ -217,6 +227,10 @@ class Metrics:
         self.state_bytes.labels("set_cache").set(stats.get("set_cache_bytes", 0))
         self.state_documents.set(stats.get("documents", 0))
         self.largest_bucket.set(stats.get("max_bucket_size", 0))
+        self.documents_held.set(stats.get("documents_held", 0))
+        self.documents_expired.set(stats.get("documents_expired", 0))
+        oldest = stats.get("oldest_held_ms", 0)
+        self.oldest_held_age.set(max(time.time() - oldest / 1000, 0.0) if oldest else 0.0)
         return True
 
     # --- exposition --------------------------------------------------------------------

@@ -4,6 +4,7 @@ adapters."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 
@@ -56,3 +57,27 @@ def record_id(record: Any, id_field: str | None) -> str | None:
     if isinstance(value, (str, int)) and not isinstance(value, bool):
         return str(value)
     raise RecordError(f"id field {id_field!r} is a {type(value).__name__}, not a string or integer")
+
+
+def record_time(record: Any, time_field: str) -> float:
+    """The record's time in seconds since the Unix epoch, from ``time_field``: a number
+    of seconds, or an ISO 8601 string (``2026-11-23T16:20:00Z``; UTC when it names no
+    zone).
+
+    Raises:
+        RecordError: the field is absent or holds no such time.
+    """
+    value = lookup(record, time_field) if isinstance(record, dict) else _MISSING
+    if value is _MISSING or value is None:
+        raise RecordError(f"missing timestamp field {time_field!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise RecordError(f"timestamp field {time_field!r} is not ISO 8601 or epoch seconds: {value[:40]!r}") from None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=timezone.utc)
+        return parsed.timestamp()
+    raise RecordError(f"timestamp field {time_field!r} is a {type(value).__name__}, not a time")

@@ -10,7 +10,7 @@ with what is held, but is itself expired at once if it is older than the window.
 Document ``x`` (seq ``x``, watermark ``w_x`` including its own time) is compared only
 with the documents ``s < x`` held for it::
 
-    s >= x - documents    and    time[s] > w_x - seconds
+    s >= x - documents    and    time[s] >= w_x - seconds
 
 Times are int64 milliseconds since the Unix epoch (Kafka's unit).
 """
@@ -46,6 +46,15 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that divides it: ``72h``, ``7d``, ``90s``."""
+    for unit in ("w", "d", "h", "m", "s"):
+        count = seconds / _UNITS[unit]
+        if count >= 1 and count == int(count):
+            return f"{int(count)}{unit}"
+    return f"{seconds:g}s"
+
+
 @dataclass(frozen=True)
 class Retention:
     """How long documents stay candidates; None keeps them (the default keeps all).
@@ -53,7 +62,8 @@ class Retention:
     Attributes:
         documents: only the ``documents`` most recent documents are candidates.
         seconds: a document stops being a candidate once it is older than this, in
-            seconds, against the watermark (see the module docstring).
+            seconds, against the watermark (see the module docstring): held while
+            its time is at least the watermark minus ``seconds``.
 
     Raises:
         ValueError: a bound below 1 document or not above 0 seconds.
@@ -89,7 +99,7 @@ class Retention:
         if self.documents is not None:
             parts.append(f"the last {self.documents:,} documents")
         if self.seconds is not None:
-            parts.append(f"{self.seconds:g} s")
+            parts.append(format_duration(self.seconds))
         return " and ".join(parts) if parts else "everything"
 
     def shorter_than(self, other: Retention) -> bool:
@@ -127,7 +137,7 @@ def until(seqs: np.ndarray, times: np.ndarray, first_seq: int, marks: np.ndarray
         by_count = np.asarray(seqs, dtype=np.int64) - first_seq + retention.documents + 1
         np.minimum(out, np.clip(by_count, 0, n), out=out)
     if retention.millis is not None:
-        by_time = np.searchsorted(marks, np.asarray(times, dtype=np.int64) + retention.millis, side="left")
+        by_time = np.searchsorted(marks, np.asarray(times, dtype=np.int64) + retention.millis, side="right")
         np.minimum(out, by_time, out=out)
     return out
 
@@ -140,5 +150,5 @@ def held(seqs: np.ndarray, times: np.ndarray, next_seq: int, watermark: int,
     if retention.documents is not None:
         out &= np.asarray(seqs, dtype=np.int64) >= next_seq - retention.documents
     if retention.millis is not None:
-        out &= np.asarray(times, dtype=np.int64) > watermark - retention.millis
+        out &= np.asarray(times, dtype=np.int64) >= watermark - retention.millis
     return out

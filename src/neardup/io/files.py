@@ -24,7 +24,7 @@ import xxhash
 from isal import igzip, isal_zlib
 
 from neardup.core.types import Document, Verdict
-from neardup.records import RecordError, record_id, record_text
+from neardup.records import RecordError, record_id, record_text, record_time
 
 GZIP_MAGIC = b"\x1f\x8b"
 #: What reading a corrupt or truncated input raises (gzip data is decompressed by ISA-L,
@@ -163,9 +163,14 @@ def read_lines(
     text_fields: Sequence[str],
     id_field: str | None,
     start: int = 0,
+    time_field: str | None = None,
 ) -> Iterator[Line]:
     """Parse JSONL from the byte lines of ``stream`` (``open_binary``), skipping the first
     ``start`` lines.
+
+    With ``time_field`` a document's time (for a retention window) is that field's
+    value, ISO 8601 or epoch seconds (``neardup.records.record_time``); without it, its
+    arrival.
 
     A record's id is its ``id_field`` value, else its line number. Blank lines are
     skipped. Lines that are not valid UTF-8, not JSON, or lack the text field come out
@@ -203,10 +208,11 @@ def read_lines(
                     raise refused from None
                 text = record_text(record, text_fields)
                 doc_id = record_id(record, id_field) or str(number)
+            when = record_time(record, time_field) if time_field else None
         except RecordError as exc:
             yield Line(number, record, None, str(exc), data.decode("utf-8"))
             continue
-        yield Line(number, record, Document(doc_id, text), data=data)
+        yield Line(number, record, Document(doc_id, text, when), data=data)
 
 
 def _dumps(entry: dict[str, Any]) -> bytes:

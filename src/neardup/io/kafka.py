@@ -790,10 +790,10 @@ class KafkaDeduplicator:
                 continue
             m = it.message
             try:
-                documents.append(
-                    to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
-                                s.text_field, s.id_field, s.max_message_bytes)
-                )
+                doc = to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
+                                  s.text_field, s.id_field, s.max_message_bytes)
+                ts_type, ts = m.timestamp()  # the retention window's clock; none: arrival
+                documents.append(Document(doc.id, doc.text, ts / 1000 if ts_type != 0 else None))
                 fresh.append(it)
             except MessageError as exc:
                 it.outcome = Outcome.of_error(exc.kind, str(exc), m.topic(), m.partition(), m.offset())

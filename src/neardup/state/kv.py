@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,11 +62,11 @@ class KeyValueStateStore:
         return self._get_many(family, [key])[0]
 
     def _open_settings(self, requested: dict[str, Any], set_cache_bytes: int = 0,
-                       retention: Retention | None = None) -> None:
+                       retention: Retention | Mapping[str, Any] | None = None) -> None:
         """Store or check the settings, then load the counters and the bucket index, and
         start an empty set cache of ``set_cache_bytes`` (``neardup.state.setcache``).
-        ``retention`` replaces the stored retention window (None keeps it); a shorter one
-        expires documents at once.
+        ``retention`` replaces the stored retention window (a mapping changes only the
+        bounds it names; None keeps it); a shorter one expires documents at once.
 
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
@@ -120,14 +120,16 @@ class KeyValueStateStore:
             if seq >= base:
                 break
             self._kept[seq] = raw
-        self._expired_at_open = base
+        self._reclaimed = base  # expired documents below this have had their space compacted away
         self._open_retention(retention)
 
-    def _open_retention(self, requested: Retention | None) -> None:
+    def _open_retention(self, requested: Retention | Mapping[str, Any] | None) -> None:
         """Take the stored retention window, or store ``requested`` in its place (a log
         line says what changes), then remove what has expired."""
         raw = self._get("default", codec.RETENTION_KEY)
         stored = Retention.from_dict(codec.decode_settings(raw)) if raw else Retention()
+        if isinstance(requested, Mapping):
+            requested = Retention.from_dict({**stored.to_dict(), **requested})
         self._retention = stored if requested is None else requested
         if requested is not None and requested != stored:
             self._write({"default": [(codec.RETENTION_KEY, codec.encode_settings(requested.to_dict()))]})
@@ -311,7 +313,8 @@ class KeyValueStateStore:
         puts["nodes"] = list(zip(codec.seq_keys(all_rows[:, 0]), codec.encode_nodes(all_rows[:, 1:])))
         referenced = forest.canonicals_below(new_base).tolist()
         newly = [seq for seq in referenced if seq >= base]
-        kept = {seq: raw for seq, raw in self._kept.items() if seq in set(referenced)}
+        wanted = set(referenced)
+        kept = {seq: raw for seq, raw in self._kept.items() if seq in wanted}
         for seq, raw in zip(newly, self._get_many("documents", codec.seq_keys(newly))):
             if raw is not None:
                 kept[seq] = raw
@@ -332,8 +335,12 @@ class KeyValueStateStore:
         self._kept = removal.kept
         self.index.drop_below(removal.base)
         self.sets.drop_below(removal.base)
+        held = self._next_seq - removal.base
+        if removal.base - self._reclaimed >= max(1, held // 2):
+            # compaction rewrites about the whole store: only after half a window's worth
+            self._reclaim(codec.seq_key(removal.base))
+            self._reclaimed = removal.base
         self._times.drop_below(removal.base)
-        self._reclaim(codec.seq_key(removal.base))
 
 
 class _Removal:

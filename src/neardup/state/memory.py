@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from neardup.state import codec
 from neardup.core.retention import Retention
+from neardup.state import codec
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
 
 
@@ -21,7 +21,7 @@ class MemoryStateStore(KeyValueStateStore):
     """
 
     def __init__(self, settings: dict[str, Any], set_cache_bytes: int = 0,
-                 retention: Retention | None = None) -> None:
+                 retention: Retention | Mapping[str, Any] | None = None) -> None:
         self._data: dict[str, dict[bytes, bytes]] = {
             name: {} for name in ("default", *codec.FAMILIES)
         }

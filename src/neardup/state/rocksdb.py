@@ -9,15 +9,15 @@ input positions stored in the same batches then replay.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict, WriteBatch
 
+from neardup.core.retention import Retention
 from neardup.state import codec
 from neardup.state.base import StateError
-from neardup.core.retention import Retention
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
 
 
@@ -72,7 +72,8 @@ class RocksDBStateStore(KeyValueStateStore):
         set_cache_bytes: size of the in-memory cache of fingerprint sets in bytes
             (``neardup.state.setcache``); 0 turns it off.
         retention: the retention window (``neardup.core.retention``), stored with the
-            state; None keeps the stored one (at first: keep everything).
+            state; a mapping changes only the bounds it names; None keeps the stored one
+            (at first: keep everything).
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
@@ -81,7 +82,7 @@ class RocksDBStateStore(KeyValueStateStore):
     """
 
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
-                 set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | None = None) -> None:
+                 set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
