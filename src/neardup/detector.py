@@ -25,6 +25,11 @@ A~B, B~C puts A and C together however unlike they are. With the ``canonical`` p
 cluster's canonical; otherwise it is still a duplicate of its match, but starts its own
 cluster and records the match's cluster as ``related``.
 
+With a retention window (the store's, ``neardup.core.retention``), each document meets
+only the stored members and earlier batch documents held for it: pass 1 and pass 3 get,
+for every member, the first document of the batch it has expired for, and a cluster whose
+canonical has expired is judged by its held members (``neardup.core.cluster``).
+
 Nothing is written until the caller commits the batch's ``StateUpdate``, atomically.
 """
 
