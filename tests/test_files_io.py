@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import orjson
+
 from neardup.core.settings import EngineSettings
 from neardup.embedded import dedup_files
 
@@ -83,3 +85,28 @@ def test_lines_nested_deeper_than_json_reads_are_rejected(tmp_path: Path) -> Non
     rejects = [json.loads(line) for line in out["rejects"]]
     assert [(r["line"], r["reason"].split(":")[0].split(",")[0]) for r in rejects] == [
         (2, "invalid JSON"), (3, "invalid JSON"), (4, "record is a JSON list"), (5, "invalid JSON")]
+
+
+def test_a_lone_surrogate_in_the_id_or_text_is_a_reject(tmp_path: Path) -> None:
+    """json reads ``"\\ud800"`` (orjson does not): such an id or text is no Unicode text
+    and cannot be stored, so the line is a reject and the run goes on."""
+    lines = [
+        ('{"id": "a", "text": "%s"}' % STORY).encode(),
+        b'{"id": "c\\ud800", "text": "a story about the weather in the north of the country"}',
+        b'{"id": "d", "text": "a story \\udfff about harvests"}',
+        ('{"id": "b", "text": "%s"}' % STORY[:50]).encode(),
+    ]
+    out = _run(tmp_path, lines)
+    assert [json.loads(line)["id"] for line in out["unique"]] == ["a", "b"]
+    rejects = [json.loads(line) for line in out["rejects"]]
+    assert [(r["line"], "lone surrogate" in r["reason"]) for r in rejects] == [(2, True), (3, True)]
+
+
+def test_a_deep_record_holding_a_neardup_member_is_written(tmp_path: Path) -> None:
+    """A record with a ``neardup`` member is encoded again: as deep as orjson reads
+    (1,000 levels here), json must write it too."""
+    deep = b"[" * 1000 + b"]" * 1000
+    lines = [b'{"id": "a", "text": "%s", "neardup": 1, "deep": ' % STORY.encode() + deep + b"}"]
+    out = _run(tmp_path, lines)
+    [record] = [orjson.loads(line) for line in out["unique"]]  # json cannot read it back
+    assert record["neardup"]["id"] == "a" and record["neardup"]["verdict"] == "unique"

@@ -15,6 +15,7 @@ import os
 import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -209,10 +210,37 @@ def read_lines(
                 text = record_text(record, text_fields)
                 doc_id = record_id(record, id_field) or str(number)
             when = record_time(record, time_field) if time_field else None
+            _check_unicode(id_field or "id", doc_id, text_fields, text)
         except RecordError as exc:
             yield Line(number, record, None, str(exc), data.decode("utf-8"))
             continue
         yield Line(number, record, Document(doc_id, text, when), data=data)
+
+
+def _check_unicode(id_name: str, doc_id: str, text_fields: Sequence[str], text: str) -> None:
+    """Refuse an id or a text holding a lone surrogate (a ``"\\ud800"`` escape that only
+    ``json`` reads): it is no Unicode text, and could be neither stored nor shingled.
+
+    Raises:
+        RecordError: naming the field.
+    """
+    for name, value in ((id_name, doc_id), ("/".join(text_fields), text)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RecordError(f"invalid JSON: field {name!r} holds a lone surrogate (not Unicode text)") from None
+
+
+@contextmanager
+def _nesting_allowed(levels: int = 4096) -> Iterator[None]:
+    """Let ``json``, which recurses, read and write records as deep as orjson reads them
+    (1,024 levels): Python's default limit of 1,000 frames is below that."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(before, levels))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def _dumps(entry: dict[str, Any]) -> bytes:
@@ -286,11 +314,12 @@ class OutputFiles:
                     return
                 except orjson.JSONEncodeError:  # a lone surrogate in the id: json escapes it
                     pass
-        if data is not None:  # read again by json, which keeps integers beyond 64 bits exact
-            record = json.loads(data)
-        out = dict(record) if isinstance(record, dict) else {"value": record}
-        out["neardup"] = entry
-        self._pending[name].append(_dumps(out))
+        with _nesting_allowed():  # a record orjson read (up to 1,024 levels) json can write
+            if data is not None:  # read again by json, which keeps integers beyond 64 bits exact
+                record = json.loads(data)
+            out = dict(record) if isinstance(record, dict) else {"value": record}
+            out["neardup"] = entry
+            self._pending[name].append(_dumps(out))
 
     def write_reject(self, line: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
         """Queue a reject line; ``flush`` writes it."""
