@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
@@ -27,17 +28,18 @@ def excerpt(limit: int | None = None) -> list[dict]:
     return records[:limit]
 
 
-def produce(bootstrap: str, topic: str, messages: Iterable[tuple[bytes | None, bytes | None]],
+def produce(bootstrap: str, topic: str, messages: Iterable[tuple[Any, ...]],
             headers: list[tuple[str, bytes]] | None = None, max_bytes: int = 1_000_000) -> int:
-    """Produce (key, value) pairs in order; returns how many. ``max_bytes``: the
-    producer's ``message.max.bytes``."""
+    """Produce (key, value) pairs, or (key, value, headers) triples, in order; returns how
+    many. ``headers``: those of every pair; ``max_bytes``: the producer's
+    ``message.max.bytes``."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
                          "linger.ms": 20, "message.max.bytes": max_bytes})
     n = 0
-    for key, value in messages:
+    for key, value, *own in messages:
         while True:
             try:
-                producer.produce(topic, key=key, value=value, headers=headers)
+                producer.produce(topic, key=key, value=value, headers=own[0] if own else headers)
                 break
             except BufferError:
                 producer.poll(0.1)

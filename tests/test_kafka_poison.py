@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError
 
 from kafka_util import committed_offset, create_topic, excerpt, produce, read_all, run_until_committed
 from test_messages import POISON
@@ -314,16 +314,7 @@ def test_fuzz_every_message_lands_exactly_once(kafka_bootstrap, tmp_path):
     rng = random.Random(FUZZ_SEED)
     messages = _fuzz_messages(rng, FUZZ_MESSAGES)
     topic = _input_topic(kafka_bootstrap, "fuzz")
-    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "linger.ms": 20,
-                         "message.max.bytes": INPUT_MAX_BYTES})
-    for key, value, headers in messages:
-        while True:
-            try:
-                producer.produce(topic, key=key, value=value, headers=headers)
-                break
-            except BufferError:
-                producer.poll(0.1)
-    assert producer.flush(60) == 0
+    produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES)
     settings = _settings(kafka_bootstrap, topic, "g-fuzz", batch_size=500)
     _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
     assert aborts == [], f"seed {FUZZ_SEED}"
