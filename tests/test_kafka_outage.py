@@ -84,7 +84,9 @@ def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
     log = tmp_path / "run.log"
     with frozen_broker():
         proc = start_run(kafka_bootstrap, topic, "g-late", tmp_path / "state", *JSON_FIELDS, log=log)
-        time.sleep(12)
+        # Longer than init_transactions' 10 s timeout plus the start-up, so that the
+        # first attempt surely fails and the retry is logged.
+        time.sleep(25)
         assert proc.poll() is None, "the consumer must wait for the broker, not exit"
     try:
         wait_committed(kafka_bootstrap, "g-late", topic, len(records), proc, timeout_s=240)
