@@ -353,10 +353,13 @@ class KafkaDeduplicator:
     def _connect(self) -> None:
         s = self.settings
         common = {"bootstrap.servers": s.bootstrap_servers, "logger": rdkafka_logger(), **s.kafka}
-        self.consumer = Consumer(self._consumer_config())
         self._limits = TopicLimits(common, int(s.kafka.get("batch.size", PRODUCER_BATCH_BYTES)))
         self._new_producer()
         self._broker_answered()
+        # The consumer only once the broker has answered the producer: created during an
+        # outage, its first group requests time out queued, and it was once seen never
+        # to be assigned after the broker came back.
+        self.consumer = Consumer(self._consumer_config())
         self._subscribe()
 
     def _subscribe(self) -> None:
