@@ -61,13 +61,7 @@ def test_a_deleted_state_directory_is_refused(kafka_bootstrap, kafka_topic_facto
     assert f"partition {topic}[0]" in line and "never seen" in line and "--reset-state" in line
     assert committed_offset(kafka_bootstrap, group, topic) == 300, "nothing was processed"
 
-    log = tmp_path / "reset.log"
-    proc = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, "--reset-state", log=log)
-    try:
-        wait_committed(kafka_bootstrap, group, topic, 500, proc)
-    finally:
-        assert stop(proc) == 0
-    assert f"--reset-state: partition {topic}[0]" in log.read_text()
+    assert f"--reset-state: partition {topic}[0]" in _run_reset(kafka_bootstrap, topic, group, state, tmp_path, 500)
 
     # accepted once: the state has seen the partition now
     log = tmp_path / "again.log"
@@ -109,12 +103,17 @@ def test_a_topic_created_again_is_refused(kafka_bootstrap, kafka_topic_factory, 
     [line] = _error_lines(out)
     assert f"partition {topic}[0]" in line and "created again" in line and "--reset-state" in line
 
+    text = _run_reset(kafka_bootstrap, topic, group, state, tmp_path, 400)
+    assert f"--reset-state: partition {topic}[0]" in text
+    assert "already delivered" not in text
+
+
+def _run_reset(kafka_bootstrap, topic, group, state, tmp_path, offset: int) -> str:
+    """``neardup run --reset-state`` until the group has committed ``offset``; its log."""
     log = tmp_path / "reset.log"
     proc = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, "--reset-state", log=log)
     try:
-        wait_committed(kafka_bootstrap, group, topic, 400, proc)
+        wait_committed(kafka_bootstrap, group, topic, offset, proc)
     finally:
         assert stop(proc) == 0
-    text = log.read_text()
-    assert f"--reset-state: partition {topic}[0]" in text
-    assert "already delivered" not in text
+    return log.read_text()
