@@ -193,6 +193,12 @@ INIT_TIMEOUT_S = 10.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
 #: (``neardup.io.bounded``), this is a backstop above their sum.
 STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
+#: Seconds a subscribed consumer may go without any assignment (an empty one counts)
+#: while it sees a broker up, before it is replaced: one subscribed during a broker
+#: outage was once seen never to be assigned after the broker came back.
+ASSIGN_WAIT_S = 60.0
+#: Seconds for which the consumer's last statistics showing a broker up count as recent.
+BROKER_UP_RECENT_S = 15.0
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -330,6 +336,8 @@ class KafkaDeduplicator:
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
         self._backoff, self._resets = 0.5, 0
+        self._subscribed_at, self._ever_assigned = 0.0, False  # the assignment watchdog's
+        self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
 
     # --- topics ---------------------------------------------------------------------
     def target_topic(self, input_topic: str, target: str) -> str:
@@ -368,14 +376,12 @@ class KafkaDeduplicator:
         self.consumer.subscribe(
             topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
         )
+        self._subscribed_at, self._ever_assigned = time.monotonic(), False
         log.info("subscribed to %s as group %s", ", ".join(topics), self.settings.group_id)
 
     def _new_consumer(self, error: KafkaError) -> None:
         """Replace a consumer that failed fatally (typically a static member fenced by
-        its own JoinGroup, retried across an outage longer than the session): its
-        partitions are given up as in a revocation, the old consumer is dropped uncalled
-        (``neardup.io.bounded.discard``), and a new one subscribes; the partitions
-        resume at the group's committed offsets.
+        its own JoinGroup, retried across an outage longer than the session).
 
         Raises:
             KafkaException: the fatal error ``MAX_PRODUCER_RESETS`` + 1 times in a row.
@@ -384,6 +390,24 @@ class KafkaDeduplicator:
         if self._resets > MAX_PRODUCER_RESETS:
             raise KafkaException(error)
         log.warning("consumer failed fatally (%s); starting a new one", error)
+        self._replace_consumer()
+
+    def _check_assigned(self) -> None:
+        """Replace the consumer if it has had no assignment (not even an empty one) for
+        ``ASSIGN_WAIT_S`` since it subscribed, though it sees a broker up. Not counted
+        as a reset: the group may be slow, nothing implies a second instance."""
+        now = time.monotonic()
+        if (self._ever_assigned or now - self._subscribed_at < ASSIGN_WAIT_S
+                or now - self._broker_up_at > BROKER_UP_RECENT_S):
+            return
+        log.warning("no partitions assigned %.0f s after subscribing, though the broker is up; "
+                    "starting a new consumer", now - self._subscribed_at)
+        self._replace_consumer()
+
+    def _replace_consumer(self) -> None:
+        """A new consumer in place of the current one: its partitions are given up as in
+        a revocation, the old consumer is dropped uncalled (``neardup.io.bounded.discard``),
+        and the new one subscribes; the partitions resume at the group's committed offsets."""
         old, self.consumer = self.consumer, None
         self._revoked(old, list(self.assignment))
         discard(old)
@@ -476,6 +500,7 @@ class KafkaDeduplicator:
             discard(producer)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._ever_assigned = True
         held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
         self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
         self._unchecked += [(p.topic, p.partition) for p in partitions]
@@ -528,6 +553,7 @@ class KafkaDeduplicator:
             batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
             ahead = None
             if batch is None:
+                self._check_assigned()
                 try:
                     self._finish_pending()  # idle: the last batch's commit is surely done
                 except KafkaException as exc:
@@ -624,6 +650,7 @@ class KafkaDeduplicator:
         except ValueError:
             return
         if any(b.get("nodeid", -1) >= 0 and b.get("state") == "UP" for b in brokers.values()):
+            self._broker_up_at = time.monotonic()
             self._broker_answered()
 
     def lag(self) -> dict[tuple[str, int], int]:
