@@ -290,10 +290,10 @@ class Detector:
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs.
         stored = sorted_unique(possible.seqs)
-        reach, canonicals = self.store.forest.closure(stored)
+        reach, canonicals = self.store.closure(stored)
         local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
         first = len(reach)
-        parent, size, canonical = self.store.forest.local_copy(reach, n)
+        parent, size, canonical = self.store.local_nodes(reach, n)
         before = parent.copy(), size.copy(), canonical.copy()
         local_until = None
         if window is not None:

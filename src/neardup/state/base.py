@@ -1,38 +1,22 @@
-"""The state-store protocol and the update a batch writes atomically."""
+"""The state-store protocol and the update a batch writes atomically. The errors live in
+``neardup.state.errors`` (importable from here too)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from neardup.core.unionfind import Node
+from neardup.state.errors import SettingsMismatchError, StateError
 
 if TYPE_CHECKING:
     from neardup.core.retention import Retention
-    from neardup.state.forest import Forest
     from neardup.state.index import BucketMembers
 
-
-class StateError(Exception):
-    """The state store cannot be used (corrupt, locked, or incompatible)."""
-
-
-class SettingsMismatchError(StateError):
-    """The store was built with other state-shaping settings than the ones given."""
-
-    def __init__(self, differences: dict[str, tuple[Any, Any]]) -> None:
-        self.differences = differences
-        detail = "; ".join(
-            f"{name}: stored {stored!r}, requested {requested!r}"
-            for name, (stored, requested) in sorted(differences.items())
-        )
-        super().__init__(
-            f"the state was built with other settings ({detail}); use the stored "
-            "settings or another state directory"
-        )
+__all__ = ["SettingsMismatchError", "StateError", "StateStore", "StateUpdate"]
 
 
 @dataclass
@@ -114,9 +98,16 @@ class StateStore(Protocol):
         """uint64, shape (len(seqs), num_perm). Raises KeyError for an unknown seq."""
         ...
 
-    @property
-    def forest(self) -> Forest:
-        """The committed union-find forest (``neardup.state.forest``); read-only."""
+    def closure(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every committed union-find node clustering ``seqs`` (int, shape (n,)) can
+        touch, and the canonicals of their clusters: (reach, canonicals), uint64 sorted
+        distinct arrays (``neardup.state.forest.Forest.closure``)."""
+        ...
+
+    def local_nodes(self, reach: np.ndarray, n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A copy of the committed nodes of ``reach`` (a ``closure``) followed by ``n_new``
+        singletons, over local ids: (parent, size, canonical), int64, shape
+        (len(reach) + n_new,) each (``neardup.state.forest.Forest.local_copy``)."""
         ...
 
     def get_nodes(self, seqs: Sequence[int]) -> list[Node | None]:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from neardup.state.base import StateError
+from neardup.state.errors import StateError
 
 #: A run is merged into the previous one while that one is at most FANOUT times larger
 #: and the merged run would hold at most MAX_RUN memberships (100 MB): bigger merges

@@ -17,7 +17,8 @@ from neardup.core.arrays import sorted_unique
 from neardup.core.retention import NO_TIME, Retention
 from neardup.core.unionfind import Node
 from neardup.state import codec
-from neardup.state.base import SettingsMismatchError, StateError, StateUpdate
+from neardup.state.base import StateUpdate
+from neardup.state.errors import SettingsMismatchError, StateError
 from neardup.state.expiry import Times, held_since, removal_point
 from neardup.state.forest import Forest
 from neardup.state.index import MAX_SEQ, BucketIndex, BucketMembers
@@ -143,7 +144,14 @@ class KeyValueStateStore:
 
     @property
     def forest(self) -> Forest:
+        """The committed union-find forest (read-only; not part of ``StateStore``)."""
         return self._forest
+
+    def closure(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._forest.closure(seqs)
+
+    def local_nodes(self, reach: np.ndarray, n_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._forest.local_copy(reach, n_new)
 
     @property
     def retention(self) -> Retention:

@@ -17,7 +17,7 @@ from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdic
 
 from neardup.core.retention import Retention
 from neardup.state import codec
-from neardup.state.base import StateError
+from neardup.state.errors import StateCorruptedError, StateError, StateLockedError
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
 
 
@@ -67,6 +67,19 @@ def _options(cache: Cache, compress: bool = True) -> Options:
     return options
 
 
+def _open_error(path: Path, exc: Exception) -> StateError:
+    """The typed error of a failed open: rocksdict raises a plain ``Exception`` whose
+    message starts with RocksDB's status ("IO error: While lock file: .../LOCK: ...",
+    "IO error: lock hold by current process", "Corruption: ...")."""
+    message = f"cannot open state store {path}: {exc}"
+    text = str(exc)
+    if text.startswith("Corruption:"):
+        return StateCorruptedError(message)
+    if text.startswith("IO error:") and ("LOCK:" in text or "lock hold" in text):
+        return StateLockedError(message + " (another process uses this state directory)")
+    return StateError(message)
+
+
 class RocksDBStateStore(KeyValueStateStore):
     """State in a RocksDB directory.
 
@@ -82,8 +95,10 @@ class RocksDBStateStore(KeyValueStateStore):
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
-        StateError: the directory cannot be created or opened (read-only file system,
-            locked by another process, corrupt); later, a write fails (full disk).
+        StateLockedError: another process (or store) holds the directory's LOCK.
+        StateCorruptedError: RocksDB reports the files as corrupted.
+        StateError: the directory cannot be created or opened otherwise (read-only file
+            system); later, a write fails (full disk).
     """
 
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
@@ -98,7 +113,7 @@ class RocksDBStateStore(KeyValueStateStore):
         try:
             self._db = Rdict(str(self.path), _options(cache), column_families=families)
         except Exception as exc:  # rocksdict raises plain Exception
-            raise StateError(f"cannot open state store {self.path}: {exc}") from exc
+            raise _open_error(self.path, exc) from exc
         self._families = {"default": self._db}
         self._handles = {"default": self._db.get_column_family_handle("default")}
         for name in codec.FAMILIES:
