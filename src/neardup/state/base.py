@@ -45,6 +45,8 @@ class StateUpdate:
         positions: input source -> next position to read (line, offset, ...).
         verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
         verdict_deletes: keys of ``verdicts`` records no longer needed.
+        meta: the runtime's metadata (name -> bytes), in the default family under
+            ``b"meta:" + name``; read back with ``get_meta``.
     """
 
     first_seq: int
@@ -62,6 +64,7 @@ class StateUpdate:
     positions: dict[str, int] = field(default_factory=dict)
     verdicts: dict[bytes, bytes] = field(default_factory=dict)
     verdict_deletes: list[bytes] = field(default_factory=list)
+    meta: dict[bytes, bytes] = field(default_factory=dict)
 
     @property
     def next_seq(self) -> int:

@@ -6,13 +6,21 @@ Column families and their records (all integers unsigned):
 family     key                                       value
 ========== ========================================= ==================================
 default    b"settings"                               JSON of the state-shaping settings
-default    b"next_seq"                               u64 LE: documents stored
+default    b"next_seq"                               u64 LE: documents stored (absent: 0)
 default    b"max_bucket"                             u64 LE: largest bucket length seen
 default    b"retention"                              JSON of the retention window
                                                      (``neardup.core.retention.Retention``)
 default    b"watermark"                              i64 LE: latest document time, ms
 default    b"expired_below"                          u64 LE: documents below this seq have
                                                      expired and been removed
+default    b"meta:" + name                           caller-defined bytes
+                                                     (``StateUpdate.meta``)
+default    b"changelog_unconfirmed"                  the changelog keys written since the
+                                                     last ``confirm()``: zlib of the sorted
+                                                     keys, each u16 LE length + key; never
+                                                     logged
+default    b"restoring"                              empty: a restore is under way (wiped,
+                                                     records being applied); never logged
 times      first seq of a batch u64 BE               the batch's document times, i64 LE ms
 buckets    first seq of a batch u64 BE               the batch's bucket memberships: pairs
                                                      (bucket id u64 LE, seq u64 LE)
@@ -35,14 +43,30 @@ Big-endian keys sort numerically, so a scan of ``buckets`` or ``signatures`` run
 arrival order, and the records of expired documents (below ``expired_below``) are
 removed with one range delete per family. A ``documents`` record below it is kept
 while it is the canonical of a cluster with a held member (its id is the cluster id).
-A store written before ``times`` existed reads its documents as of time 0. ``LAYOUT`` is stored with the settings: a store of another layout is
-refused rather than misread.
+A store written before ``times`` existed reads its documents as of time 0. ``LAYOUT``
+is stored with the settings: a store of another layout is refused rather than misread.
+
+Changelog records (a compacted Kafka topic, the state's source of truth; as Kafka Streams'
+and quix-streams' changelogs): one record per stored key written,
+
+========================================= ============================================
+record key                                record value
+========================================= ============================================
+family tag (1 B) + the stored key         the stored value; None (a tombstone) for a
+                                          deleted key
+========================================= ============================================
+
+the tag being the family's index in ``CHANGELOG_FAMILIES`` ("default" 0, "buckets" 1,
+…, "times" 8). A range delete is logged as one tombstone per key it removes. Replayed in
+order (a later record of a key wins), or after compaction (the last record per key,
+tombstoned keys dropped), the records rebuild exactly the live state.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -58,6 +82,14 @@ WATERMARK_KEY = b"watermark"
 EXPIRED_BELOW_KEY = b"expired_below"
 NEXT_SEQ_KEY = b"next_seq"
 MAX_BUCKET_KEY = b"max_bucket"
+META_PREFIX = b"meta:"
+UNCONFIRMED_KEY = b"changelog_unconfirmed"
+RESTORING_KEY = b"restoring"
+#: Default-family keys never written to the changelog.
+UNLOGGED_KEYS = frozenset({UNCONFIRMED_KEY, RESTORING_KEY})
+#: Families in the order of their changelog tags.
+CHANGELOG_FAMILIES = ("default", *FAMILIES)
+_TAGS = {family: bytes([tag]) for tag, family in enumerate(CHANGELOG_FAMILIES)}
 #: Version of these layouts, stored with the state-shaping settings.
 LAYOUT = 2
 
@@ -174,3 +206,46 @@ def encode_settings(settings: dict[str, Any]) -> bytes:
 
 def decode_settings(raw: bytes) -> dict[str, Any]:
     return json.loads(raw)
+
+
+def meta_key(name: bytes) -> bytes:
+    return META_PREFIX + name
+
+
+def changelog_key(family: str, key: bytes) -> bytes:
+    """The changelog record key of ``key`` in ``family``: its 1-byte tag + ``key``.
+
+    Raises:
+        KeyError: an unknown family.
+    """
+    return _TAGS[family] + key
+
+
+def split_changelog_key(raw: bytes) -> tuple[str, bytes]:
+    """(family, stored key) of a changelog record key.
+
+    Raises:
+        ValueError: an empty key or an unknown tag.
+    """
+    if not raw or raw[0] >= len(CHANGELOG_FAMILIES):
+        raise ValueError(f"not a changelog key: {raw[:16]!r}")
+    return CHANGELOG_FAMILIES[raw[0]], raw[1:]
+
+
+_LEN = struct.Struct("<H")
+
+
+def encode_key_set(keys: set[bytes]) -> bytes:
+    """A set of keys (each under 64 KiB) as zlib of the sorted keys, each u16 LE length +
+    key (consecutive seq keys share their prefixes, which zlib folds)."""
+    return zlib.compress(b"".join(_LEN.pack(len(key)) + key for key in sorted(keys)), 1)
+
+
+def decode_key_set(raw: bytes) -> set[bytes]:
+    data = zlib.decompress(raw)
+    keys, at = set(), 0
+    while at < len(data):
+        (length,) = _LEN.unpack_from(data, at)
+        keys.add(data[at + 2 : at + 2 + length])
+        at += 2 + length
+    return keys

@@ -1,14 +1,16 @@
 """The state store over any ordered key-value backend with atomic multi-family writes.
 
-Backends implement three primitives (multi-get, atomic write, close); this class turns
-them into the ``StateStore`` protocol with the layouts of ``neardup.state.codec``.
+Backends implement a few primitives (multi-get, atomic write, key scans, wipe, close);
+this class turns them into the ``StateStore`` protocol with the layouts of
+``neardup.state.codec``, and into the store's side of a changelog
+(``neardup.state.changelog``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ from neardup.core.retention import NO_TIME, Retention
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import StateUpdate
+from neardup.state.changelog import ChangelogMixin
 from neardup.state.errors import SettingsMismatchError, StateError
 from neardup.state.expiry import Times, held_since, removal_point
 from neardup.state.forest import Forest
@@ -27,22 +30,35 @@ from neardup.state.setcache import SetCache, merge_sets, select_sets
 Puts = dict[str, Iterable[tuple[bytes, bytes]]]  # family -> (key, value) pairs
 Deletes = dict[str, Iterable[bytes]]  # family -> keys
 Ranges = dict[str, tuple[bytes, bytes]]  # family -> [begin, end) keys
+Record = tuple[bytes, "bytes | None"]  # a changelog record: (changelog key, value or None)
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
-class KeyValueStateStore:
-    """``StateStore`` logic shared by the backends. Subclasses call ``_open_settings``."""
+class KeyValueStateStore(ChangelogMixin):
+    """``StateStore`` logic shared by the backends. Subclasses set ``log`` (or leave it
+    None) and call ``_open_settings``."""
 
     num_perm: int
     settings: dict[str, Any]
+    #: Called with the changelog records of every write before the write is applied; if
+    #: it raises, the write is not (``neardup.state.changelog``). None: no changelog.
+    log: Callable[[list[Record]], None] | None = None
 
     # --- backend primitives -------------------------------------------------------
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         raise NotImplementedError
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+    def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         """Apply ``ranges`` (range deletes), ``deletes`` then ``puts`` atomically."""
+        raise NotImplementedError
+
+    def _keys(self, family: str, begin: bytes = b"", end: bytes | None = None) -> Iterator[bytes]:
+        """The keys of ``family`` in [begin, end) (end None: to the last), in order."""
+        raise NotImplementedError
+
+    def _wipe_all(self) -> None:
+        """Drop every record of every family, leaving the backend open and empty."""
         raise NotImplementedError
 
     def _reclaim(self, end: bytes) -> None:
@@ -59,6 +75,22 @@ class KeyValueStateStore:
         raise NotImplementedError
 
     # --- shared logic --------------------------------------------------------------
+    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+        """Apply ``ranges`` (range deletes), ``deletes`` then ``puts`` atomically. With a
+        changelog (``log`` set), first pass their records to ``log`` (the write is not
+        applied if it raises), and write the unconfirmed changelog keys in the same write."""
+        if self.log is None:
+            self._write_batch(puts, deletes, ranges)
+            return
+        puts = {family: list(pairs) for family, pairs in puts.items()}  # generators, read once
+        deletes = {family: list(keys) for family, keys in (deletes or {}).items()}
+        records = self._records(puts, deletes, ranges or {})
+        unconfirmed = self._unconfirmed | {key for key, _ in records}
+        puts["default"] = [*puts.get("default", []), (codec.UNCONFIRMED_KEY, codec.encode_key_set(unconfirmed))]
+        self.log(records)
+        self._write_batch(puts, deletes, ranges)
+        self._unconfirmed = unconfirmed
+
     def _get(self, family: str, key: bytes) -> bytes | None:
         return self._get_many(family, [key])[0]
 
@@ -67,16 +99,29 @@ class KeyValueStateStore:
         """Store or check the settings, then load the counters and the bucket index, and
         start an empty set cache of ``set_cache_bytes`` (``neardup.state.setcache``).
         ``retention`` replaces the stored retention window (a mapping changes only the
-        bounds it names; None keeps it); a shorter one expires documents at once.
+        bounds it names; None keeps it); a shorter one expires documents at once. A store
+        whose restore was interrupted (``restoring()``) is left unloaded: it takes no
+        commit until ``wipe``, ``apply`` and ``finish_restore``.
 
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
         """
-        requested = {**requested, "layout": codec.LAYOUT}
+        self._requested = ({**requested, "layout": codec.LAYOUT}, set_cache_bytes, retention)
+        self._unconfirmed: set[bytes] = set()
+        self._ready = not self.restoring()
+        if self._ready:
+            self._load()
+
+    def _load(self) -> None:
+        """Open's loading (and ``finish_restore``'s): see ``_open_settings``."""
+        requested, set_cache_bytes, retention = self._requested
+        raw = self._get("default", codec.UNCONFIRMED_KEY)
+        self._unconfirmed = codec.decode_key_set(raw) if raw else set()
         raw = self._get("default", codec.SETTINGS_KEY)
         if raw is None:
-            self._write({"default": [(codec.SETTINGS_KEY, codec.encode_settings(requested)),
-                                     (codec.NEXT_SEQ_KEY, codec.encode_u64(0))]})
+            # next_seq stays absent (0): replayed after a restored state, a fresh store's
+            # records must not reset it
+            self._write({"default": [(codec.SETTINGS_KEY, codec.encode_settings(requested))]})
             stored = requested
         else:
             stored = codec.decode_settings(raw)
@@ -123,6 +168,7 @@ class KeyValueStateStore:
             self._kept[seq] = raw
         self._reclaimed = base  # expired documents below this have had their space compacted away
         self._open_retention(retention)
+        self._ready = True
 
     def _open_retention(self, requested: Retention | Mapping[str, Any] | None) -> None:
         """Take the stored retention window, or store ``requested`` in its place (a log
@@ -135,11 +181,11 @@ class KeyValueStateStore:
         if requested is not None and requested != stored:
             self._write({"default": [(codec.RETENTION_KEY, codec.encode_settings(requested.to_dict()))]})
             if stored.shorter_than(requested) and self._times.base > 0:
-                log.warning("retention changed from %s to %s: it is longer now, but the %d documents "
+                logger.warning("retention changed from %s to %s: it is longer now, but the %d documents "
                             "that expired before stay forgotten; only documents from now on are kept longer",
                             stored.describe(), requested.describe(), self._times.base)
             else:
-                log.info("retention changed from %s to %s", stored.describe(), requested.describe())
+                logger.info("retention changed from %s to %s", stored.describe(), requested.describe())
         self.expire()
 
     @property
@@ -175,7 +221,14 @@ class KeyValueStateStore:
                 "expired_removed": base, "oldest_held_ms": int(times.min()) if count else 0}
 
     def next_seq(self) -> int:
+        """Raises StateError while a restore is under way (``neardup.state.changelog``)."""
+        self._check_ready()
         return self._next_seq
+
+    def _check_ready(self) -> None:
+        if not self._ready:
+            raise StateError("a restore of the state store is under way: wipe it, apply the changelog, "
+                             "then finish_restore")
 
     def max_bucket_size(self) -> int:
         """Length of the largest band bucket ever written."""
@@ -228,7 +281,12 @@ class KeyValueStateStore:
     def get_verdicts(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._get_many("verdicts", keys)
 
+    def get_meta(self, name: bytes) -> bytes | None:
+        """The runtime's metadata ``name`` (``StateUpdate.meta``), None if never written."""
+        return self._get("default", codec.meta_key(name))
+
     def commit(self, update: StateUpdate) -> None:
+        self._check_ready()
         if update.first_seq != self._next_seq:
             raise StateError(
                 f"update starts at document {update.first_seq}, the store at {self._next_seq}"
@@ -266,7 +324,8 @@ class KeyValueStateStore:
         watermark = max(self._watermark, int(times.max())) if len(times) else self._watermark
         puts["default"] = [(codec.NEXT_SEQ_KEY, codec.encode_u64(update.next_seq)),
                            (codec.MAX_BUCKET_KEY, codec.encode_u64(max_bucket)),
-                           (codec.WATERMARK_KEY, codec.encode_i64(watermark))]
+                           (codec.WATERMARK_KEY, codec.encode_i64(watermark)),
+                           *((codec.meta_key(name), value) for name, value in update.meta.items())]
         if len(times):
             puts["times"] = [(codec.seq_key(update.first_seq), codec.encode_times(times))]
         deletes: Deletes = {"verdicts": update.verdict_deletes}

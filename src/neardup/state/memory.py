@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from neardup.core.retention import Retention
 from neardup.state import codec
-from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges, Record
 
 
 class MemoryStateStore(KeyValueStateStore):
@@ -18,10 +18,13 @@ class MemoryStateStore(KeyValueStateStore):
         set_cache_bytes: size of the set cache in bytes (``neardup.state.setcache``);
             off by default, dict reads being cheap.
         retention: the retention window (``neardup.core.retention``); None: keep all.
+        log: the changelog hook (``neardup.state.changelog``); None: no changelog.
     """
 
     def __init__(self, settings: dict[str, Any], set_cache_bytes: int = 0,
-                 retention: Retention | Mapping[str, Any] | None = None) -> None:
+                 retention: Retention | Mapping[str, Any] | None = None,
+                 log: Callable[[list[Record]], None] | None = None) -> None:
+        self.log = log
         self._data: dict[str, dict[bytes, bytes]] = {
             name: {} for name in ("default", *codec.FAMILIES)
         }
@@ -34,7 +37,14 @@ class MemoryStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return iter(sorted(self._data[family].items()))
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+    def _keys(self, family: str, begin: bytes = b"", end: bytes | None = None) -> Iterator[bytes]:
+        return iter(sorted(k for k in self._data[family] if begin <= k and (end is None or k < end)))
+
+    def _wipe_all(self) -> None:
+        for table in self._data.values():
+            table.clear()
+
+    def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         for family, (begin, end) in (ranges or {}).items():
             table = self._data[family]
             for key in [k for k in table if begin <= k < end]:

@@ -9,7 +9,7 @@ input positions stored in the same batches then replay.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdic
 from neardup.core.retention import Retention
 from neardup.state import codec
 from neardup.state.errors import StateCorruptedError, StateError, StateLockedError
-from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges
+from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges, Record
 
 
 #: Memory bounds: a block cache shared by every family, the set cache
@@ -92,6 +92,8 @@ class RocksDBStateStore(KeyValueStateStore):
         retention: the retention window (``neardup.core.retention``), stored with the
             state; a mapping changes only the bounds it names; None keeps the stored one
             (at first: keep everything).
+        log: the changelog hook (``neardup.state.changelog``), set before the writes of
+            the open; None: no changelog.
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
@@ -102,8 +104,14 @@ class RocksDBStateStore(KeyValueStateStore):
     """
 
     def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
-                 set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | Mapping[str, Any] | None = None) -> None:
+                 set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | Mapping[str, Any] | None = None,
+                 log: Callable[[list[Record]], None] | None = None) -> None:
         self.path = Path(path)
+        self.log = log
+        self._open_db()
+        self._open_settings(settings, set_cache_bytes, retention)
+
+    def _open_db(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -120,7 +128,6 @@ class RocksDBStateStore(KeyValueStateStore):
             self._families[name] = self._db.get_column_family(name)
             self._handles[name] = self._db.get_column_family_handle(name)
         self._closed = False
-        self._open_settings(settings, set_cache_bytes, retention)
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
@@ -130,7 +137,22 @@ class RocksDBStateStore(KeyValueStateStore):
     def _scan(self, family: str) -> Iterator[tuple[bytes, bytes]]:
         return self._families[family].items()
 
-    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+    def _keys(self, family: str, begin: bytes = b"", end: bytes | None = None) -> Iterator[bytes]:
+        for key in self._families[family].keys(from_key=begin):
+            if end is not None and key >= end:
+                return
+            yield key
+
+    def _wipe_all(self) -> None:
+        """Close the database, destroy its directory (``DestroyDB``), reopen it empty."""
+        self.close()
+        try:
+            Rdict.destroy(str(self.path), Options(raw_mode=True))
+        except Exception as exc:  # rocksdict raises plain Exception
+            raise StateError(f"cannot wipe the state store {self.path}: {exc}") from exc
+        self._open_db()
+
+    def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         batch = WriteBatch(raw_mode=True)
         for family, (begin, end) in (ranges or {}).items():
             batch.delete_range(begin, end, self._handles[family])
