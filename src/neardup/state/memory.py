@@ -47,7 +47,7 @@ class MemoryStateStore(KeyValueStateStore):
     def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         for family, (begin, end) in (ranges or {}).items():
             table = self._data[family]
-            for key in [k for k in table if begin <= k < end]:
+            for key in list(self._keys(family, begin, end)):
                 del table[key]
         for family, keys in (deletes or {}).items():
             for key in keys:
