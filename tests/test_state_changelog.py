@@ -16,7 +16,8 @@ from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
 from neardup.state import StateCorruptedError, StateError, StateLockedError, codec
-from neardup.state.kv import Record
+from neardup.state.kv import KeyValueStateStore, Record
+from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
 SETTINGS = EngineSettings(num_perm=64)
@@ -31,7 +32,7 @@ def _contents(store: RocksDBStateStore) -> dict[str, list[tuple[bytes, bytes]]]:
             for family in codec.CHANGELOG_FAMILIES}
 
 
-def _batches(store: RocksDBStateStore, docs: list[Document], size: int, first_meta: int = 0) -> list[Verdict]:
+def _batches(store: KeyValueStateStore, docs: list[Document], size: int, first_meta: int = 0) -> list[Verdict]:
     """Detect and commit ``docs`` in batches of ``size``, each writing a meta record."""
     detector = Detector(SETTINGS, store)
     verdicts: list[Verdict] = []
@@ -185,3 +186,16 @@ def test_changelog_keys_and_key_sets_round_trip() -> None:
     keys = {codec.changelog_key("documents", k) for k in codec.seq_keys(np.arange(5000))} | {b"", b"v" * 300}
     raw = codec.encode_key_set(keys)
     assert codec.decode_key_set(raw) == keys and len(raw) < 9 * 5000 / 4
+
+
+def test_both_backends_log_the_same_records(tmp_path: Path) -> None:
+    docs = _stream(400)
+    logged: dict[str, list[Record]] = {"rocksdb": [], "memory": []}
+    retention = Retention(documents=120)
+    stores = [RocksDBStateStore(tmp_path / "state", SHAPE, retention=retention, log=logged["rocksdb"].extend),
+              MemoryStateStore(SHAPE, retention=retention, log=logged["memory"].extend)]
+    for store in stores:
+        _batches(store, docs, 70)
+        store.close()
+    assert logged["rocksdb"] == logged["memory"]
+    assert sum(value is None for _, value in logged["memory"]) > 100  # range deletes expanded
