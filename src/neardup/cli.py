@@ -16,46 +16,67 @@ from typing import Any
 
 import numpy as np
 from neardup import __version__
-from neardup.config import DEFAULT_METRICS_PORT, Settings, load_settings, retention_changes
-from neardup.core.lsh import LshParams, false_negative_area, false_positive_area
-from neardup.core.settings import EngineSettings
+from neardup.config import (
+    DEFAULT_METRICS_PORT,
+    DEFAULT_STATE_DIR,
+    FILE_ID_FIELD,
+    FILE_TEXT_FIELD,
+    Settings,
+    default,
+    load_settings,
+    retention_changes,
+)
+from neardup.core.lsh import false_negative_area, false_positive_area
+from neardup.core.settings import CANDIDATE_MARGIN
 from neardup.errors import user_error
 
 log = logging.getLogger("neardup")
 
 
+def _d(name: str) -> str:
+    """``default <value>`` of the setting ``name``, as the help texts show it."""
+    value = default(name)
+    if isinstance(value, bool):
+        text = "on" if value else "off"
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    else:
+        text = str(value)
+    return f"default {text}"
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (stored with the state: shingle, normalisation, num-perm, seed, bands, rows)")
-    g.add_argument("--shingle", help="word:N or char:N shingles (default word:5)")
-    g.add_argument("--num-perm", type=int, help="MinHash permutations (default 128)")
-    g.add_argument("--seed", type=int, help="MinHash seed (default 1)")
-    g.add_argument("--minhash", choices=["oph", "classic"], help="oph: one-permutation hashing with optimal densification (default, fast); classic: num-perm hash functions")
-    g.add_argument("--threshold", type=float, help="Jaccard similarity of a duplicate (default 0.8)")
+    g.add_argument("--shingle", help=f"word:N or char:N shingles ({_d('shingle')})")
+    g.add_argument("--num-perm", type=int, help=f"MinHash permutations ({_d('num_perm')})")
+    g.add_argument("--seed", type=int, help=f"MinHash seed ({_d('seed')})")
+    g.add_argument("--minhash", choices=["oph", "classic"], help=f"oph: one-permutation hashing with optimal densification (fast); classic: num-perm hash functions ({_d('minhash')})")
+    g.add_argument("--threshold", type=float, help=f"Jaccard similarity of a duplicate ({_d('threshold')})")
     g.add_argument("--bands", type=int, help="LSH bands (default: optimal for the threshold)")
     g.add_argument("--rows", type=int, help="LSH rows per band (with --bands)")
-    g.add_argument("--nfkc", action=argparse.BooleanOptionalAction, default=None, help="Unicode NFKC (default on)")
-    g.add_argument("--casefold", action=argparse.BooleanOptionalAction, default=None, help="case folding (default on)")
-    g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help="delete punctuation (default off)")
-    g.add_argument("--max-bucket-size", type=int, help="documents kept per band bucket (default 256)")
-    g.add_argument("--max-candidates", type=int, help="candidates verified per document, those sharing the most buckets first (default 8)")
-    g.add_argument("--extra-candidates", type=int, help="candidates verified beyond --max-candidates while none is accepted and the best so far is a near miss (default 56)")
-    g.add_argument("--measure", choices=["jaccard", "containment"], help="jaccard (default), or containment: the share of a document's shingles found in an earlier one")
-    g.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help="with --measure containment: a new text inside an earlier one (default), an earlier text inside a new one, or both")
-    g.add_argument("--containment-ratio", type=float, help="with --measure containment: the largest size ratio of a contained text to its container that the banding is tuned for (default 8)")
-    g.add_argument("--verify", choices=["exact", "estimate"], help="decide on exact similarity of stored shingle fingerprints (default) or on the MinHash estimate (less disk)")
-    g.add_argument("--duplicate-buckets", choices=["new", "all"], help="new (default): a duplicate joins only the LSH buckets holding none of its matches; all: every bucket")
-    g.add_argument("--cluster-policy", choices=["canonical", "components"], help="canonical (default): join a cluster only if similar to its canonical document; components: classic union-find")
-    g.add_argument("--candidate-threshold", type=float, help="Jaccard similarity the LSH banding is tuned for (default: threshold minus 0.25 for exact Jaccard, 0.1 for estimated Jaccard; for containment t / (1 + R - t), R the containment ratio)")
-    g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help="count repeated shingles (a bag) instead of a set")
+    g.add_argument("--nfkc", action=argparse.BooleanOptionalAction, default=None, help=f"Unicode NFKC ({_d('nfkc')})")
+    g.add_argument("--casefold", action=argparse.BooleanOptionalAction, default=None, help=f"case folding ({_d('casefold')})")
+    g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help=f"delete punctuation ({_d('strip_punctuation')})")
+    g.add_argument("--max-bucket-size", type=int, help=f"documents kept per band bucket ({_d('max_bucket_size')})")
+    g.add_argument("--max-candidates", type=int, help=f"candidates verified per document, those sharing the most buckets first ({_d('max_candidates')})")
+    g.add_argument("--extra-candidates", type=int, help=f"candidates verified beyond --max-candidates while none is accepted and the best so far is a near miss ({_d('extra_candidates')})")
+    g.add_argument("--measure", choices=["jaccard", "containment"], help=f"jaccard, or containment: the share of a document's shingles found in an earlier one ({_d('measure')})")
+    g.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help=f"with --measure containment: a new text inside an earlier one, an earlier text inside a new one, or both ({_d('containment_direction')})")
+    g.add_argument("--containment-ratio", type=float, help=f"with --measure containment: the largest size ratio of a contained text to its container that the banding is tuned for ({_d('containment_ratio')})")
+    g.add_argument("--verify", choices=["exact", "estimate"], help=f"exact: decide on the exact similarity of stored shingle fingerprints; estimate: on the MinHash estimate (less disk) ({_d('verify')})")
+    g.add_argument("--duplicate-buckets", choices=["new", "all"], help=f"new: a duplicate joins only the LSH buckets holding none of its matches; all: every bucket ({_d('duplicate_buckets')})")
+    g.add_argument("--cluster-policy", choices=["canonical", "components"], help=f"canonical: join a cluster only if similar to its canonical document; components: classic union-find ({_d('cluster_policy')})")
+    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is tuned for (default: threshold minus {CANDIDATE_MARGIN['exact']:g} for exact Jaccard, {CANDIDATE_MARGIN['estimate']:g} for estimated Jaccard; for containment t / (1 + R - t), R the containment ratio)")
+    g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help=f"count repeated shingles (a bag) instead of a set ({_d('multiset')})")
 
 
 def _record_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("records")
-    g.add_argument("--text-field", action="append", help="JSON field holding text, dotted path; repeat to join several (dedup default: text; run default: the whole message value)")
-    g.add_argument("--id-field", help="JSON field holding the document id (dedup default: id, else the line number; run default: the message key, else topic/partition/offset)")
-    g.add_argument("--batch-size", type=int, help="documents per batch (default 2000)")
-    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help="prepare the next batch (normalise, shingle, MinHash) in a second process while the current one is checked and written; run: when a backlog fills whole batches (default on)")
-    g.add_argument("--state-dir", type=Path, help="RocksDB state directory, kept between runs")
+    g.add_argument("--text-field", action="append", help=f"JSON field holding text, dotted path; repeat to join several (dedup default: {FILE_TEXT_FIELD}; run default: the whole message value)")
+    g.add_argument("--id-field", help=f"JSON field holding the document id (dedup default: {FILE_ID_FIELD}, else the line number; run default: the message key, else topic/partition/offset)")
+    g.add_argument("--batch-size", type=int, help=f"documents per batch ({_d('batch_size')})")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help=f"prepare the next batch (normalise, shingle, MinHash) in a second process while the current one is checked and written; run: when a backlog fills whole batches ({_d('pipeline')})")
+    g.add_argument("--state-dir", type=Path, help=f"RocksDB state directory, kept between runs (run default ./{DEFAULT_STATE_DIR}; dedup default: a temporary one, removed at the end)")
 
 
 def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
@@ -69,7 +90,7 @@ def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
 def _metrics_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
     g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}, dedup default off; 0 turns it off)")
-    g.add_argument("--metrics-host", help="address to serve metrics on (default 0.0.0.0)")
+    g.add_argument("--metrics-host", help=f"address to serve metrics on ({_d('metrics_host')})")
 
 
 def _kafka_setting(text: str) -> tuple[str, str]:
@@ -81,8 +102,8 @@ def _kafka_setting(text: str) -> tuple[str, str]:
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML settings file (flags and NEARDUP_* variables win)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
+    p.add_argument("--log-level", help=f"DEBUG, INFO, WARNING, ERROR ({_d('log_level')})")
+    p.add_argument("--log-format", choices=["text", "json"], help=f"log lines as text or JSON ({_d('log_format')})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,15 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     k = run.add_argument_group("Kafka")
     k.add_argument("--bootstrap-servers", help="host:port[,host:port...]")
     k.add_argument("--input-topic", dest="input_topics", action="append", help="topic to consume; repeat for several; ^regex for a pattern")
-    k.add_argument("--group-id", help="consumer group (default neardup)")
+    k.add_argument("--group-id", help=f"consumer group ({_d('group_id')})")
     k.add_argument("--unique-topic", help="topic for unique messages (default <input>.unique)")
     k.add_argument("--duplicate-topic", help="topic for duplicates (default <input>.duplicates)")
     k.add_argument("--dlq-topic", help="dead-letter topic for malformed messages (default <input>.dlq)")
-    k.add_argument("--batch-max-ms", type=int, help="longest wait to fill a batch, ms (default 200)")
-    k.add_argument("--max-message-bytes", type=int, help="larger values go to the dead-letter topic (default 1048576)")
-    k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help="a new group starts at the earliest offset (default: latest)")
+    k.add_argument("--batch-max-ms", type=int, help=f"longest wait to fill a batch, ms ({_d('batch_max_ms')})")
+    k.add_argument("--max-message-bytes", type=int, help=f"larger values go to the dead-letter topic, bytes ({_d('max_message_bytes')})")
+    k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help=f"a new group starts at the earliest offset ({_d('from_beginning')}: at the latest)")
     k.add_argument("--transactional-id", help="one per instance, stable across restarts (default neardup-<group-id>)")
-    k.add_argument("--reset-state", action="store_true", default=None, help="accept a state that does not match the input (deleted, older, or of a topic created again): resume at the group's committed offsets, logged (default: refuse to start)")
+    k.add_argument("--reset-state", action="store_true", default=None, help=f"accept a state that does not match the input (deleted, older, or of a topic created again): resume at the group's committed offsets, logged ({_d('reset_state')}: refuse to start)")
     k.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer (SASL, TLS, ...); repeatable")
     _engine_flags(run)
     _record_flags(run)
@@ -130,12 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
     produce.add_argument("--topic", required=True, help="topic to produce to")
     produce.add_argument("--bootstrap-servers", required=True, help="host:port[,host:port...]")
-    produce.add_argument("--id-field", default="id", help="JSON field whose value is the message key (default id; empty: no key)")
+    produce.add_argument("--id-field", default=FILE_ID_FIELD, help=f"JSON field whose value is the message key (default {FILE_ID_FIELD}; empty: no key)")
     produce.add_argument("--limit", type=int, help="stop after this many messages")
     produce.add_argument("--rate", type=float, help="at most this many messages per second (default: as fast as possible)")
     produce.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka producer setting; repeatable")
-    produce.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
-    produce.add_argument("--log-format", choices=["text", "json"], default="text", help="log lines as text or JSON")
+    produce.add_argument("--log-level", default=default("log_level"), help=f"DEBUG, INFO, WARNING, ERROR ({_d('log_level')})")
+    produce.add_argument("--log-format", choices=["text", "json"], default=default("log_format"), help=f"log lines as text or JSON ({_d('log_format')})")
 
     ev = sub.add_parser("eval", help="measure detection quality against the exact all-pairs ground truth of a corpus")
     ev.add_argument("corpus", metavar="CORPUS", help=".jsonl or .jsonl.gz (up to about 50,000 documents)")
@@ -146,14 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(ev)
 
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
-    params.add_argument("--threshold", type=float, default=0.8)
-    params.add_argument("--num-perm", type=int, default=128)
-    params.add_argument("--bands", type=int)
-    params.add_argument("--rows", type=int)
-    params.add_argument("--measure", choices=["jaccard", "containment"], default="jaccard")
-    params.add_argument("--verify", choices=["exact", "estimate"], default="exact")
-    params.add_argument("--candidate-threshold", type=float)
-    params.add_argument("--containment-ratio", type=float, default=8.0)
+    for flag, kind in (("--threshold", float), ("--num-perm", int), ("--bands", int), ("--rows", int),
+                       ("--candidate-threshold", float), ("--containment-ratio", float)):
+        params.add_argument(flag, type=kind, default=default(flag[2:].replace("-", "_")))
+    params.add_argument("--measure", choices=["jaccard", "containment"], default=default("measure"))
+    params.add_argument("--verify", choices=["exact", "estimate"], default=default("verify"))
     params.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -201,13 +219,11 @@ def _compile_notice() -> None:
 
 
 def cmd_params(args: argparse.Namespace) -> int:
-    if (args.bands is None) != (args.rows is None):
-        raise ValueError("give both --bands and --rows, or neither")
-    engine = EngineSettings(
-        threshold=args.threshold, num_perm=args.num_perm, measure=args.measure,
-        verify=args.verify, candidate_threshold=args.candidate_threshold,
-        containment_ratio=args.containment_ratio, lsh=LshParams(args.bands, args.rows) if args.bands else None,
-    )
+    engine = Settings(
+        threshold=args.threshold, num_perm=args.num_perm, bands=args.bands, rows=args.rows,
+        measure=args.measure, verify=args.verify, candidate_threshold=args.candidate_threshold,
+        containment_ratio=args.containment_ratio,
+    ).engine()
     lsh = engine.bands
     grid = np.round(np.arange(0.5, 1.0001, 0.05), 2)
     table = {f"{s:.2f}": round(float(lsh.probability(s)), 6) for s in grid}
@@ -250,8 +266,8 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
             args.inputs,
             settings.engine(),
             out_dir=args.out_dir,
-            text_fields=settings.text_field or ["text"],
-            id_field=settings.id_field or "id",
+            text_fields=settings.text_field or [FILE_TEXT_FIELD],
+            id_field=settings.id_field or FILE_ID_FIELD,
             state_dir=settings.state_dir,
             batch_size=settings.batch_size,
             parallel=settings.pipeline,
@@ -282,7 +298,7 @@ def cmd_run(settings: Settings) -> int:
 
     check_kafka_settings(settings)  # before the metrics server or the state start
     engine = settings.engine()
-    state_dir = settings.state_dir or Path("neardup-state")
+    state_dir = settings.state_dir or DEFAULT_STATE_DIR
     readiness = Readiness()
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
     metrics, server = _metrics_server(settings, port, readiness.check)
@@ -342,7 +358,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
     from neardup.records import lookup
 
     with open_binary(args.corpus) as stream:
-        lines = [line for line in read_lines(stream, settings.text_field or ["text"], settings.id_field or "id")
+        lines = [line for line in read_lines(stream, settings.text_field or [FILE_TEXT_FIELD], settings.id_field or FILE_ID_FIELD)
                  if line.document is not None]
     docs = [line.document for line in lines]
     labels = [lookup(line.record, args.label_field) for line in lines] if args.label_field else None

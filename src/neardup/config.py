@@ -12,6 +12,11 @@ and librdkafka settings in a ``[kafka]`` table::
     "sasl.password" = "@/run/secrets/kafka"
 
 A librdkafka value ``@PATH`` is read from the file PATH (``neardup.io.kafka_config``).
+
+The defaults are written here only: the command-line help, the library functions
+(``neardup.embedded.dedup_files``, ``neardup.evaluate.evaluate``) and ``EngineSettings``
+read them from ``Settings`` (``default(name)``); tests/test_config.py checks that none is
+restated with another value.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
 from neardup.io.kafka_config import read_value_files
 
-DEFAULT_METRICS_PORT = 9464
+DEFAULT_METRICS_PORT = 9464  # ``run``; ``dedup`` serves no metrics unless given a port
+DEFAULT_STATE_DIR = Path("neardup-state")  # ``run``; ``dedup`` uses a temporary directory
+FILE_TEXT_FIELD = "text"  # JSONL files (dedup, eval): the field holding the text
+FILE_ID_FIELD = "id"  # JSONL files (dedup, eval, produce): the field holding the id
 
 
 class Settings(BaseSettings):
@@ -71,8 +79,8 @@ class Settings(BaseSettings):
     retention_documents: int | str | None = None  # count; "none": no count bound
     timestamp_field: str | None = None  # dedup: the field holding each record's time
     # records
-    text_field: Annotated[list[str], NoDecode] | None = None  # dedup: ["text"]; run: whole value
-    id_field: str | None = None  # dedup: "id"; run: the message key
+    text_field: Annotated[list[str], NoDecode] | None = None  # dedup: FILE_TEXT_FIELD; run: whole value
+    id_field: str | None = None  # dedup: FILE_ID_FIELD; run: the message key
     batch_size: int = Field(2000, ge=1)
     pipeline: bool = True
     state_dir: Path | None = None
@@ -153,6 +161,15 @@ class Settings(BaseSettings):
             cluster_policy=self.cluster_policy,
             candidate_threshold=self.candidate_threshold,
         )
+
+
+def default(name: str) -> Any:
+    """The default of the setting ``name`` (a ``Settings`` field).
+
+    Raises:
+        KeyError: no such setting.
+    """
+    return Settings.model_fields[name].default
 
 
 def retention_changes(settings: Settings) -> dict[str, Any] | None:

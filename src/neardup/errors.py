@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from neardup.config import default
 from neardup.io.kafka_config import redact
 from neardup.server import ServerError
 from neardup.state.base import SettingsMismatchError, StateError
@@ -57,8 +58,9 @@ def _banding(stored: tuple[int, int], settings: Settings) -> str:
         return f"--bands {settings.bands} --rows {settings.rows} give {now}"
     flag, current = ("--candidate-threshold", settings.candidate_threshold) if \
         settings.candidate_threshold is not None else ("--threshold", settings.threshold)
-    default = replace(engine, lsh=None, threshold=0.8, candidate_threshold=None).bands
-    built = " (as the default --threshold 0.8 does)" if (default.bands, default.rows) == stored else ""
+    threshold = default("threshold")
+    plain = replace(engine, lsh=None, threshold=threshold, candidate_threshold=None).bands
+    built = f" (as the default --threshold {threshold:g} does)" if (plain.bands, plain.rows) == stored else ""
     return (f"{flag} changed: {current:g} gives {now}, the state was built with "
             f"{stored[0]} x {stored[1]}{built}; give the {flag} it was built with, or "
             f"--bands {stored[0]} --rows {stored[1]}")

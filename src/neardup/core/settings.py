@@ -40,6 +40,11 @@ def containment_jaccard(threshold: float, ratio: float) -> float:
 class EngineSettings:
     """Everything the detector needs to turn texts into verdicts.
 
+    The defaults are those of ``neardup.config.Settings``, where they are chosen
+    (``Settings.engine()`` builds these settings for the commands); the core imports
+    nothing above it, so they are written here too, and tests/test_config.py checks that
+    the two agree.
+
     Attributes:
         norm: text normalisation.
         shingling: word or character n-grams, as sets or multisets.

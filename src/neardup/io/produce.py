@@ -19,6 +19,7 @@ from typing import IO
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
+from neardup.config import FILE_ID_FIELD
 from neardup.records import RecordError, record_id
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def produce_files(
     paths: list[str],
     topic: str,
     bootstrap_servers: str,
-    id_field: str | None = "id",
+    id_field: str | None = FILE_ID_FIELD,
     kafka: dict[str, str] | None = None,
     limit: int | None = None,
     rate: float | None = None,
