@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
+from neardup.config import default
 from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
@@ -191,12 +192,12 @@ def dedup_files(
     text_fields: list[str],
     id_field: str | None,
     state_dir: Path | None = None,
-    batch_size: int = 1000,
+    batch_size: int = default("batch_size"),
     append: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
     on_batch: Callable[[list[Verdict | Rejected], float], None] | None = None,
-    parallel: bool = True,
+    parallel: bool = default("pipeline"),
     time_field: str | None = None,
     retention: Retention | dict[str, Any] | None = None,
 ) -> Summary:
@@ -210,6 +211,7 @@ def dedup_files(
     touched.
 
     Args:
+        batch_size: documents per batch (the ``Settings`` default, as ``neardup dedup``).
         append: append to non-empty outputs that the state did not record.
         overwrite: empty the outputs first.
         on_batch: called after each batch with its results and its seconds (metrics).

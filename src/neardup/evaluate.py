@@ -30,6 +30,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import connected_components
 from sklearn.metrics import adjusted_rand_score
 
+from neardup.config import default
 from neardup.core.normalize import normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import shingle_batch
@@ -93,9 +94,10 @@ def evaluate(
     docs: Sequence[Document],
     settings: EngineSettings,
     labels: Sequence[Any] | None = None,
-    batch_size: int = 1000,
+    batch_size: int = default("batch_size"),
 ) -> dict[str, Any]:
-    """Quality report of ``settings`` on ``docs`` (see the module docstring).
+    """Quality report of ``settings`` on ``docs`` (see the module docstring), run in
+    batches of ``batch_size`` documents (the ``Settings`` default, as ``neardup eval``).
 
     Documents that are empty after normalisation are left out of every figure.
     """

@@ -180,7 +180,7 @@ def prepared_ahead(
     batches: Iterable[T],
     documents_of: Callable[[T], list[Document]],
     settings: EngineSettings,
-    parallel: bool = True,
+    parallel: bool,
     depth: int = 2,
     worker_after: int = WORKER_AFTER_BATCHES,
 ) -> Iterator[tuple[T, PreparedBatch]]:
@@ -195,7 +195,8 @@ def prepared_ahead(
         batches: any batches, in order.
         documents_of: the documents of a batch.
         settings: the engine settings (the worker gets a copy).
-        parallel: prepare in a worker process (spawned); False prepares inline.
+        parallel: prepare in a worker process (spawned); False prepares inline (the
+            ``pipeline`` setting; its default is written in ``neardup.config`` only).
         depth: batches in the worker's hands while the caller handles one (at least 1);
             2 absorbs a batch that takes the worker longer than the caller.
         worker_after: batches prepared here before a worker is started (0: at once).
