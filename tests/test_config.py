@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import re
 from pathlib import Path
 
 import pytest
 
 from neardup.cli import _settings, build_parser
-from neardup.config import load_settings
+from neardup.config import FILE_ID_FIELD, Settings, default, load_settings
+from neardup.core.settings import EngineSettings
+from neardup.embedded import dedup_files
+from neardup.evaluate import evaluate
+from neardup.io.produce import produce_files
+from neardup.pipeline import prepared_ahead
 
 
 def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,3 +61,61 @@ def test_invalid_values_are_refused(tmp_path: Path) -> None:
         load_settings({"bands": 4}).engine()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "-X", "no-equals-sign"])
+
+
+# --- the defaults are written once, in neardup.config.Settings ------------------------------
+
+
+def _shown(value: object) -> str:
+    """A default as the help texts write it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _same(given: object, value: object) -> bool:
+    """``given`` is the default ``value`` (None stands for an empty list or table)."""
+    return given == value or (given is None and value in ([], {}))
+
+
+def _settings_flags() -> list[tuple[str, argparse.Action]]:
+    """(subcommand, flag) for every flag of a subcommand that sets a Settings field."""
+    [subcommands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return [(name, action) for name, sub in subcommands.choices.items()
+            for action in sub._actions if action.dest in Settings.model_fields]
+
+
+def test_flags_restate_no_default_of_their_own() -> None:
+    flags = _settings_flags()
+    assert {"dedup", "run", "eval", "params", "produce"} <= {name for name, _ in flags}
+    for name, action in flags:
+        value = default(action.dest)
+        if name == "produce" and action.dest == "id_field":  # as dedup's JSONL files
+            assert action.default == FILE_ID_FIELD
+        elif name in ("params", "produce"):  # read no settings: the parser holds the default
+            assert _same(action.default, value), (name, action.option_strings)
+        else:  # None: not given, so NEARDUP_* variables and the --config file apply
+            assert action.default is None, (name, action.option_strings)
+        if value not in (None, [], {}) and action.help:
+            assert re.search(rf"\bdefault {re.escape(_shown(value))}[):;,]", action.help), \
+                (name, action.option_strings, action.help)
+
+
+def test_library_functions_default_to_the_settings() -> None:
+    same = {"parallel": "pipeline", "time_field": "timestamp_field", "text_fields": "text_field"}
+    checked = set()
+    for function in (dedup_files, evaluate, prepared_ahead, produce_files):
+        for name, parameter in inspect.signature(function).parameters.items():
+            field = same.get(name, name)
+            if field in Settings.model_fields and parameter.default is not parameter.empty:
+                expected = FILE_ID_FIELD if function is produce_files and name == "id_field" else default(field)
+                assert _same(parameter.default, expected), (function.__name__, name, parameter.default)
+                checked.add((function.__name__, name))
+    assert {("dedup_files", "batch_size"), ("dedup_files", "parallel"), ("evaluate", "batch_size"),
+            ("produce_files", "id_field")} <= checked
+
+
+def test_engine_defaults_are_the_settings_defaults() -> None:
+    # The core imports nothing above it, so EngineSettings (and TextNorm, Shingling) keep
+    # defaults of their own for the library; they must be those of Settings.
+    assert EngineSettings() == Settings.model_construct().engine()
