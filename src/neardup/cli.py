@@ -27,7 +27,7 @@ from neardup.config import (
     retention_changes,
 )
 from neardup.core.lsh import false_negative_area, false_positive_area
-from neardup.core.settings import CANDIDATE_MARGIN
+from neardup.core.settings import CANDIDATE_MARGIN, EngineSettings
 from neardup.errors import user_error
 
 log = logging.getLogger("neardup")
@@ -244,27 +244,27 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
-def _metrics_server(settings: Settings, port: int, ready: Any = None) -> tuple[Any, Any]:
+def _metrics_server(settings: Settings, engine: EngineSettings, port: int, ready: Any = None) -> tuple[Any, Any]:
     """(Metrics, started MetricsServer or None when ``port`` is 0)."""
     from neardup.metrics import Metrics
     from neardup.server import MetricsServer, always_ready
 
     metrics = Metrics()
-    metrics.set_build_info(settings.engine())
+    metrics.set_build_info(engine)
     if not port:
         return metrics, None
     return metrics, MetricsServer(metrics, settings.metrics_host, port, ready or always_ready).start()
 
 
-def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_dedup(args: argparse.Namespace, settings: Settings, engine: EngineSettings) -> int:
     from neardup.embedded import dedup_files
 
     port = settings.metrics_port or 0
-    metrics, server = _metrics_server(settings, port) if port else (None, None)  # imports only when served
+    metrics, server = _metrics_server(settings, engine, port) if port else (None, None)  # imports only when served
     try:
         summary = dedup_files(
             args.inputs,
-            settings.engine(),
+            engine,
             out_dir=args.out_dir,
             text_fields=settings.text_field or [FILE_TEXT_FIELD],
             id_field=settings.id_field or FILE_ID_FIELD,
@@ -288,7 +288,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_run(settings: Settings) -> int:
+def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.detector import Detector
     from neardup.io.kafka import KafkaDeduplicator
     from neardup.server import Readiness
@@ -297,11 +297,10 @@ def cmd_run(settings: Settings) -> int:
     from neardup.io.kafka_config import check_kafka_settings
 
     check_kafka_settings(settings)  # before the metrics server or the state start
-    engine = settings.engine()
     state_dir = settings.state_dir or DEFAULT_STATE_DIR
     readiness = Readiness()
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
-    metrics, server = _metrics_server(settings, port, readiness.check)
+    metrics, server = _metrics_server(settings, engine, port, readiness.check)
     try:
         with RocksDBStateStore(state_dir, engine.state_shape(), retention=retention_changes(settings)) as store:
             metrics.refresh_state(store, force=True)
@@ -348,7 +347,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_eval(args: argparse.Namespace, settings: Settings, engine: EngineSettings) -> int:
     try:
         from neardup.evaluate import evaluate, render
     except ImportError as exc:
@@ -362,7 +361,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> int:
                  if line.document is not None]
     docs = [line.document for line in lines]
     labels = [lookup(line.record, args.label_field) for line in lines] if args.label_field else None
-    report = evaluate(docs, settings.engine(), labels=labels, batch_size=settings.batch_size)
+    report = evaluate(docs, engine, labels=labels, batch_size=settings.batch_size)
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps({k: v for k, v in report.items() if k not in ("histogram", "score_pairs")}, indent=2) + "\n")
     plots = write_plots(report, args.report.parent)
@@ -381,16 +380,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "produce":
             return cmd_produce(args)
         settings = _settings(args)
-        settings.engine()  # validate early
+        engine = settings.engine()  # built once; validated before anything starts
         retention_changes(settings)
         _setup_logging(settings)
         _compile_notice()
         if args.command == "dedup":
-            return cmd_dedup(args, settings)
+            return cmd_dedup(args, settings, engine)
         if args.command == "run":
-            return cmd_run(settings)
+            return cmd_run(settings, engine)
         if args.command == "eval":
-            return cmd_eval(args, settings)
+            return cmd_eval(args, settings, engine)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into a reader that stopped (e.g. head)
