@@ -1,0 +1,105 @@
+"""librdkafka settings of a stage's clients, and the initialisation of its transactional
+producer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
+
+from neardup.config import Settings
+from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, bounded
+from neardup.io.limits import PRODUCER_MAX_BYTES
+from neardup.io.rdkafka_log import rdkafka_logger
+
+log = logging.getLogger(__name__)
+
+#: Timeout handed to ``init_transactions``, seconds (retried while the broker is away).
+INIT_TIMEOUT_S = 10.0
+
+
+def consumer_config(settings: Settings, instance_id: str,
+                    statistics: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The consumer's librdkafka settings: neardup's, then the user's (``-X``).
+
+    Static membership (``group.instance.id``) is on by default, named ``instance_id`` (the
+    transactional id, unique per instance already): a consumer restarted after a crash
+    gets its partitions back at once instead of after ``session.timeout.ms``.
+    ``-X group.instance.id=NAME`` names it; an empty value turns it off. ``statistics``:
+    librdkafka's statistics callback (JSON text every ``statistics.interval.ms``).
+    """
+    s = settings
+    config: dict[str, Any] = {
+        "bootstrap.servers": s.bootstrap_servers,
+        "group.id": s.group_id,
+        "group.instance.id": instance_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest" if s.from_beginning else "latest",
+        "logger": rdkafka_logger(),
+    }
+    if statistics is not None:
+        config |= {"statistics.interval.ms": 5000, "stats_cb": statistics}
+    config |= s.kafka
+    if not config["group.instance.id"]:
+        del config["group.instance.id"]
+    return config
+
+
+def producer_config(settings: Settings, transactional_id: str | None) -> dict[str, Any]:
+    """A producer's librdkafka settings (the user's ``-X`` win, except the consumer-only
+    ``group.instance.id``); transactional unless ``transactional_id`` is None."""
+    s = settings
+    config: dict[str, Any] = {} if transactional_id is None else {"transactional.id": transactional_id}
+    config |= {
+        "linger.ms": 5,
+        "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
+        "bootstrap.servers": s.bootstrap_servers,
+        "logger": rdkafka_logger(),
+        **s.kafka,
+    }
+    config.pop("group.instance.id", None)
+    return config
+
+
+def admin_config(settings: Settings) -> dict[str, Any]:
+    """An admin client's librdkafka settings."""
+    config = producer_config(settings, None)
+    del config["linger.ms"]
+    return config
+
+
+def retriable(exc: BaseException) -> bool:
+    if isinstance(exc, KafkaException):
+        err = exc.args[0]
+        return isinstance(err, KafkaError) and err.retriable() and not err.fatal()
+    return False
+
+
+def init_transactions(producer: Producer, stop: threading.Event) -> None:
+    """``producer.init_transactions``, retried until the broker answers; it fences any
+    older producer of the transactional.id and aborts its open transaction.
+
+    Raises:
+        ProducerWedged: a call did not return in ``CALL_WAIT_S`` (abandon the producer).
+        InterruptedError: ``stop`` was set.
+        KafkaException: a fatal or not retriable error.
+    """
+    for attempt in Retrying(
+        retry=retry_if_exception(retriable),
+        wait=wait_exponential(multiplier=0.5, max=30),
+        stop=stop_never,
+        before_sleep=lambda rs: log.warning(
+            "broker not reachable yet (%s); retrying", rs.outcome.exception()
+        ),
+    ):
+        with attempt:
+            if stop.is_set():
+                raise InterruptedError("stopped before the broker answered")
+            bounded("init_transactions", producer.init_transactions, INIT_TIMEOUT_S,
+                    wait_s=INIT_TIMEOUT_S + CALL_WAIT_S - CALL_TIMEOUT_S)

@@ -1,0 +1,749 @@
+"""A transactional Kafka stage: consume a batch -> process -> produce -> state commit ->
+offsets and commit, exactly once. It knows nothing of what the stage computes: that is
+its ``Processor`` (``neardup.io.kafka``'s deduplication is one).
+
+Each batch is one Kafka transaction and one atomic state write. The steps, in order:
+
+1. ``consume`` up to ``batch_size`` messages (or what arrives in ``batch_max_ms``) from the
+   assigned partitions, reading committed data only (``isolation.level=read_committed``);
+   ``Processor.read`` reads them (it marks the messages it has processed before, whose
+   outputs its state holds: the *replays*).
+2. ``Processor.compute``: the batch's results, without writing anything (this overlaps
+   the previous batch's step 5).
+3. ``begin_transaction``; ``Processor.write`` produces the batch's records into it
+   (the outputs, and the state changes to the changelog, ``neardup.io.changelog``) ...
+4. ... then commits its state atomically: its state changes, each partition's new input
+   position, and what a replay needs to produce the same records again.
+5. ``send_offsets_to_transaction`` (next offset per partition, with the consumer group's
+   metadata) and ``commit_transaction``, in a thread of their own: while the broker
+   answers, this thread consumes, reads and computes the next batch (which sees batch
+   k's state: it is committed since step 4). The next batch's transaction begins only
+   once step 5 has succeeded; only then is the batch counted (``Processor.committed``)
+   and ``on_batch`` called.
+
+What a crash leaves, and how a restart (same ``transactional.id``, same state) repairs it:
+
+- before step 4 completes: the state is unchanged; the open Kafka transaction is aborted
+  when the restarted producer calls ``init_transactions`` (it fences the old one). The
+  consumer group resumes at the last committed offsets and the batch is processed anew
+  against the same state, so it gets the same results.
+- after step 4, before step 5 completes: the state holds the batch, Kafka does not (the
+  next batch may have been computed, but nothing of it written). The batch's messages
+  are consumed again; they are replays, so the processor produces their stored records
+  again, identical, and its state never takes them twice. The changelog records of the
+  batch are produced again too (``Processor.write`` begins every transaction with the
+  state changes not yet known committed).
+- after step 5: both agree; nothing to repair.
+- a producer abandoned while the process lives on (a transactional call that has not
+  returned after ``CALL_WAIT_S``, ``neardup.io.bounded``; librdkafka's own timeouts do
+  not hold after a broker restart): as a crash at the same point. The abandoned producer
+  is never called again; a new one with the same ``transactional.id`` fences it and has
+  the broker abort its open transaction (a wedged call that returns later cannot commit:
+  its epoch is fenced). Abandoned before step 4, the batch is rewound and processed
+  anew; in step 5, it is rewound with the next batch and replayed.
+
+An error that is not fatal (broker gone, transaction timed out, abortable error) aborts
+the transaction, rewinds the batch's partitions to its first offsets and retries with
+exponential backoff; the replay rule makes the retry exact. A fatal producer error
+(typically: the broker aborted a transaction that outlived ``transaction.timeout.ms``
+during an outage and bumped the producer epoch, which the client reports as fenced)
+starts a new producer with the same ``transactional.id``, rewinds and retries the same
+way; after ``MAX_PRODUCER_RESETS`` such errors without a committed batch in between (a
+live second instance with the same id), ``run`` raises. A commit or abort that still
+times out after ``TRANSACTION_RETRY_S`` (a producer wedged by an outage) fails the batch
+the same way, and the abort then starts a new producer. Every transactional call
+(``init_transactions``, ``begin_transaction``, ``send_offsets_to_transaction``,
+``commit_transaction``, ``abort_transaction``) is waited for at most ``CALL_WAIT_S`` and
+every wait for step 5's thread at most ``STEP5_WAIT_S``; past that the producer is
+abandoned (``ProducerWedged``) and replaced, rewound and retried as for a fatal error,
+without counting towards ``MAX_PRODUCER_RESETS``. A step 5 that fails in its thread is
+seen when the next batch is about to begin its transaction (or when the consumer is
+idle): the failed batch's partitions are rewound with the next batch's, to the failed
+batch's first offsets, and the next batch is dropped (it wrote nothing); its messages
+come back as replays.
+
+Rebalances happen only inside ``consume`` (step 1), and the revoke callback first waits
+for a step 5 in progress (at most until ``STEP5_WAIT_S``; a step 5 still running then
+counts as wedged, and its producer is replaced, aborting its transaction, before the next
+batch), so no transaction is open when partitions go and a revoked partition never
+leaves anything half-done. Newly assigned partitions are handed to ``Processor.check``
+before any of their messages is read.
+
+Read-ahead (with a processor that ``reads_ahead``): when batch k is full (a backlog),
+batch k + 1 is consumed *ahead*, before batch k's step 2, taking only what the consumer
+has already fetched (no wait), and handed to ``Processor.ahead`` (which may start work
+on it elsewhere, e.g. in another process). Batch k + 1 is only held in memory:
+
+- a crash loses it like any message consumed and not committed: the restart consumes it
+  again from the committed offsets.
+- a failed batch k (abort or new producer) rewinds the partitions of both batches to
+  their first offsets, and batch k + 1 is dropped.
+- a rebalance can only be served by the read-ahead's ``consume``, while batch k is held:
+  batch k's messages of the revoked partitions are dropped (their next owner, maybe this
+  consumer again, resumes at the committed offset, which is where they start), the rest
+  of batch k is processed, and batch k + 1 holds only messages consumed after the
+  rebalance. So, as before, no transaction is ever open across a rebalance, and no
+  batch holds a partition this consumer has lost.
+- ``stop()`` finishes batch k and drops batch k + 1 (the next consumer resumes at the
+  committed offset).
+
+SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
+dropped, the consumer leaves its group, and ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from neardup.config import Settings
+from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
+from neardup.io.clients import consumer_config, init_transactions, producer_config, retriable
+
+log = logging.getLogger(__name__)
+
+#: Fatal producer errors survived in a row (no batch committed in between) before
+#: ``run`` gives up: a live second instance with the same transactional.id would
+#: otherwise fence this one back and forth.
+MAX_PRODUCER_RESETS = 3
+#: Seconds ``commit_transaction`` or ``abort_transaction`` is retried before the producer
+#: is replaced: after a broker outage librdkafka's request to the transaction coordinator
+#: can stay queued and time out forever; a new producer of the same transactional.id
+#: fences the old one and has the broker abort its transaction. Well below
+#: max.poll.interval.ms (300 s).
+TRANSACTION_RETRY_S = 60.0
+#: Longest wait for step 5's thread, seconds: its calls are bounded one by one
+#: (``neardup.io.bounded``), this is a backstop above their sum.
+STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
+#: Seconds a subscribed consumer may go without any assignment (an empty one counts)
+#: while it sees a broker up, before it is replaced: one subscribed during a broker
+#: outage was once seen never to be assigned after the broker came back.
+ASSIGN_WAIT_S = 60.0
+#: Seconds for which the consumer's last statistics showing a broker up count as recent.
+BROKER_UP_RECENT_S = 15.0
+
+TP = tuple[str, int]  # (topic, partition)
+
+
+class Batch(Protocol):
+    """What the runtime needs of a batch the processor has read."""
+
+    messages: list[Message]  # as consumed, in order
+    full: bool  # as many as ``batch_size``: more are probably waiting
+
+
+class Written(Protocol):
+    """What the runtime needs of a batch whose records and state were written (steps 3, 4)."""
+
+    offsets: list[TopicPartition]  # next offset to consume, per input partition of the batch
+
+
+class Processor(Protocol):
+    """What a stage computes; the runtime calls it from one thread, in this order per
+    batch: ``read`` (maybe ``ahead``), ``compute``, ``write`` (inside the open
+    transaction), ``committed`` (after step 5)."""
+
+    reads_ahead: bool  # a full batch's successor is read ahead and handed to ``ahead``
+
+    def open(self) -> None:
+        """Before connecting (start what takes long)."""
+        ...
+
+    def start(self, producer: Producer) -> None:
+        """Before the consumer subscribes, with the transactional producer initialised
+        (e.g. restore state, produce what a crash left unsent in a transaction of its
+        own). Raises KafkaException to be retried with a new producer."""
+        ...
+
+    def is_output(self, topic: str) -> bool:
+        """Whether ``topic`` is one the stage writes (a regex subscription may match it;
+        its messages are skipped)."""
+        ...
+
+    def check(self, consumer: Consumer, partitions: list[TP]) -> None:
+        """Newly assigned partitions, before any of their messages is read."""
+        ...
+
+    def revoked(self, partitions: set[TP]) -> None:
+        """Partitions gone (no transaction is open)."""
+        ...
+
+    def read(self, messages: list[Message], full: bool) -> Batch:
+        """Step 1's reading (replays marked; nothing written)."""
+        ...
+
+    def ahead(self, batch: Batch) -> None:
+        """A batch read ahead (see the module docstring); ``take`` comes before its turn."""
+        ...
+
+    def take(self, batch: Batch) -> None:
+        """Take back what ``ahead`` started for ``batch`` (also when it is dropped)."""
+        ...
+
+    def compute(self, batch: Batch) -> Any:
+        """Step 2: the batch's results, written by ``write``. Writes nothing."""
+        ...
+
+    def write(self, work: Any, producer: Producer) -> Written:
+        """Steps 3 and 4 inside the open transaction: produce, then commit the state.
+
+        Raises:
+            KafkaException: a produce error (the transaction is aborted and retried).
+        """
+        ...
+
+    def committed(self, written: Written) -> Any:
+        """After step 5 succeeded; returns what ``on_batch`` is called with."""
+        ...
+
+    def idle(self) -> None:
+        """Nothing consumed this time."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _consumer_fatal(err: KafkaError | None) -> bool:
+    """A consume error after which the consumer is unusable (librdkafka reports it as
+    ``_FATAL``, its ``fatal()`` flag unset)."""
+    return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
+
+
+def fatal(exc: KafkaException) -> bool:
+    err = exc.args[0]
+    return isinstance(err, KafkaError) and err.fatal()
+
+
+@dataclass
+class _Pending:
+    """A batch whose step 5 (offsets and transaction commit) runs in a thread while the
+    next batch is consumed and computed; ``error``: what step 5 raised."""
+
+    messages: list[Message]
+    written: Written
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    deadline: float = 0.0  # time.monotonic() after which the thread counts as wedged
+
+
+class StageRuntime:
+    """Runs a ``Processor`` as one exactly-once Kafka stage (see the module docstring).
+
+    Args:
+        settings: Kafka and batch settings (``bootstrap_servers`` and ``input_topics``
+            required; a topic starting with ``^`` is a regex).
+        processor: what the stage computes.
+        on_batch: called after every committed batch with ``Processor.committed``'s result.
+        on_assignment: called with the assigned partitions after every rebalance.
+        on_abort: called with the error after a failed batch's transaction was aborted.
+        on_broker: called whenever the broker was heard from: transactions initialised,
+            a batch committed, or librdkafka statistics (every ``statistics.interval.ms``,
+            default 5000 here) showing a broker connection up. Readiness checks use it.
+
+    Raises:
+        ValueError: no bootstrap servers or no input topic.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        processor: Processor,
+        on_batch: Callable[[Any], None] | None = None,
+        on_assignment: Callable[[list[TopicPartition]], None] | None = None,
+        on_abort: Callable[[KafkaException], None] | None = None,
+        on_broker: Callable[[], None] | None = None,
+    ) -> None:
+        if not settings.bootstrap_servers:
+            raise ValueError("--bootstrap-servers is required")
+        if not settings.input_topics:
+            raise ValueError("at least one --input-topic is required")
+        self.settings = settings
+        self.processor = processor
+        self.on_batch = on_batch
+        self.on_assignment = on_assignment
+        self.on_abort = on_abort
+        self.on_broker = on_broker
+        self.transactional_id = settings.transactional_id or f"neardup-{settings.group_id}"
+        self._stop = threading.Event()
+        self.assignment: list[TopicPartition] = []
+        self.consumer: Consumer | None = None
+        self.producer: Producer | None = None
+        self.batches = 0  # committed
+        self._revoked_while_reading: set[TP] | None = None
+        self._unchecked: list[TP] = []  # assigned, not handed to ``Processor.check`` yet
+        self._consumed = False  # any message yet (logged once)
+        self._pending: _Pending | None = None  # the batch whose transaction is committing
+        self._unsettled: list[Message] = []  # messages of a batch whose commit failed
+        self._backoff, self._resets = 0.5, 0
+        self._subscribed_at, self._ever_assigned = 0.0, False  # the assignment watchdog's
+        self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
+
+    # --- lifecycle ------------------------------------------------------------------
+    def stop(self, *_: Any) -> None:
+        """Ask the loop to finish the current batch and return."""
+        self._stop.set()
+
+    def run(self, install_signal_handlers: bool = True) -> None:
+        """Consume until ``stop()`` (or SIGTERM/SIGINT), then commit and leave the group.
+
+        Raises:
+            KafkaException: fatal Kafka errors ``MAX_PRODUCER_RESETS`` + 1 times in a row.
+        """
+        if install_signal_handlers:
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        try:
+            self.processor.open()
+            self._connect()
+            self._loop()
+        except InterruptedError:  # stopped while waiting for the broker
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leave the group and close the processor; a batch read ahead is dropped (the
+        group's committed offsets are where its partitions resume)."""
+        try:
+            self._finish_pending()
+        except KafkaException as exc:  # in the state already: replayed at the next start
+            log.warning("the last batch's transaction failed at close (%s)", exc)
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
+        if self.producer is not None:
+            try:
+                self.producer.flush(10)
+            except KafkaException as exc:  # a failed producer has nothing left to deliver
+                log.warning("producer flush at close: %s", exc)
+            self._discard_producer()
+        self.processor.close()
+        log.info("consumer closed after %d batches%s", self.batches, self._closing_note())
+
+    def _closing_note(self) -> str:
+        """Text added to the log line at close."""
+        return ""
+
+    def _connect(self) -> None:
+        self._new_producer()
+        self._broker_answered()
+        while True:
+            assert self.producer is not None
+            try:
+                self.processor.start(self.producer)
+                break
+            except KafkaException as exc:
+                log.warning("start-up transaction failed (%s); retrying with a new producer", exc)
+                self._stop.wait(self._backoff)
+                self._backoff = min(self._backoff * 2, 30.0)
+                self._new_producer()
+        # The consumer only once the broker has answered the producer: created during an
+        # outage, its first group requests time out queued, and it was once seen never
+        # to be assigned after the broker came back.
+        self.consumer = Consumer(self._consumer_config())
+        self._subscribe()
+
+    def _consumer_config(self) -> dict[str, Any]:
+        return consumer_config(self.settings, self.transactional_id, self._statistics)
+
+    def _subscribe(self) -> None:
+        assert self.consumer is not None
+        topics = list(self.settings.input_topics)
+        self.consumer.subscribe(
+            topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
+        )
+        self._subscribed_at, self._ever_assigned = time.monotonic(), False
+        log.info("subscribed to %s as group %s", ", ".join(topics), self.settings.group_id)
+
+    def _new_consumer(self, error: KafkaError) -> None:
+        """Replace a consumer that failed fatally (typically a static member fenced by
+        its own JoinGroup, retried across an outage longer than the session).
+
+        Raises:
+            KafkaException: the fatal error ``MAX_PRODUCER_RESETS`` + 1 times in a row.
+        """
+        self._resets += 1
+        if self._resets > MAX_PRODUCER_RESETS:
+            raise KafkaException(error)
+        log.warning("consumer failed fatally (%s); starting a new one", error)
+        self._replace_consumer()
+
+    def _check_assigned(self) -> None:
+        """Replace the consumer if it has had no assignment (not even an empty one) for
+        ``ASSIGN_WAIT_S`` since it subscribed, though it sees a broker up. Not counted
+        as a reset: the group may be slow, nothing implies a second instance."""
+        now = time.monotonic()
+        if (self._ever_assigned or now - self._subscribed_at < ASSIGN_WAIT_S
+                or now - self._broker_up_at > BROKER_UP_RECENT_S):
+            return
+        log.warning("no partitions assigned %.0f s after subscribing, though the broker is up; "
+                    "starting a new consumer", now - self._subscribed_at)
+        self._replace_consumer()
+
+    def _replace_consumer(self) -> None:
+        """A new consumer in place of the current one: its partitions are given up as in
+        a revocation, the old consumer is dropped uncalled (``neardup.io.bounded.discard``),
+        and the new one subscribes; the partitions resume at the group's committed offsets."""
+        old, self.consumer = self.consumer, None
+        self._revoked(old, list(self.assignment))
+        discard(old)
+        del old
+        self.consumer = Consumer(self._consumer_config())
+        self._subscribe()
+
+    def _new_producer(self) -> None:
+        """A transactional producer, initialised (retried until the broker answers), in
+        place of the current one, which is dropped without being called again.
+
+        ``init_transactions`` fences any older producer of this transactional.id and
+        aborts its open transaction. One that does not return in ``CALL_WAIT_S`` is
+        abandoned for another new producer.
+        """
+        self._discard_producer()
+        while True:
+            producer = Producer(producer_config(self.settings, self.transactional_id))
+            try:
+                init_transactions(producer, self._stop)
+            except ProducerWedged as exc:
+                log.warning("%s; starting another producer", exc)
+                discard(producer)
+                del producer
+                continue
+            self.producer = producer
+            log.info("transactional producer %s ready", self.transactional_id)
+            return
+
+    def _discard_producer(self) -> None:
+        """Drop the producer, never to call it again (``neardup.io.bounded.discard``)."""
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            discard(producer)
+
+    def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._ever_assigned = True
+        held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
+        self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
+        self._unchecked += [(p.topic, p.partition) for p in partitions]
+        log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
+        if self.on_assignment:
+            self.on_assignment(self.assignment)
+
+    def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # No transaction may be committing when partitions go: their next owner resumes
+        # at the group's committed offsets. Its outcome is taken up after the rebalance
+        # (a wedged one: the producer is replaced then, which aborts the transaction).
+        if self._pending is not None:
+            self._join_pending(self._pending)
+        gone = {(p.topic, p.partition) for p in partitions}
+        self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
+        self._unchecked = [tp for tp in self._unchecked if tp not in gone]
+        self.processor.revoked(gone)
+        if self._revoked_while_reading is not None:
+            self._revoked_while_reading |= gone
+        log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(gone)) or "nothing")
+        if self.on_assignment:
+            self.on_assignment(self.assignment)
+
+    def _broker_answered(self) -> None:
+        if self.on_broker:
+            self.on_broker()
+
+    def _statistics(self, stats_json: str) -> None:
+        """librdkafka statistics callback (consumer thread): a broker connection is up."""
+        import orjson
+
+        try:
+            brokers = orjson.loads(stats_json).get("brokers", {})
+        except ValueError:
+            return
+        if any(b.get("nodeid", -1) >= 0 and b.get("state") == "UP" for b in brokers.values()):
+            self._broker_up_at = time.monotonic()
+            self._broker_answered()
+
+    def lag(self) -> dict[TP, int]:
+        """Messages behind per assigned partition: cached high watermark minus position.
+
+        Uses the watermarks of the last fetch responses (no broker request); partitions
+        whose watermark or position is not known yet are left out. Call it from the
+        consumer's thread (e.g. in ``on_batch``).
+        """
+        if self.consumer is None or not self.assignment:
+            return {}
+        out: dict[TP, int] = {}
+        for tp in self.consumer.position(self.assignment):
+            if tp.offset < 0:
+                continue
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            if high >= 0:
+                out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
+        return out
+
+    # --- the loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        ahead: Batch | None = None  # the next batch, read ahead (see the module docstring)
+        while not self._stop.is_set():
+            batch = ahead or self._consume(self.settings.batch_max_ms / 1000)
+            ahead = None
+            if batch is None:
+                self._check_assigned()
+                try:
+                    self._finish_pending()  # idle: the last batch's commit is surely done
+                except KafkaException as exc:
+                    self._recover(exc, [])
+                self.processor.idle()
+                continue
+            if not self._consumed:
+                self._consumed = True
+                log.info("first messages consumed: %d", len(batch.messages))
+            self.processor.take(batch)  # first: work started ahead is taken in order
+            if batch.full and self.processor.reads_ahead and not self._stop.is_set():
+                batch, ahead = self._read_ahead(batch)
+                if batch is None:
+                    continue
+            try:
+                self._process(batch)
+            except KafkaException as exc:
+                if ahead is not None:
+                    self.processor.take(ahead)  # and dropped
+                self._recover(exc, batch.messages + (ahead.messages if ahead else []))
+                ahead = None
+
+    def _consume(self, timeout: float) -> Batch | None:
+        """Up to ``batch_size`` messages, waiting at most ``timeout`` s, read by the
+        processor; None if none."""
+        assert self.consumer is not None
+        messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
+        fatal_error = next((m.error() for m in messages if _consumer_fatal(m.error())), None)
+        if fatal_error is not None:
+            self._new_consumer(fatal_error)
+            return None
+        if self._unchecked:  # newly assigned partitions: before any of their messages is read
+            tps = list(dict.fromkeys(self._unchecked))
+            self.processor.check(self.consumer, tps)
+            self._unchecked = []
+        full = len(messages) == self.settings.batch_size
+        messages = self._usable(messages)
+        return self.processor.read(messages, full) if messages else None
+
+    def _usable(self, messages: list[Message]) -> list[Message]:
+        out = []
+        for m in messages:
+            err = m.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consume error: %s", err)
+                    if err.fatal():
+                        raise KafkaException(err)
+                continue
+            if self.processor.is_output(m.topic()):
+                continue
+            out.append(m)
+        return out
+
+    def _read_ahead(self, batch: Batch) -> tuple[Batch | None, Batch | None]:
+        """(``batch``, the next batch, handed to ``Processor.ahead``). The next batch is
+        what the consumer has already fetched (no wait).
+
+        A rebalance served on the way invalidates the messages ``batch`` holds of the
+        revoked partitions: they are dropped (their next owner, maybe this consumer
+        again, resumes at the group's committed offset, which is where they start).
+        """
+        self._revoked_while_reading = set()
+        try:
+            ahead = self._consume(0)
+        finally:
+            revoked, self._revoked_while_reading = self._revoked_while_reading, None
+        if revoked:
+            # ahead is from after the rebalance, except (in principle) messages of revoked
+            # partitions fetched before it and not reassigned: dropped as well.
+            assigned = {(p.topic, p.partition) for p in self.assignment}
+            batch = self._without(batch, lambda tp: tp in revoked)
+            if ahead is not None:
+                ahead = self._without(ahead, lambda tp: tp in revoked and tp not in assigned)
+            log.info("rebalanced while reading ahead: messages of revoked partitions dropped")
+        if ahead is not None:
+            self.processor.ahead(ahead)
+        return batch, ahead
+
+    def _without(self, batch: Batch, drop: Callable[[TP], bool]) -> Batch | None:
+        """``batch`` without the messages of the partitions ``drop`` selects, read again."""
+        kept = [m for m in batch.messages if not drop((m.topic(), m.partition()))]
+        if len(kept) == len(batch.messages):
+            return batch
+        return self.processor.read(kept, full=False) if kept else None
+
+    def _process(self, batch: Batch) -> None:
+        started = time.perf_counter()
+        work = self.processor.compute(batch)
+        assert self.producer is not None and self.consumer is not None
+        self._finish_pending()  # the previous batch's transaction, committed meanwhile
+        self._call("begin_transaction", self.producer.begin_transaction)
+        written = self.processor.write(work, self.producer)
+        # Step 5 in a thread: the broker's answers are waited for while this thread
+        # consumes and computes the next batch; ``_finish_pending`` takes it up.
+        pending = _Pending(batch.messages, written, deadline=time.monotonic() + STEP5_WAIT_S)
+        metadata = self.consumer.consumer_group_metadata()
+        pending.thread = threading.Thread(target=self._commit_offsets,
+                                          args=(self.producer, pending, written.offsets, metadata, started),
+                                          name="neardup-commit", daemon=True)
+        self._pending = pending
+        pending.thread.start()
+
+    def _commit_offsets(self, producer: Producer, pending: _Pending, offsets: list[TopicPartition],
+                        metadata: Any, started: float) -> None:
+        """Step 5 of a batch (in its own thread): the input offsets (with the consumer
+        group's ``metadata``) into the transaction, then its commit; an error is kept in
+        ``pending.error`` (``ProducerWedged``: a call that did not return in time, the
+        producer is never called again)."""
+        try:
+            bounded("send_offsets_to_transaction", producer.send_offsets_to_transaction,
+                    offsets, metadata, CALL_TIMEOUT_S)
+            self._commit_transaction(producer)
+            pending.written.seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+        except BaseException as exc:  # noqa: BLE001 - raised again by _finish_pending
+            pending.error = exc
+
+    def _join_pending(self, pending: _Pending) -> None:
+        """Wait for step 5's thread until its deadline; still running then, it counts as
+        wedged (``pending.error``)."""
+        assert pending.thread is not None
+        pending.thread.join(max(0.0, pending.deadline - time.monotonic()))
+        if pending.thread.is_alive() and pending.error is None:
+            pending.error = ProducerWedged("step 5 (offsets and commit)", STEP5_WAIT_S)
+
+    def _finish_pending(self) -> None:
+        """Wait for the batch whose transaction is committing, then count it (or raise).
+
+        Raises:
+            KafkaException: its offsets or commit failed; its messages are rewound with
+                those of the failing batch (``_recover``).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._join_pending(pending)
+        if pending.error is not None:
+            self._unsettled = pending.messages
+            if isinstance(pending.error, ProducerWedged):
+                self._discard_producer()
+            raise pending.error
+        result = self.processor.committed(pending.written)
+        self._backoff, self._resets = 0.5, 0
+        self.batches += 1
+        self._broker_answered()
+        if self.on_batch:
+            self.on_batch(result)
+
+    def _recover(self, exc: KafkaException, messages: list[Message]) -> None:
+        """After a failed batch (``messages``, and those of a batch whose commit failed
+        in the background): a new producer (fatal error) or an aborted transaction,
+        the partitions rewound to the first offsets, a backoff.
+
+        Raises:
+            KafkaException: ``exc``, when it is the fatal error ``MAX_PRODUCER_RESETS`` + 1
+                in a row.
+        """
+        assert self._pending is None  # ``_process`` and the idle loop take it up first
+        if isinstance(exc, ProducerWedged) or self.producer is None:
+            # librdkafka's own timeout did not hold (a broker restarted under a call):
+            # the producer is dropped uncalled; a new one fences it and the broker aborts
+            # its transaction. Not counted as a reset: no second instance is implied.
+            log.warning("%s; starting a new producer", exc)
+            self._new_producer()
+        elif fatal(exc):
+            # e.g. the broker aborted a transaction that outlived its timeout and bumped
+            # the producer epoch: a new producer (same transactional.id) resumes; the
+            # replay rule makes it exact.
+            self._resets += 1
+            if self._resets > MAX_PRODUCER_RESETS:
+                raise exc
+            log.warning("producer failed fatally (%s); starting a new one", exc)
+            self._new_producer()
+        else:
+            log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, self._backoff)
+            self._abort()
+        self._rewind(self._unsettled + messages)
+        self._unsettled = []
+        if self.on_abort:
+            self.on_abort(exc)
+        self._stop.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, 30.0)
+
+    # --- transactional calls ------------------------------------------------------------
+    def _commit_transaction(self, producer: Producer) -> None:
+        for attempt in Retrying(
+            retry=retry_if_exception(retriable),
+            wait=wait_exponential(multiplier=0.2, max=10),
+            stop=stop_after_delay(TRANSACTION_RETRY_S),
+            reraise=True,
+            before_sleep=lambda rs: log.warning("commit_transaction: %s; retrying", rs.outcome.exception()),
+        ):
+            with attempt:
+                bounded("commit_transaction", producer.commit_transaction, CALL_TIMEOUT_S)
+
+    def _abort(self) -> None:
+        """Abort the open transaction (retried for ``TRANSACTION_RETRY_S`` while the error is
+        not fatal); a fatal error, a call that does not return, or no success in that
+        time, starts a new producer, which aborts it as well."""
+        assert self.producer is not None
+        try:
+            self._abort_transaction()
+        except KafkaException as exc:
+            if fatal(exc):
+                reason = "failed fatally"
+            elif isinstance(exc, ProducerWedged):
+                reason = "did not return"
+            else:
+                reason = f"did not succeed in {TRANSACTION_RETRY_S:.0f} s"
+            log.warning("abort_transaction %s (%s); starting a new producer", reason, exc)
+            self._new_producer()
+
+    def _abort_transaction(self) -> None:
+        assert self.producer is not None
+        for attempt in Retrying(
+            retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not fatal(e)
+                                     and not isinstance(e, ProducerWedged)),
+            wait=wait_exponential(multiplier=0.5, max=30),
+            stop=stop_after_delay(TRANSACTION_RETRY_S),
+            reraise=True,
+            before_sleep=lambda rs: log.warning("abort_transaction: %s; retrying", rs.outcome.exception()),
+        ):
+            with attempt:
+                try:
+                    self._call("abort_transaction", self.producer.abort_transaction, CALL_TIMEOUT_S)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError._STATE:  # _STATE: none open
+                        raise
+
+    def _call(self, what: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on the producer, waited for at most ``CALL_WAIT_S``.
+
+        Raises:
+            ProducerWedged: it did not return; the producer is dropped (``self.producer``
+                is None until ``_recover`` starts a new one).
+        """
+        try:
+            return bounded(what, call, *args)
+        except ProducerWedged:
+            self._discard_producer()
+            raise
+
+    def _rewind(self, messages: list[Message]) -> None:
+        """Seek the batch's partitions back to its first offsets, to consume it again."""
+        assert self.consumer is not None
+        first: dict[TP, int] = {}
+        for m in messages:
+            tp = (m.topic(), m.partition())
+            first[tp] = min(first.get(tp, m.offset()), m.offset())
+        assigned = {(p.topic, p.partition) for p in self.assignment}
+        for (topic, partition), offset in first.items():
+            if (topic, partition) in assigned:
+                self.consumer.seek(TopicPartition(topic, partition, offset))
