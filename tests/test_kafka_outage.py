@@ -95,3 +95,33 @@ def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
     assert committed_offset(kafka_bootstrap, "g-late", topic) == len(records)
     _check_exactly_once(kafka_bootstrap, topic, records)
     assert "retrying" in log.read_text()
+
+
+def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """A group that holds the rebalance for longer than the assignment watchdog's 60 s
+    (another member stops polling; the coordinator waits for it to rejoin up to its
+    max.poll.interval.ms, 90 s): the consumer, subscribed and never assigned while the
+    broker answers, is replaced, and once the group settles every message comes out once."""
+    from confluent_kafka import Consumer
+
+    records = excerpt(300)
+    topic = kafka_topic_factory("unassigned")
+    produce(kafka_bootstrap, topic, _messages(records))
+    group = "g-unassigned"
+    silent = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group,
+                       "max.poll.interval.ms": 90_000, "session.timeout.ms": 45_000,
+                       "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    silent.subscribe([topic])
+    deadline = time.monotonic() + 60
+    while not silent.assignment() and time.monotonic() < deadline:
+        silent.poll(0.5)
+    assert silent.assignment(), "the other member was assigned the partition"
+    log = tmp_path / "run.log"
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
+    try:
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+        silent.close()
+    assert "no partitions assigned" in log.read_text(), "the watchdog replaced the consumer"
+    _check_exactly_once(kafka_bootstrap, topic, records)

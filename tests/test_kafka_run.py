@@ -136,13 +136,15 @@ def test_run_gives_the_verdicts_of_dedup(pipeline, kafka_bootstrap, kafka_topic_
 
     log = tmp_path / "run.log"
     flag = "--pipeline" if pipeline else "--no-pipeline"
-    proc = start_run(kafka_bootstrap, topic, "g-same", tmp_path / "state", *JSON_FIELDS,
+    # A group (so a changelog) of its own per run: the same group would restore the other
+    # run's state, in which every document is already present.
+    proc = start_run(kafka_bootstrap, topic, f"g-same-{pipeline}", tmp_path / "state", *JSON_FIELDS,
                      "--batch-size", "500", flag, log=log)
     try:
         if pipeline:  # a backlog that arrives once the worker has started
             _wait_for_line(log, "preparing worker started", proc)
         produce(kafka_bootstrap, topic, _json_messages(records))
-        wait_committed(kafka_bootstrap, "g-same", topic, len(records), proc)
+        wait_committed(kafka_bootstrap, f"g-same-{pipeline}", topic, len(records), proc)
         workers = _workers(proc)
     finally:
         assert stop(proc) == 0

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-message-bytes", type=int, help=f"larger values go to the dead-letter topic, bytes ({_d('max_message_bytes')})")
     k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help=f"a new group starts at the earliest offset ({_d('from_beginning')}: at the latest)")
     k.add_argument("--transactional-id", help="one per instance, stable across restarts (default neardup-<group-id>)")
+    k.add_argument("--changelog", choices=["on", "off"], help=f"keep the state's changelog in a compacted Kafka topic, written in each batch's transaction and restored from when the state directory is missing, empty or behind ({_d('changelog')})")
+    k.add_argument("--changelog-topic", help="the changelog topic (default <group-id>.neardup-changelog; created compacted, with one partition, if missing)")
     k.add_argument("--reset-state", action="store_true", default=None, help=f"accept a state that does not match the input (deleted, older, or of a topic created again): resume at the group's committed offsets, logged ({_d('reset_state')}: refuse to start)")
     k.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer (SASL, TLS, ...); repeatable")
     _engine_flags(run)
@@ -290,6 +292,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings, engine: EngineSettin
 
 def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.detector import Detector
+    from neardup.io.changelog import ChangelogWriter
     from neardup.io.kafka import KafkaDeduplicator
     from neardup.server import Readiness
     from neardup.state.rocksdb import RocksDBStateStore
@@ -301,8 +304,16 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     readiness = Readiness()
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
     metrics, server = _metrics_server(settings, engine, port, readiness.check)
+
+    def on_restore(event: Any) -> None:  # True when a restore begins, then its statistics
+        readiness.set_restoring(event is True)
+        if event is not True:
+            metrics.observe_restore(event)
+
+    changelog = ChangelogWriter(settings, on_restore) if settings.changelog == "on" else None
     try:
-        with RocksDBStateStore(state_dir, engine.state_shape(), retention=retention_changes(settings)) as store:
+        with RocksDBStateStore(state_dir, engine.state_shape(), retention=retention_changes(settings),
+                               log=changelog) as store:
             metrics.refresh_state(store, force=True)
 
             def on_batch(stats: Any) -> None:  # counters last: they tell a scrape the batch is in

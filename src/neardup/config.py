@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     from_beginning: bool = False
     transactional_id: str | None = None
     reset_state: bool = False
+    changelog: Literal["on", "off"] = "on"
+    changelog_topic: str | None = None
     kafka: dict[str, str] = {}
     # operations
     metrics_host: str = "0.0.0.0"

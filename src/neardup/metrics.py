@@ -117,6 +117,13 @@ class Metrics:
             registry=r)
         self.largest_bucket = Gauge(
             "neardup_largest_bucket_size", "Members of the largest LSH band bucket ever written.", registry=r)
+        self.restore_records = Counter(
+            "neardup_restore_records", "Changelog records read to restore the state.", registry=r)
+        self.restore_bytes = Counter(
+            "neardup_restore_bytes", "Bytes (keys and values) of the changelog records read to restore the state.",
+            registry=r)
+        self.restore_seconds = Counter(
+            "neardup_restore_seconds", "Time spent restoring the state from the changelog, seconds.", registry=r)
         self.build = Info(
             "neardup_build", "Version and engine settings of this process.", registry=r)
 
@@ -175,6 +182,12 @@ class Metrics:
             self.latency.observe(max(0.0, now - ts_ms / 1000.0))
         self.observe_verdicts(stats.verdicts)
         self.transactions.labels("committed").inc()
+
+    def observe_restore(self, stats: Any) -> None:
+        """A restore from the changelog ended (``neardup.io.changelog.RestoreStats``)."""
+        self.restore_records.inc(stats.records)
+        self.restore_bytes.inc(stats.bytes)
+        self.restore_seconds.inc(stats.seconds)
 
     def observe_results(self, results: Sequence[Verdict | Rejected], seconds: float) -> None:
         """One batch of the embedded mode (``dedup_files``' ``on_batch``)."""

@@ -47,10 +47,16 @@ class Readiness:
         self._lock = threading.Lock()
         self._partitions = 0
         self._broker_at: float | None = None
+        self._restoring = False
 
     def set_assignment(self, partitions: Sequence[Any]) -> None:
         with self._lock:
             self._partitions = len(partitions)
+
+    def set_restoring(self, restoring: bool) -> None:
+        """The state is being restored from its changelog (not ready meanwhile)."""
+        with self._lock:
+            self._restoring = restoring
 
     def broker_answered(self) -> None:
         with self._lock:
@@ -59,7 +65,9 @@ class Readiness:
     def check(self) -> tuple[bool, str]:
         """(ready, reason): the reason is one line for the ``/readyz`` body."""
         with self._lock:
-            partitions, broker_at = self._partitions, self._broker_at
+            partitions, broker_at, restoring = self._partitions, self._broker_at, self._restoring
+        if restoring:
+            return False, "restoring the state from the changelog"
         if broker_at is None:
             return False, "broker not reached yet"
         silent = time.monotonic() - broker_at

@@ -76,6 +76,7 @@ from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, BatchResult, PreparedBatch, warm_up
 from neardup.io import state_check
+from neardup.io.changelog import ChangelogWriter, RestoreStats
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, TopicLimits
@@ -188,12 +189,21 @@ class DedupProcessor:
     Args:
         settings: record, topic and batch settings.
         detector: the engine, over a persistent state store.
+        on_restore: with the changelog on, called when a restore begins (True) and ends
+            (its ``RestoreStats``).
     """
 
-    def __init__(self, settings: Settings, detector: Detector) -> None:
+    def __init__(self, settings: Settings, detector: Detector,
+                 on_restore: Callable[[bool | RestoreStats], None] | None = None) -> None:
         self.settings = settings
         self.detector = detector
         self.store: StateStore = detector.store
+        self.changelog: ChangelogWriter | None = None
+        if settings.changelog == "on":
+            self.changelog = getattr(self.store, "log", None) or ChangelogWriter(settings)
+            if on_restore is not None:
+                self.changelog.on_restore = on_restore
+            self.store.log = self.changelog  # opened without it: the start writes the whole state
         self.reads_ahead = settings.pipeline
         self._positions: dict[TP, int] = {}
         self._committed_keys: list[bytes] = []
@@ -232,7 +242,11 @@ class DedupProcessor:
 
     # --- lifecycle ------------------------------------------------------------------
     def start(self, producer: Producer) -> None:
-        """Nothing to do before consuming (the changelog's restore comes here)."""
+        """With the changelog on: restore the state from it, or write to it what it lacks
+        (``neardup.io.changelog``)."""
+        if self.changelog is not None:
+            self.changelog.start(self.store, producer)
+            self._positions.clear()
 
     def close(self) -> None:
         """Stop the worker and the admin client."""
@@ -460,7 +474,14 @@ class DedupProcessor:
             if part.position is not None:
                 update.positions[part.source] = part.position
         update.verdict_deletes = self._committed_keys
-        self.store.commit(update)
+        if self.changelog is not None:
+            update.meta.update(self.changelog.begin(producer, self.store))
+            try:
+                self.store.commit(update)  # its records go to the changelog first
+            finally:
+                self.changelog.end_transaction()
+        else:
+            self.store.commit(update)
         for source, position in update.positions.items():
             _, topic, partition = source.rsplit(":", 2)
             self._positions[(topic, int(partition))] = position
@@ -473,6 +494,8 @@ class DedupProcessor:
         if self._delivery_errors:
             log.error("deliveries failed inside a committed transaction: %s", self._delivery_errors[:3])
         self._committed_keys = written.keys
+        if self.changelog is not None:
+            self.changelog.confirm(self.store)
         if self._failed:
             for key in written.keys:
                 self._failed.pop(key, None)
@@ -568,6 +591,7 @@ class KafkaDeduplicator(StageRuntime):
         detector: the engine, over a persistent state store.
         on_batch: called after every committed batch with its ``BatchStats``.
         on_assignment, on_abort, on_broker: as ``StageRuntime``'s.
+        on_restore: as ``DedupProcessor``'s.
 
     Raises:
         ValueError: no bootstrap servers or no input topic.
@@ -581,8 +605,9 @@ class KafkaDeduplicator(StageRuntime):
         on_assignment: Callable[[list[TopicPartition]], None] | None = None,
         on_abort: Callable[[KafkaException], None] | None = None,
         on_broker: Callable[[], None] | None = None,
+        on_restore: Callable[[bool | RestoreStats], None] | None = None,
     ) -> None:
-        super().__init__(settings, DedupProcessor(settings, detector), on_batch=on_batch,
+        super().__init__(settings, DedupProcessor(settings, detector, on_restore), on_batch=on_batch,
                          on_assignment=on_assignment, on_abort=on_abort, on_broker=on_broker)
         self.detector = detector
 

@@ -1,0 +1,134 @@
+"""The state outlives its directory: restored from its changelog topic on the real broker,
+with every verdict identical to an uninterrupted run (``neardup.io.changelog``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import time
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from kafka_util import create_topic, excerpt, produce, start_run, stop, wait_committed
+from test_kafka_run import JSON_FIELDS, _assert_once_with_dedup_verdicts, _edited_copies, _json_messages
+
+BATCHES = ["--batch-size", "100"]
+
+
+def _changelog_records(bootstrap: str, topic: str) -> int:
+    """Committed records of the changelog topic, read from its start to its end."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "changelog-count",
+                       "enable.auto.commit": False, "enable.partition.eof": True,
+                       "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
+    try:
+        reader.assign([TopicPartition(topic, 0, 0)])
+        count = 0
+        while True:
+            for m in reader.consume(10_000, timeout=10):
+                if m.error() is None:
+                    count += 1
+                elif m.error().code() == KafkaError._PARTITION_EOF:
+                    return count
+    finally:
+        reader.close()
+
+
+def _run_to_end(bootstrap, topic, group, state, log, total, *extra) -> str:
+    proc = start_run(bootstrap, topic, group, state, *JSON_FIELDS, *BATCHES, *extra, log=log)
+    try:
+        wait_committed(bootstrap, group, topic, total, proc, timeout_s=300)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    return log.read_text()
+
+
+def _first_part(bootstrap, topic, group, state, log, target, sig) -> None:
+    proc = start_run(bootstrap, topic, group, state, *JSON_FIELDS, *BATCHES, log=log)
+    try:
+        wait_committed(bootstrap, group, topic, target, proc)
+    finally:
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+
+
+def test_a_state_directory_deleted_mid_stream_is_restored(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """SIGKILL mid-stream, the state directory deleted, the same directory given again:
+    the state comes back from the changelog and every verdict is the uninterrupted one."""
+    records = _edited_copies(excerpt(600), rounds=3)  # 1,800 messages
+    topic = kafka_topic_factory("cl-deleted")
+    group, state = "g-cl-deleted", tmp_path / "state"
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    _first_part(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 700, signal.SIGKILL)
+    shutil.rmtree(state)
+    out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "second.log", len(records))
+    assert "restored" in out and "from changelog" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def test_a_fresh_directory_is_restored(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """The consumer moved to another (empty) state directory between two runs."""
+    records = _edited_copies(excerpt(600), rounds=3)
+    topic = kafka_topic_factory("cl-fresh")
+    group = "g-cl-fresh"
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    _first_part(kafka_bootstrap, topic, group, tmp_path / "a", tmp_path / "first.log", 900, signal.SIGTERM)
+    out = _run_to_end(kafka_bootstrap, topic, group, tmp_path / "b", tmp_path / "second.log", len(records))
+    assert "restored" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def test_a_restore_killed_midway_starts_over(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """SIGKILL during the restore itself: the next start restores again, from scratch."""
+    records = _edited_copies(excerpt(), rounds=5)  # 20,000 messages: a restore of about 70,000 records
+    more = [{**r, "id": f"{r['id']}-late"}  # edited copies, produced after the restore
+            for r in _edited_copies(excerpt(500), rounds=2, seed=11)[500:]]
+    topic = kafka_topic_factory("cl-kill")
+    group = "g-cl-kill"
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "a", *JSON_FIELDS, "--batch-size", "2000",
+                     log=tmp_path / "first.log")
+    try:
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=600)
+    finally:
+        assert stop(proc) == 0
+    log = tmp_path / "second.log"
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "b", *JSON_FIELDS, log=log)
+    deadline = time.monotonic() + 120
+    while "restoring the state from changelog" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert "restored" not in log.read_text().split("restoring the state from changelog")[1], \
+        "the restore ended before the kill"
+    produce(kafka_bootstrap, topic, _json_messages(more))
+    out = _run_to_end(kafka_bootstrap, topic, group, tmp_path / "b", tmp_path / "third.log",
+                      len(records) + len(more))
+    assert f"restored {len(records)} documents" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records + more)
+
+
+def test_a_compacted_changelog_restores_the_same_state(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """The broker compacts the changelog (small segments, any dirty ratio), dropping the
+    records of keys written again (the per-batch meta records, the outcomes deleted each
+    batch); a restore from what is left gives the same verdicts."""
+    records = _edited_copies(excerpt(600), rounds=3)
+    topic = kafka_topic_factory("cl-compact")
+    group = "g-cl-compact"
+    changelog = f"{group}.neardup-changelog"
+    create_topic(kafka_bootstrap, changelog, config={
+        "cleanup.policy": "compact", "segment.ms": "100", "min.cleanable.dirty.ratio": "0.001",
+        "delete.retention.ms": "0", "min.compaction.lag.ms": "0"})
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    _first_part(kafka_bootstrap, topic, group, tmp_path / "a", tmp_path / "first.log", 900, signal.SIGTERM)
+    before = _changelog_records(kafka_bootstrap, changelog)
+    deadline = time.monotonic() + 120
+    while (after := _changelog_records(kafka_bootstrap, changelog)) >= before:
+        assert time.monotonic() < deadline, "the broker did not compact the changelog"
+        time.sleep(2)
+    print(f"changelog records: {before} written, {after} after compaction")
+    out = _run_to_end(kafka_bootstrap, topic, group, tmp_path / "b", tmp_path / "second.log", len(records))
+    [read] = re.findall(r"restored \d+ documents from changelog \S+: (\d+) records", out)
+    assert int(read) <= after < before, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
