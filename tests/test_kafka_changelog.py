@@ -132,3 +132,40 @@ def test_a_compacted_changelog_restores_the_same_state(kafka_bootstrap, kafka_to
     [read] = re.findall(r"restored \d+ documents from changelog \S+: (\d+) records", out)
     assert int(read) <= after < before, out[-3000:]
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def test_an_older_copy_of_the_state_is_restored(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """The state directory replaced by a copy taken earlier (a volume snapshot): it is
+    behind the changelog, so it is restored from it, not trusted nor refused."""
+    records = _edited_copies(excerpt(600), rounds=3)
+    topic = kafka_topic_factory("cl-older")
+    group, state, copy = "g-cl-older", tmp_path / "state", tmp_path / "copy"
+    produce(kafka_bootstrap, topic, _json_messages(records[:600]))
+    _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 600)
+    shutil.copytree(state, copy)
+    produce(kafka_bootstrap, topic, _json_messages(records[600:1200]))
+    _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "second.log", 1200)
+    shutil.rmtree(state)
+    copy.rename(state)
+    produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
+    out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "third.log", len(records))
+    assert "is behind changelog" in out and "restored 1200 documents" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def test_a_state_from_before_the_changelog_is_written_to_it(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """A state built with --changelog off, then run with the changelog: the whole state is
+    written to the changelog at start, so a later loss of the directory is restored."""
+    records = _edited_copies(excerpt(600), rounds=3)
+    topic = kafka_topic_factory("cl-seed")
+    group, state = "g-cl-seed", tmp_path / "state"
+    produce(kafka_bootstrap, topic, _json_messages(records[:600]))
+    _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 600, "--changelog", "off")
+    produce(kafka_bootstrap, topic, _json_messages(records[600:1200]))
+    out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "second.log", 1200)
+    assert "writing the whole state to changelog" in out, out[-3000:]
+    shutil.rmtree(state)
+    produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
+    out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "third.log", len(records))
+    assert "restored 1200 documents" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
