@@ -130,11 +130,14 @@ class ChangelogWriter:
             # transaction awaited now commits.
             self._skip_confirm = self._skip_confirm or (self._awaiting and bool(records))
             return
-        produce, topic, delivered = producer.produce, self.topic, self._delivered
-        for key, value in records:
+        produce, topic, count = producer.produce, self.topic, len(records)
+        for n, (key, value) in enumerate(records, 1):
+            # A delivery report for the last record only (records of one partition are
+            # delivered in order): the end offset. A failed record fails the commit.
+            report = self._delivered if n == count else None
             while True:
                 try:
-                    produce(topic, value=value, key=key, partition=0, on_delivery=delivered)
+                    produce(topic, value=value, key=key, partition=0, on_delivery=report)
                     break
                 except BufferError:  # the queue is full: serve delivery reports
                     producer.poll(0.05)

@@ -60,9 +60,12 @@ class ChangelogMixin:
         return records
 
     def confirm(self) -> None:
-        """The records logged so far are committed in the changelog: forget their keys
-        (stored by the next write; none is made here)."""
-        self._unconfirmed = set()
+        """The records logged so far are committed in the changelog: forget their keys,
+        at once on disk too (a small write), so that a restart does not produce the last
+        batch's records again."""
+        if self._unconfirmed:
+            self._unconfirmed = set()
+            self._write_batch({"default": [(codec.UNCONFIRMED_KEY, codec.encode_key_set(set()))]})
 
     def unconfirmed_records(self) -> list[Record]:
         """(changelog key, current value or None if deleted) of every key logged since the
