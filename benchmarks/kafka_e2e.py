@@ -64,13 +64,23 @@ Latency, all in milliseconds on this machine's clock:
 Verification: every input message (N + M) must appear exactly once across
 unique/duplicates/dlq, with its key and value byte for byte; nothing else may appear.
 
-Pipelined or not. ``--pipeline`` / ``--no-pipeline`` pass through to ``neardup run`` (its
-default: on; the worker's CPU is counted with the consumer's). ``--compare`` runs the whole
-benchmark twice on one broker, ``--no-pipeline`` then ``--pipeline`` (same input, fresh
-topic, group and state each), and prints the two side by side; on a 2-core machine the
+Changelog. ``--changelog on|off`` passes through to ``neardup run`` (its default: on).
+With the changelog on, after the run its topic (``<group>.neardup-changelog``) is read
+from the beginning with ``read_committed``: its committed records, and the sum of their
+key and value sizes (a tombstone counts its key), per document of the run (N + M). The
+topic is read after SIGTERM, before compaction has touched anything but closed segments
+(1 GB each by default, so none here).
+
+Pipelined or not, changelog or not. ``--pipeline`` / ``--no-pipeline`` pass through to
+``neardup run`` (its default: on; the worker's CPU is counted with the consumer's).
+``--compare pipeline`` (or plain ``--compare``) runs the whole benchmark twice on one
+broker, ``--no-pipeline`` then ``--pipeline``; ``--compare changelog`` runs it with
+``--changelog off`` then ``--changelog on``. Each run has the same input and a fresh
+topic, group and state; the two are printed side by side. On a 2-core machine the
 pipeline needs the second core free, so note the load averages.
 
-Usage: python benchmarks/kafka_e2e.py [--messages 100000] [--paced 5000 --rate 500] [--compare] [--json OUT]
+Usage: python benchmarks/kafka_e2e.py [--messages 100000] [--paced 5000 --rate 500]
+       [--changelog on|off] [--compare [pipeline|changelog]] [--json OUT]
 """
 
 from __future__ import annotations
@@ -93,7 +103,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -308,7 +318,8 @@ def read_outputs(bootstrap: str, topics: list[str], expected: int, idle_s: float
 
 
 def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, batch_size: int | None,
-                    pipeline: bool | None = None, profile: Path | None = None) -> list[str]:
+                    pipeline: bool | None = None, profile: Path | None = None,
+                    changelog: str | None = None) -> list[str]:
     exe = Path(sys.executable).parent / "neardup"
     head = [str(exe)] if exe.exists() else ([shutil.which("neardup")] if shutil.which("neardup") else
                                              [sys.executable, "-m", "neardup.cli"])
@@ -322,7 +333,66 @@ def neardup_command(bootstrap: str, topic: str, group: str, state_dir: Path, bat
         cmd += ["--batch-size", str(batch_size)]
     if pipeline is not None:
         cmd.append("--pipeline" if pipeline else "--no-pipeline")
+    if changelog is not None:
+        cmd += ["--changelog", changelog]
     return cmd
+
+
+def changelog_topic(group: str) -> str:
+    """``neardup run``'s default changelog topic of consumer group ``group``."""
+    return f"{group}.neardup-changelog"
+
+
+@dataclass
+class TopicBytes:
+    """The committed records of one partition: count, key and value bytes, offsets."""
+
+    records: int = 0
+    key_bytes: int = 0
+    value_bytes: int = 0
+    tombstones: int = 0
+    low: int = 0
+    high: int = 0
+    seconds: float = 0.0
+
+
+def topic_bytes(bootstrap: str, topic: str, timeout_s: float = 600.0) -> TopicBytes:
+    """Read partition 0 of ``topic`` from its first offset to its end (read_committed,
+    up to the last stable offset) and count its records and their key and value bytes."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-count-{uuid.uuid4().hex[:8]}",
+                         "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 16 << 20})
+    out = TopicBytes()
+    started = time.perf_counter()
+    try:
+        out.low, out.high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+        if out.high <= out.low:
+            return out
+        consumer.assign([TopicPartition(topic, 0, out.low)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = False
+            for m in consumer.consume(10_000, timeout=1.0):
+                err = m.error()
+                if err is not None:
+                    done = done or err.code() == KafkaError._PARTITION_EOF
+                    continue
+                value = m.value()
+                out.records += 1
+                out.key_bytes += len(m.key() or b"")
+                if value is None:
+                    out.tombstones += 1
+                else:
+                    out.value_bytes += len(value)
+            if done:
+                break
+        else:
+            raise TimeoutError(f"reading {topic} took more than {timeout_s} s")
+    finally:
+        consumer.close()
+    out.seconds = time.perf_counter() - started
+    return out
 
 
 def first_consumed_at(log_lines: list[str]) -> float:
@@ -412,9 +482,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="neardup run --batch-size (default: neardup's, 2000)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="neardup run --pipeline / --no-pipeline (default: neardup's, on)")
-    p.add_argument("--compare", action="store_true",
-                   help="run twice on the same broker, --no-pipeline then --pipeline (same input, fresh topic, group "
-                        "and state each), and print the two side by side (--json: both reports)")
+    p.add_argument("--changelog", choices=["on", "off"],
+                   help="neardup run --changelog (default: neardup's, on); on: its topic's records and bytes are counted")
+    p.add_argument("--compare", nargs="?", const="pipeline", choices=list(COMPARE),
+                   help="run twice on the same broker and print the two side by side (--json: both reports): "
+                        "pipeline (the default) = --no-pipeline then --pipeline; changelog = --changelog off then on; "
+                        "same input, fresh topic, group and state each")
     p.add_argument("--poll-ms", type=float, default=100.0, help="committed-offset poll interval (default 100)")
     p.add_argument("--batch-gap-ms", type=float, default=20.0, help="output-timestamp jump that starts a batch (default 20)")
     p.add_argument("--seed", type=int, default=1, help="seed of the edits (default 1)")
@@ -451,15 +524,22 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+#: ``--compare`` kinds: the two runs, each (column label, the arguments it overrides).
+COMPARE: dict[str, list[tuple[str, dict[str, object]]]] = {
+    "pipeline": [("--no-pipeline", {"pipeline": False}), ("--pipeline", {"pipeline": True})],
+    "changelog": [("--changelog off", {"changelog": "off"}), ("--changelog on", {"changelog": "on"})],
+}
+
+
 def compare(args: argparse.Namespace) -> int:
-    """``run`` with --no-pipeline, then with --pipeline, on one broker; a side-by-side table."""
+    """``run`` twice on one broker (``COMPARE[args.compare]``); a side-by-side table."""
     reports, rcs = {}, []
     keep = args.keep_broker
     started = False
-    for pipeline in (False, True):
-        label = "pipeline" if pipeline else "no-pipeline"
-        print(f"\n=== neardup run --{label} ===", flush=True)
-        one = argparse.Namespace(**{**vars(args), "pipeline": pipeline, "compare": False, "keep_broker": True})
+    labels = [label for label, _ in COMPARE[args.compare]]
+    for label, overrides in COMPARE[args.compare]:
+        print(f"\n=== neardup run {label} ===", flush=True)
+        one = argparse.Namespace(**{**vars(args), **overrides, "compare": None, "keep_broker": True})
         rc, reports[label] = run(one)
         rcs.append(rc)
         started = started or reports[label]["broker"] == "started"
@@ -468,7 +548,10 @@ def compare(args: argparse.Namespace) -> int:
         print("broker stopped", file=sys.stderr)
 
     def row(name: str, get) -> list[str]:  # type: ignore[no-untyped-def]
-        return [name, *(get(reports[k]) for k in ("no-pipeline", "pipeline"))]
+        return [name, *(get(reports[k]) for k in labels)]
+
+    def cl(key: str, fmt: str):  # type: ignore[no-untyped-def]
+        return lambda r: format(r["changelog"][key], fmt) if r.get("changelog") else "-"
 
     def ms(key: str, q: str):  # type: ignore[no-untyped-def]
         return lambda r: f"{r['latency_ms'][key][q]:,.0f}" if r["latency_ms"][key]["count"] else "-"
@@ -488,11 +571,22 @@ def compare(args: argparse.Namespace) -> int:
                       ("paced_visible_minus_input", "paced visible - input")):
         for q in ("p50", "p99"):
             rows.append(row(f"{name} {q}, ms", ms(key, q)))
-    rows.append(row("exactly once", lambda r: "OK" if r["verification"]["ok"] else "FAILED"))
-    print(f"\nside by side ({args.messages:,} backlog messages, {args.paced:,} paced at {args.rate:,.0f}/s):")
-    print(benchlib.table(["", "--no-pipeline", "--pipeline"], rows))
+    rows += [
+        row("changelog records per document", cl("records_per_document", ".2f")),
+        row("changelog bytes per document (key + value)", cl("bytes_per_document", ",.0f")),
+        row("changelog MB (committed records, key + value)", lambda r: f"{(r['changelog']['key_bytes'] + r['changelog']['value_bytes']) / 1e6:,.1f}" if r.get("changelog") else "-"),
+        row("exactly once", lambda r: "OK" if r["verification"]["ok"] else "FAILED"),
+    ]
+    a, b = (reports[k] for k in labels)
+    for key, name in (("messages_per_second", "launch -> offset N"),
+                      ("first_consume_messages_per_second", "first consume -> offset N")):
+        rows.append([f"{labels[1]} vs {labels[0]}, messages/s {name}", "",
+                     f"{100 * (b[key] / a[key] - 1):+.1f}%"])
+    print(f"\nside by side ({args.messages:,} backlog messages, {args.paced:,} paced at {args.rate:,.0f}/s; "
+          f"{os.cpu_count()} CPUs):")
+    print(benchlib.table(["", *labels], rows))
     if args.json:
-        benchlib.write_json(args.json, {"benchmark": "kafka_e2e --compare", "runs": reports})
+        benchlib.write_json(args.json, {"benchmark": f"kafka_e2e --compare {args.compare}", "runs": reports})
         print(f"\nwrote {args.json}")
     return max(rcs)
 
@@ -524,7 +618,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
         with tempfile.TemporaryDirectory(prefix="neardup-bench-e2e-") as tmp:
             log = Path(tmp) / "neardup-run.log"
             cmd = neardup_command(bootstrap, topic, group, Path(tmp) / "state", args.batch_size, args.pipeline,
-                                  args.profile)
+                                  args.profile, args.changelog)
             git = benchlib.git_state()
             print(f"neardup at {benchlib.describe_git(git)}")
             print("$ " + " ".join(cmd[:1] + [c if c != str(Path(tmp) / "state") else "<tmp>/state" for c in cmd[1:]]),
@@ -565,6 +659,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             first_consume = first_consumed_at(log_lines)
 
         got = read_outputs(bootstrap, list(outputs.values()), n + m)
+        logged = topic_bytes(bootstrap, changelog_topic(group)) if args.changelog != "off" else None
 
         # --- verification ------------------------------------------------------------------
         counts = Counter(o.key for o in got)
@@ -601,7 +696,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             proc.wait()
         if not args.keep_topics:
             try:
-                delete_topics(bootstrap, [topic, *outputs.values()])
+                delete_topics(bootstrap, [topic, *outputs.values(),
+                                          *([changelog_topic(group)] if args.changelog != "off" else [])])
             except Exception as exc:  # best effort
                 print(f"deleting the topics failed: {exc}", file=sys.stderr)
         if how == "started" and not args.keep_broker:
@@ -640,6 +736,18 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
     print(f"inputs {n + m:,}; missing {len(missing):,}; more than once {len(repeated):,}; "
           f"unknown keys {len(unexpected):,}; value changed {altered:,}; output timestamp types {dict(ts_types)} "
           f"(1 = CreateTime) -> {'OK: every input exactly once' if ok else 'FAILED'}")
+    changelog: dict[str, object] | None = None
+    if logged is not None:
+        changelog = {"topic": changelog_topic(group), "records": logged.records, "tombstones": logged.tombstones,
+                     "key_bytes": logged.key_bytes, "value_bytes": logged.value_bytes,
+                     "low_offset": logged.low, "high_offset": logged.high, "documents": n + m,
+                     "records_per_document": round(logged.records / (n + m), 3),
+                     "bytes_per_document": round((logged.key_bytes + logged.value_bytes) / (n + m), 1)}
+        print(f"\nchangelog {changelog['topic']} (read_committed from offset {logged.low:,} to {logged.high:,} "
+              f"in {logged.seconds:.1f} s): {logged.records:,} records ({logged.tombstones:,} tombstones), "
+              f"{(logged.key_bytes + logged.value_bytes) / 1e6:,.1f} MB (keys {logged.key_bytes / 1e6:,.1f} MB); "
+              f"per document of the run ({n + m:,}): {changelog['records_per_document']:.2f} records, "
+              f"{changelog['bytes_per_document']:,.0f} bytes")
     if rc != 0:
         print("neardup run log tail:\n  " + "\n  ".join(log_tail))
 
@@ -659,6 +767,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
         "cpu_seconds_phase1": round(cpu_phase1, 2),
         "loadavg_launch": load_start, "loadavg_phase1_end": load_phase1,
         "exit_code": rc,
+        "changelog_flag": args.changelog,
+        "changelog": changelog,
         "latency_ms": {
             "backlog_output_minus_input": benchlib.quantiles(e2e[~np.isnan(e2e)]),
             "backlog_output_minus_launch": benchlib.quantiles(since_start[~np.isnan(since_start)]),
