@@ -54,8 +54,8 @@ from neardup.core.cluster import (
     Clustering,
     Sets,
 )
-from neardup.core.decide import decide_batch
-from neardup.core.lsh import band_hashes, bucket_ids
+from neardup.core.decide import CopyBuckets, decide_batch
+from neardup.core.lsh import band_hashes, bucket_ids, copy_bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
 from neardup.core.overlap import fingerprints
@@ -273,8 +273,6 @@ class Detector:
         bands = p.bucket_entries.shape[1]
         entries = p.bucket_entries.ravel()
         members = self.store.bucket_members(p.bucket_keys)
-        starts = np.zeros(len(p.bucket_keys), dtype=np.int64)
-        np.cumsum(members.counts[:-1], out=starts[1:])
         times = document_times(documents, p.valid)
         retention = self.store.retention
         window = None
@@ -283,14 +281,36 @@ class Detector:
             batch_seqs = np.arange(first_seq, first_seq + n, dtype=np.int64)
             window = Window(until(members.seqs, self.store.get_times(members.seqs), first_seq, marks, retention),
                             until(batch_seqs, times, first_seq, marks, retention))
+        starts = _starts(members.counts)
         possible = batch_candidates(entries, bands, starts, members.counts, members.seqs,
                                     0, first_seq, s.max_candidates + s.extra_candidates,
                                     window)  # 0: no batch joins, stored only
+        stored = sorted_unique(possible.seqs)
+
+        # The copy buckets of the possible candidates and of the batch's documents, after
+        # the band buckets in the member arrays (``neardup.core.decide.CopyBuckets``).
+        keys, counts, seqs = p.bucket_keys, members.counts, members.seqs
+        copy_keys = np.empty(0, np.uint64)
+        with_copies = s.duplicate_buckets == "new" and s.measure == "jaccard"
+        if with_copies:
+            copy_keys = copy_bucket_ids(np.concatenate([stored, np.arange(first_seq, first_seq + n, dtype=np.uint64)]))
+            copied = self.store.bucket_members(copy_keys)
+            keys = np.concatenate([keys, copy_keys])
+            counts = np.concatenate([counts, copied.counts])
+            seqs = np.concatenate([seqs, copied.seqs])
+            if window is not None:
+                window = Window(np.concatenate([window.member_until, until(
+                    copied.seqs, self.store.get_times(copied.seqs), first_seq, marks, retention)]),
+                    window.batch_until)
+            starts = _starts(counts)
+            copy_members = sorted_unique(copied.seqs)
+        else:
+            copy_members = np.empty(0, np.uint64)
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
-        # seqs (the stored ones, then the batch), and the sets verification needs.
-        stored = sorted_unique(possible.seqs)
-        reach, canonicals = self.store.closure(stored)
+        # seqs (the stored ones, then the batch), and the sets verification needs (those
+        # of copies only when the pass asks for them).
+        reach, canonicals = self.store.closure(sorted_unique(np.concatenate([stored, copy_members])))
         local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
         first = len(reach)
         parent, size, canonical = self.store.local_nodes(reach, n)
@@ -302,16 +322,33 @@ class Detector:
             # a canonical expired for the whole batch is never read (its set may be gone)
             canonicals = canonicals[local_until[np.searchsorted(reach, canonicals)] > 0]
         needed = stored if s.cluster_policy == "components" else sorted_unique(np.concatenate([stored, canonicals]))
-        sets = self._sets(p, local, first, needed)
+        copies = None
+        if with_copies:
+            bucket = np.full(len(local), -1, dtype=np.int64)
+            bucket[np.searchsorted(reach, stored)] = len(p.bucket_keys) + np.arange(len(stored))
+            bucket[first:] = len(p.bucket_keys) + len(stored) + np.arange(n)
+            copies = CopyBuckets(bucket, np.zeros(len(local), dtype=bool))
 
         # Pass 3, document by document: candidates, verification, clustering on the local
-        # nodes, bucket joins. The changed nodes are stored.
-        decisions = decide_batch(
-            entries, bands, starts, members.counts, members.seqs, s.max_bucket_size, first_seq,
-            s.max_candidates, reach, parent, size, canonical, s.threshold,
-            COMPONENTS if s.cluster_policy == "components" else CANONICAL,
-            measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity,
-            window, local_until)
+        # nodes, bucket joins; again with the sets of the copies it asked for, if any.
+        # The changed nodes are stored.
+        while True:
+            sets = self._sets(p, local, first, needed)
+            if copies is not None:
+                copies.loaded[:] = False
+                copies.loaded[np.searchsorted(local[:first], needed)] = True
+                copies.loaded[first:] = True
+            decisions = decide_batch(
+                entries, bands, starts, counts, seqs, s.max_bucket_size, first_seq,
+                s.max_candidates, reach, parent, size, canonical, s.threshold,
+                COMPONENTS if s.cluster_policy == "components" else CANONICAL,
+                measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity,
+                window, local_until, copies)
+            if not decisions.missing.any():
+                break
+            needed = sorted_unique(np.concatenate([needed, local[np.flatnonzero(decisions.missing)]]))
+            for node, was in zip((parent, size, canonical), before):
+                node[:] = was
         bounds, candidates, jaccard, containment = (decisions.bounds, decisions.seqs,
                                                     decisions.jaccard, decisions.containment)
         similarity = containment if s.measure == "containment" else jaccard
@@ -320,8 +357,8 @@ class Detector:
         joins = np.flatnonzero(decisions.joined)  # document-major: seqs ascending per bucket
         added = np.bincount(entries[joins], minlength=len(p.bucket_keys))
         joined = _BucketJoins(
-            bucket_ids=p.bucket_keys[entries[joins]],
-            bucket_seqs=first_seq + (joins // bands).astype(np.uint64),
+            bucket_ids=np.concatenate([p.bucket_keys[entries[joins]], keys[decisions.copy_buckets]]),
+            bucket_seqs=first_seq + np.concatenate([joins // bands, decisions.copy_docs]).astype(np.uint64),
             largest_bucket=int((members.counts + added).max(initial=0)),
         )
         changed = np.flatnonzero((parent != before[0]) | (size != before[1]) | (canonical != before[2]))
@@ -413,6 +450,13 @@ class Detector:
             result.update.positions.update(positions)
         self.store.commit(result.update)
         return result.results
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """int64, shape (n,): where each bucket's members start in the member arrays."""
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return starts
 
 
 def document_times(documents: Sequence[Document], valid: np.ndarray) -> np.ndarray:

@@ -42,6 +42,12 @@ class Decisions(NamedTuple):
         jaccard, containment: float64, shape (n_pairs,): of the document and the candidate
             (containment of the document in the candidate).
         joined: bool, shape (n * bands,): which (document, band) entries join their bucket.
+        copy_docs, copy_buckets: int64, shape (n_copy_joins,): document ``copy_docs[i]``
+            joins the copy bucket at index ``copy_buckets[i]`` of the member arrays
+            (documents ascending).
+        missing: bool, shape (n_local,): local ids whose sets the pass needed but was not
+            given (``CopyBuckets.loaded``); when any is set the decisions are incomplete:
+            read those sets and run the pass again on the forest as it was.
         clustering: the clustering decisions (``neardup.core.cluster.Clustering``).
     """
 
@@ -50,7 +56,30 @@ class Decisions(NamedTuple):
     jaccard: np.ndarray
     containment: np.ndarray
     joined: np.ndarray
+    copy_docs: np.ndarray
+    copy_buckets: np.ndarray
+    missing: np.ndarray
     clustering: Clustering
+
+
+class CopyBuckets(NamedTuple):
+    """Copy buckets, with ``only_new`` and the Jaccard measure: the bucket of a document X
+    holds the duplicates that X stands in for, those that accepted X (at a Jaccard below
+    1) and did not join a bucket X holds. A document C that meets X there and finds it a
+    near miss, none accepted, verifies them next: C may be similar to such a copy B
+    without being similar to X, and every bucket C shares with B is one X holds (B
+    skipped it), so C meets X wherever it would have met B. One level is enough: a
+    bucket is held by the accepted candidate that made the copy skip it.
+
+    Attributes:
+        bucket: int64, shape (n_local,): per local id, the index of its copy bucket in the
+            member arrays, or -1 (no copy bucket looked up: not a possible candidate).
+        loaded: bool, shape (n_local,): whether the local id's set is in ``sets``; the
+            pass reports the copies it needed without a set in ``Decisions.missing``.
+    """
+
+    bucket: np.ndarray
+    loaded: np.ndarray
 
 
 @njit(nogil=True, cache=True)
@@ -115,6 +144,43 @@ def _has_room(k: int, d: int, bands: int, max_bucket_size: int, member_starts: n
 
 
 @njit(nogil=True, cache=True)
+def _among(seqs: np.ndarray, lo: int, hi: int, c: np.uint64) -> bool:  # pragma: no cover - compiled
+    """Whether seq ``c`` is among the pairs ``lo`` to ``hi`` already."""
+    for j in range(lo, hi):
+        if seqs[j] == c:
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _copy_seqs(k: int, d: int, member_starts: np.ndarray, member_counts: np.ndarray,
+               member_seqs: np.ndarray, head: np.ndarray, below: np.ndarray,
+               copy_entry_doc: np.ndarray, nb: int, first_seq: int, windowed: bool,
+               member_until: np.ndarray, batch_until: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """The seqs in copy bucket ``k`` held for document ``d``: its stored members, then the
+    batch's documents that joined it (latest first)."""
+    count = member_counts[k]
+    x = head[k]
+    while x >= 0:
+        count += 1
+        x = below[x]
+    out = np.empty(count, dtype=np.uint64)
+    m = 0
+    for j in range(member_starts[k], member_starts[k] + member_counts[k]):
+        if not (windowed and member_until[j] <= d):
+            out[m] = member_seqs[j]
+            m += 1
+    x = head[k]
+    while x >= 0:
+        doc = copy_entry_doc[x - nb]
+        if not (windowed and batch_until[doc] <= d):
+            out[m] = np.uint64(first_seq + doc)
+            m += 1
+        x = below[x]
+    return out[:m]
+
+
+@njit(nogil=True, cache=True)
 def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
             first_seq: int, max_candidates: int, extra_candidates: int, near: float,
@@ -123,12 +189,18 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             measure: int, only_new: bool, sizes: np.ndarray, values: np.ndarray,
             offsets: np.ndarray, signatures: np.ndarray, windowed: bool,
             member_until: np.ndarray, batch_until: np.ndarray, local_until: np.ndarray,
-            max_bucket_size: int):  # pragma: no cover - compiled
+            max_bucket_size: int, copy_bucket: np.ndarray,
+            loaded: np.ndarray):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     first = len(stored_local)
     limit = max_candidates + extra_candidates
+    nb = len(entry_bucket)
+    copies = measure == JACCARD and only_new and len(copy_bucket) > 0
     head = np.full(len(member_starts), -1, dtype=np.int64)
-    below = np.full(len(entry_bucket), -1, dtype=np.int64)
+    below = np.full(nb + (n * limit if copies else 0), -1, dtype=np.int64)
+    copy_entry_doc = np.empty(n * limit if copies else 0, dtype=np.int64)
+    copy_joins = 0
+    missing = np.zeros(len(loaded), dtype=np.bool_)
     taken = np.zeros(len(member_starts), dtype=np.int64)
     joined = np.zeros(len(entry_bucket), dtype=np.bool_)
     bounds = np.zeros(n + 1, dtype=np.int64)
@@ -150,22 +222,43 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             batch_until)
         lo = filled
         best = -1.0
+        expanded = False
         for j in range(len(chosen)):
             # past max_candidates, only after a near miss, and (Jaccard) while none is
             # accepted: an accepted copy stands in for its cluster, while a contained
             # text says nothing of the others a long text contains
             if j >= max_candidates and (best < near or (measure == JACCARD and best >= threshold)):
                 break
+            if filled - lo >= limit:
+                break
             c = chosen[j]
-            ci = np.int64(c)  # seqs < 2**32: no mixed signed/unsigned arithmetic below
-            if ci < first_seq:
-                y = np.int64(np.searchsorted(stored_local, c))
-            else:
-                y = first + ci - first_seq
+            if expanded and _among(seqs, lo, filled, c):
+                continue
+            y = _local_id(c, first_seq, first, stored_local)
             seqs[filled], local[filled] = c, y
             jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures, measure)
             best = max(best, similarity[filled])
             filled += 1
+            # a near miss, none accepted: the copies it stands in for in its buckets
+            if copies and near <= similarity[filled - 1] < threshold and best < threshold and copy_bucket[y] >= 0:
+                members = _copy_seqs(copy_bucket[y], d, member_starts, member_counts, member_seqs,
+                                     head, below, copy_entry_doc, nb, first_seq, windowed,
+                                     member_until, batch_until)
+                for m in members:
+                    if filled - lo >= limit or best >= threshold:
+                        break
+                    if _among(seqs, lo, filled, m):
+                        continue
+                    ym = _local_id(m, first_seq, first, stored_local)
+                    if not loaded[ym]:  # its set was not read: the caller reads it, runs again
+                        missing[ym] = True
+                        continue
+                    seqs[filled], local[filled] = m, ym
+                    jaccard[filled], containment[filled] = _pair(x, ym, sizes, values, offsets,
+                                                                 signatures, measure)
+                    best = max(best, similarity[filled])
+                    filled += 1
+                    expanded = True
         _by_seq(lo, filled, seqs, local, jaccard, containment)
         bounds[d + 1] = filled
         _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
@@ -183,8 +276,66 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                     k, lo, filled, seqs, similarity, threshold, member_starts, member_counts,
                     member_seqs, entry_bucket, joined, bands, first_seq)):
                 _join(e, k, head, below, taken, joined)
+        if copies and match[d] >= 0:
+            copy_joins = _join_copies(d, lo, filled, local, seqs, jaccard, threshold, copy_bucket,
+                                      entry_bucket, bands, member_starts, member_counts, member_seqs,
+                                      joined, first_seq, head, below, taken, room, nb,
+                                      copy_entry_doc, copy_joins)
+    copy_docs = copy_entry_doc[:copy_joins].copy()
+    copy_at = np.empty(copy_joins, dtype=np.int64)
+    for x in range(nb, nb + copy_joins):  # the bucket each copy entry joined
+        copy_at[x - nb] = -1
+    for k in range(len(head)):
+        x = head[k]
+        while x >= nb:
+            copy_at[x - nb] = k
+            x = below[x]
     return (bounds, seqs[:filled].copy(), jaccard[:filled].copy(),
-            containment[:filled].copy(), joined, match, accepted, cluster, cluster_size, related)
+            containment[:filled].copy(), joined, copy_docs, copy_at, missing, match, accepted,
+            cluster, cluster_size, related)
+
+
+@njit(nogil=True, cache=True)
+def _local_id(c: np.uint64, first_seq: int, first: int, stored_local: np.ndarray) -> int:  # pragma: no cover - compiled
+    """The local id of seq ``c``: a stored one's place in ``stored_local``, or ``first`` on
+    for the batch's documents."""
+    ci = np.int64(c)  # seqs < 2**32: no mixed signed/unsigned arithmetic below
+    if ci < first_seq:
+        return np.int64(np.searchsorted(stored_local, c))
+    return first + ci - first_seq
+
+
+@njit(nogil=True, cache=True)
+def _join_copies(d: int, lo: int, hi: int, local: np.ndarray, seqs: np.ndarray,
+                 jaccard: np.ndarray, threshold: float, copy_bucket: np.ndarray,
+                 entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
+                 member_counts: np.ndarray, member_seqs: np.ndarray, joined: np.ndarray,
+                 first_seq: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray,
+                 room: np.ndarray, nb: int, copy_entry_doc: np.ndarray,
+                 copy_joins: int) -> int:  # pragma: no cover - compiled
+    """Duplicate ``d`` joins the copy bucket of each accepted candidate that is not an
+    exact copy of it (Jaccard below 1) and holds one of its buckets, so that it stands in
+    for ``d`` there. Returns the copy entries used so far."""
+    for j in range(lo, hi):
+        if not (threshold <= jaccard[j] < 1.0):
+            continue
+        k = copy_bucket[local[j]]
+        if k < 0 or taken[k] >= room[k]:
+            continue
+        holds = False
+        for e in range(d * bands, (d + 1) * bands):
+            if _holds(entry_bucket[e], np.int64(seqs[j]), member_starts, member_counts,
+                      member_seqs, entry_bucket, joined, bands, first_seq):
+                holds = True
+                break
+        if holds:
+            e = nb + copy_joins
+            copy_entry_doc[copy_joins] = d
+            below[e] = head[k]
+            head[k] = e
+            taken[k] += 1
+            copy_joins += 1
+    return copy_joins
 
 
 def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
@@ -193,7 +344,7 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                  parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, threshold: float,
                  policy: int, measure: int, only_new: bool, sets: Sets,
                  extra_candidates: int = 0, near: float = 1.0, window: Window | None = None,
-                 local_until: np.ndarray | None = None) -> Decisions:
+                 local_until: np.ndarray | None = None, copies: CopyBuckets | None = None) -> Decisions:
     """Candidates, verification, clustering and bucket joins of documents ``first_seq``,
     ``first_seq + 1``, … in arrival order (see the module docstring).
 
@@ -236,6 +387,10 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
         local_until: int64, shape (n_local,), with ``window``: for each local id, the
             first document of the batch it is no longer held for; a cluster whose
             canonical has expired is judged by its held members (``neardup.core.cluster``).
+        copies: the copy buckets (``CopyBuckets``, their members in the member arrays
+            after the band buckets), used with ``only_new`` and ``JACCARD``; None: none.
+            A copy bucket takes members while it holds fewer than ``max_bucket_size``
+            (a retention window's expired members included).
 
     Returns:
         ``Decisions``.
@@ -258,5 +413,7 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                   np.asarray(stored_local, dtype=np.uint64), parent, size,
                   canonical, float(threshold), policy, measure, bool(only_new), sets.sizes,
                   sets.values, sets.offsets, sets.signatures, windowed, member_until, batch_until,
-                  local_until, int(max_bucket_size))
-    return Decisions(*out[:5], Clustering(*out[5:]))
+                  local_until, int(max_bucket_size),
+                  *((np.zeros(0, np.int64), np.ones(len(parent), np.bool_)) if copies is None else
+                    (np.asarray(copies.bucket, dtype=np.int64), np.asarray(copies.loaded, dtype=np.bool_))))
+    return Decisions(*out[:8], Clustering(*out[8:]))

@@ -140,6 +140,25 @@ def bucket_ids(band_hashes: np.ndarray) -> np.ndarray:
     return combine(band_hashes, np.broadcast_to(bands, band_hashes.shape))
 
 
+#: Folded into a seq for its copy bucket id; far above any band index, so that a copy
+#: bucket and a band bucket share an id only by a 64-bit hash collision.
+COPY_TAG = np.uint64(0x636F7079 << 32)  # "copy"
+
+
+def copy_bucket_ids(seqs: np.ndarray) -> np.ndarray:
+    """The id of each document's copy bucket (``neardup.core.decide.CopyBuckets``), in
+    the same index as the band buckets.
+
+    Args:
+        seqs: uint64, shape (n,): document seqs.
+
+    Returns:
+        uint64, shape (n,): ``combine(seq, COPY_TAG)``.
+    """
+    seqs = np.asarray(seqs, dtype=np.uint64)
+    return combine(seqs, np.full(len(seqs), COPY_TAG, dtype=np.uint64))
+
+
 def recall_params(similarity: float, num_perm: int = 128, recall: float = 0.995) -> LshParams:
     """The banding with the most rows (the fewest false candidates) whose S-curve still
     makes a pair of Jaccard ``similarity`` a candidate with probability at least
