@@ -14,6 +14,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neardup.core.lsh import copy_bucket_ids
 from neardup.core.normalize import TextNorm, normalize
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import shingle_batch
@@ -187,10 +188,11 @@ def test_detect_does_not_write() -> None:
     detector = Detector(SETTINGS, store)
     docs = [Document("a", STORY), Document("b", REFILED)]
     first = detector.detect(docs)
-    # a joins every bucket, its duplicate b only those a is not in
+    # a joins every bucket, its duplicate b only those a is not in, and a's copy bucket
     shared = np.isin(_bucket_ids(SETTINGS, REFILED), _bucket_ids(SETTINGS, STORY)).sum()
     assert 0 < shared < SETTINGS.bands.bands
-    assert len(first.update.bucket_ids) == 2 * SETTINGS.bands.bands - shared
+    assert len(first.update.bucket_ids) == 2 * SETTINGS.bands.bands - shared + 1
+    assert first.update.bucket_ids[-1] == copy_bucket_ids(np.array([0]))[0]
     assert store.next_seq() == 0
     assert store.bucket_members(np.unique(first.update.bucket_ids)).counts.sum() == 0
     second = detector.detect(docs)
@@ -246,13 +248,15 @@ def test_duplicates_join_only_new_buckets() -> None:
     detector.process([Document("a", STORY), Document("a2", STORY)])
     assert store.stats()["index_entries"] == bands  # the copy joined nothing
     detector.process([Document("b", REFILED), Document("x", UNRELATED)])
-    assert store.stats()["index_entries"] == 2 * bands + changed
+    assert store.stats()["index_entries"] == 2 * bands + changed + 1  # and a's copy bucket
     members = store.bucket_members(np.unique(np.concatenate([story, refiled])))
     assert set(members.seqs.tolist()) == {0, 2}  # a, and b where a is not
-    # c (a copy of b) meets a where a is, b where b's edit is: both are candidates
+    assert store.bucket_members(copy_bucket_ids(np.array([0]))).seqs.tolist() == [2]
+    # c (a copy of b) meets a where a is, b where b's edit is: both are candidates; b
+    # stands in for it everywhere, so it joins no copy bucket either
     c = _verdict(detector.process([Document("c", REFILED)])[0])
     assert (c.candidates, c.match, c.similarity, c.cluster) == (2, "b", 1.0, "a")
-    assert store.stats()["index_entries"] == 2 * bands + changed
+    assert store.stats()["index_entries"] == 2 * bands + changed + 1
 
 
 # --- the Reuters excerpt ----------------------------------------------------------------

@@ -315,7 +315,11 @@ def _join_copies(d: int, lo: int, hi: int, local: np.ndarray, seqs: np.ndarray,
                  copy_joins: int) -> int:  # pragma: no cover - compiled
     """Duplicate ``d`` joins the copy bucket of each accepted candidate that is not an
     exact copy of it (Jaccard below 1) and holds one of its buckets, so that it stands in
-    for ``d`` there. Returns the copy entries used so far."""
+    for ``d`` there; none when ``d`` has an exact copy among them, which stands in for it
+    already. Returns the copy entries used so far."""
+    for j in range(lo, hi):
+        if jaccard[j] >= 1.0:
+            return copy_joins
     for j in range(lo, hi):
         if not (threshold <= jaccard[j] < 1.0):
             continue
