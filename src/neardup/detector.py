@@ -309,7 +309,7 @@ class Detector:
 
         # Pass 2: the union-find nodes the batch can reach, as local ids ordered like the
         # seqs (the stored ones, then the batch), and the sets verification needs (those
-        # of copies only when the pass asks for them).
+        # of the copies too when they are few, else only those the pass asks for).
         reach, canonicals = self.store.closure(sorted_unique(np.concatenate([stored, copy_members])))
         local = np.concatenate([reach, np.arange(first_seq, first_seq + n, dtype=np.uint64)])
         first = len(reach)
@@ -322,6 +322,8 @@ class Detector:
             # a canonical expired for the whole batch is never read (its set may be gone)
             canonicals = canonicals[local_until[np.searchsorted(reach, canonicals)] > 0]
         needed = stored if s.cluster_policy == "components" else sorted_unique(np.concatenate([stored, canonicals]))
+        if len(copy_members) <= len(needed):  # read with the rest, unless they would
+            needed = sorted_unique(np.concatenate([needed, copy_members]))  # double the reads
         copies = None
         if with_copies:
             bucket = np.full(len(local), -1, dtype=np.int64)

@@ -239,8 +239,11 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures, measure)
             best = max(best, similarity[filled])
             filled += 1
-            # a near miss, none accepted: the copies it stands in for in its buckets
-            if copies and near <= similarity[filled - 1] < threshold and best < threshold and copy_bucket[y] >= 0:
+            # a near miss, none accepted: the copies it stands in for in its buckets. A copy
+            # B accepted y (Jaccard at least the threshold t), so by the triangle inequality
+            # of the Jaccard distance it can reach t only if this one is at least 2t - 1
+            if (copies and max(near, 2.0 * threshold - 1.0) <= similarity[filled - 1] < threshold
+                    and best < threshold and copy_bucket[y] >= 0):
                 members = _copy_seqs(copy_bucket[y], d, member_starts, member_counts, member_seqs,
                                      head, below, copy_entry_doc, nb, first_seq, windowed,
                                      member_until, batch_until)
