@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from rocksdict import Options, Rdict
 
+from neardup.core.lsh import copy_bucket_ids
 from neardup.core.retention import Retention, parse_duration
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Verdict
@@ -167,7 +168,9 @@ def test_expired_documents_leave_the_index_the_set_cache_and_the_disk(tmp_path: 
         base = store.forest.base
         n = store.next_seq()
         assert n - window - window // 8 - 50 <= base <= n - window  # removed in steps of an eighth
-        members = store.index.lookup(np.unique(Detector(settings, store).prepare(docs).buckets))
+        # the documents' band buckets and every copy bucket (``neardup.core.decide.CopyBuckets``)
+        members = store.index.lookup(np.unique(np.concatenate([
+            Detector(settings, store).prepare(docs).buckets.ravel(), copy_bucket_ids(np.arange(n))])))
         assert len(members.seqs) and members.seqs.min() >= base
         assert len(store.index) == len(members.seqs)
         assert not store.sets.lookup(np.arange(base))[0].any()
