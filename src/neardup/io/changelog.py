@@ -45,9 +45,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicCollection, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from neardup.config import Settings
@@ -56,6 +57,9 @@ from neardup.io.clients import admin_config
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.state import codec
 from neardup.state.base import StateError, StateUpdate
+
+if TYPE_CHECKING:
+    from neardup.state.kv import KeyValueStateStore
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,6 @@ class ChangelogWriter:
         self.producer: Producer | None = None  # the open transaction's, None outside one
         self.end = 0  # offset after the last record delivered (of the last transaction)
         self.batch = 0  # the ``changelog_batch`` counter of the last transaction
-        self._delivery_error: KafkaError | None = None
         self._awaiting = False  # a transaction's records are produced, its commit not seen
         self._skip_confirm = False  # the store wrote outside a transaction meanwhile
 
@@ -142,13 +145,11 @@ class ChangelogWriter:
                 except BufferError:  # the queue is full: serve delivery reports
                     producer.poll(0.05)
 
-    def _delivered(self, err: KafkaError | None, msg: object) -> None:
-        if err is not None:
-            self._delivery_error = err  # the transaction fails at its commit as well
-        else:
-            self.end = max(self.end, msg.offset() + 1)  # type: ignore[attr-defined]
+    def _delivered(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:  # a failed record fails the transaction's commit
+            self.end = max(self.end, msg.offset() + 1)
 
-    def begin(self, producer: Producer, store: object) -> dict[bytes, bytes]:
+    def begin(self, producer: Producer, store: KeyValueStateStore) -> dict[bytes, bytes]:
         """The transaction of ``producer`` is open: the store's unconfirmed changes go into
         it first (after an aborted transaction, a crash, or writes outside one), and the
         store's writes from now on. Returns the meta records for the batch's update.
@@ -157,7 +158,6 @@ class ChangelogWriter:
             KafkaException: ``produce`` failed.
         """
         self.producer = producer
-        self._delivery_error = None
         self._awaiting = True
         self(store.unconfirmed_records())
         self.batch += 1
@@ -167,7 +167,7 @@ class ChangelogWriter:
         """The batch's records are all produced (its commit is yet to come)."""
         self.producer = None
 
-    def confirm(self, store: object) -> None:
+    def confirm(self, store: KeyValueStateStore) -> None:
         """The transaction is committed: the store forgets its unconfirmed changes (unless
         it wrote outside the transaction meanwhile: they are produced with the next)."""
         self._awaiting = False
@@ -177,7 +177,7 @@ class ChangelogWriter:
         store.confirm()
 
     # --- start ------------------------------------------------------------------------
-    def start(self, store: object, producer: Producer) -> None:
+    def start(self, store: KeyValueStateStore, producer: Producer) -> None:
         """Bring the store and the changelog in line (see the module docstring), then
         produce the store's unconfirmed changes in one transaction and confirm them.
 
@@ -190,52 +190,51 @@ class ChangelogWriter:
         try:
             topic_id = self._ensure_topic(admin)
             low, high = self._watermarks()
-            stored_id = store.get_meta(TOPIC_ID_META)
-            batch = _u64(store.get_meta(BATCH_META))
-            end = _u64(store.get_meta(END_META))
-            if store.restoring() or store.is_empty():
-                if self._has_records(low, high):
-                    self._restore(store, low, high)
-                    batch = _u64(store.get_meta(BATCH_META))
-                else:
-                    self._seed(store, producer)  # a fresh store: its settings
-            elif batch is None or stored_id != topic_id.encode() or (end or 0) > high:
-                if batch is not None:
-                    log.warning("changelog %s is not the one this state was written to (created again, or "
-                                "truncated); writing the whole state to it", self.topic)
-                elif self._has_records(low, high):
-                    log.warning("state in %s was never written to changelog %s, which holds records: "
-                                "restoring from the changelog", self.settings.state_dir, self.topic)
-                    self._restore(store, low, high)
-                    batch = _u64(store.get_meta(BATCH_META))
-                    high = None  # read again below
-                if high is not None:
-                    log.info("writing the whole state to changelog %s", self.topic)
-                    self._seed(store, producer)
-            elif self._newer_batch(end or 0, high, batch):
-                log.warning("the state in %s is behind changelog %s (an older copy): restoring from it",
-                            self.settings.state_dir, self.topic)
+            action = self._plan(store, topic_id, low, high)
+            if action == "restore":
                 self._restore(store, low, high)
-                batch = _u64(store.get_meta(BATCH_META))
-            self.batch, self.end = batch or 0, self._watermarks()[1]
+            elif action == "seed":
+                self._seed(store, producer)
+            self.batch, self.end = _u64(store.get_meta(BATCH_META)) or 0, self._watermarks()[1]
             # One transaction: what the store has not seen confirmed, and the meta records.
-            self._transaction(producer, lambda meta: store.commit(
-                empty_update(store, {**meta, TOPIC_ID_META: topic_id.encode()})), store)
+            self._transaction(producer, lambda: store.commit(empty_update(
+                store, {**self.begin(producer, store), TOPIC_ID_META: topic_id.encode()})))
             self.confirm(store)
         finally:
             discard(admin)
 
-    def _transaction(self, producer: Producer, body: Callable[[dict[bytes, bytes]], None],
-                     store: object) -> None:
-        """``body(meta)`` in a transaction of its own that begins with the store's
-        unconfirmed changes.
+    def _plan(self, store: KeyValueStateStore, topic_id: str, low: int, high: int) -> str:
+        """"restore", "seed" or "current" (see the module docstring), logged."""
+        batch = _u64(store.get_meta(BATCH_META))
+        end = _u64(store.get_meta(END_META)) or 0
+        if store.restoring() or store.is_empty():
+            return "restore" if self._has_records(low, high) else "seed"  # seed: a fresh store's settings
+        if batch is None and self._has_records(low, high):
+            log.warning("state in %s was never written to changelog %s, which holds records: "
+                        "restoring from the changelog", self.settings.state_dir, self.topic)
+            return "restore"
+        if batch is None or store.get_meta(TOPIC_ID_META) != topic_id.encode() or end > high:
+            if batch is not None:
+                log.warning("changelog %s is not the one this state was written to (created again, or "
+                            "truncated)", self.topic)
+            log.info("writing the whole state to changelog %s", self.topic)
+            return "seed"
+        if self._newer_batch(end, high, batch):
+            log.warning("the state in %s is behind changelog %s (an older copy): restoring from it",
+                        self.settings.state_dir, self.topic)
+            return "restore"
+        return "current"
+
+    def _transaction(self, producer: Producer, body: Callable[[], None]) -> None:
+        """``body()`` (producing) in a transaction of its own.
 
         Raises:
             KafkaException: a call failed or did not return (``ProducerWedged``).
         """
         bounded("begin_transaction", producer.begin_transaction)
+        self.producer = producer
         try:
-            body(self.begin(producer, store))
+            body()
             self.end_transaction()
             bounded("commit_transaction", producer.commit_transaction, CALL_TIMEOUT_S)
         except BaseException:
@@ -247,12 +246,12 @@ class ChangelogWriter:
                 log.warning("abort_transaction: %s", exc)
             raise
 
-    def _seed(self, store: object, producer: Producer) -> None:
+    def _seed(self, store: KeyValueStateStore, producer: Producer) -> None:
         """Write every record of the store to the changelog, ``SEED_RECORDS`` a transaction
         (idempotent: a crash midway seeds again at the next start)."""
         started, count = time.perf_counter(), 0
         for chunk in store.snapshot_records(SEED_RECORDS):
-            self._transaction(producer, lambda meta, chunk=chunk: self(chunk), store)
+            self._transaction(producer, lambda chunk=chunk: self(chunk))
             count += len(chunk)
         log.info("wrote %d records to changelog %s in %.1f s", count, self.topic, time.perf_counter() - started)
 
@@ -315,7 +314,7 @@ class ChangelogWriter:
                     return True
         return False
 
-    def _restore(self, store: object, low: int, high: int) -> None:
+    def _restore(self, store: KeyValueStateStore, low: int, high: int) -> None:
         """Wipe the store and apply the changelog's records to it, then load it."""
         if self.on_restore:
             self.on_restore(True)
@@ -371,7 +370,7 @@ class ChangelogWriter:
         return str(description.topic_id)
 
 
-def empty_update(store: object, meta: dict[bytes, bytes]) -> StateUpdate:
+def empty_update(store: KeyValueStateStore, meta: dict[bytes, bytes]) -> StateUpdate:
     """A state update without documents, writing ``meta`` only."""
     return StateUpdate(first_seq=store.next_seq(), signatures=np.empty((0, store.num_perm), np.uint64),
                        ids=[], meta=meta)

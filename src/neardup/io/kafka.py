@@ -174,13 +174,12 @@ class _Work:
 @dataclass
 class _Written:
     """A batch produced and stored (steps 3, 4): the offsets to commit, the verdict keys
-    of all its messages, what it did; ``seconds`` set by step 5."""
+    of all its messages, what it did."""
 
     offsets: list[TopicPartition]
     keys: list[bytes]
     stats: BatchStats
     prepared: bool
-    seconds: float = 0.0
 
 
 class DedupProcessor:
@@ -502,21 +501,21 @@ class DedupProcessor:
             if part.position is not None:
                 update.positions[part.source] = part.position
         update.verdict_deletes = self._committed_keys
-        if self.changelog is not None:
+        if self.changelog is None:
+            self.store.commit(update)
+        else:
             update.meta.update(self.changelog.begin(producer, self.store))
             try:
                 self.store.commit(update)  # its records go to the changelog first
             finally:
                 self.changelog.end_transaction()
-        else:
-            self.store.commit(update)
         for source, position in update.positions.items():
             _, topic, partition = source.rsplit(":", 2)
             self._positions[(topic, int(partition))] = position
         offsets = [TopicPartition(t, p, part.next_offset) for (t, p), part in partitions.items()]
         return _Written(offsets, keys, stats, batch.prepared is not None)
 
-    def committed(self, written: _Written) -> BatchStats:
+    def committed(self, written: _Written, seconds: float) -> BatchStats:
         """After the batch's transaction committed: its outcomes are deleted with the
         next batch's commit (never needed again)."""
         if self._delivery_errors:
@@ -528,7 +527,7 @@ class DedupProcessor:
             for key in written.keys:
                 self._failed.pop(key, None)
         self.batches_prepared_ahead += written.prepared
-        written.stats.seconds = written.seconds
+        written.stats.seconds = seconds
         return written.stats
 
     def _partition(self, topic: str, partition: int) -> _Partition:

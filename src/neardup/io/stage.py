@@ -101,6 +101,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
@@ -200,8 +201,9 @@ class Processor(Protocol):
         """
         ...
 
-    def committed(self, written: Written) -> Any:
-        """After step 5 succeeded; returns what ``on_batch`` is called with."""
+    def committed(self, written: Written, seconds: float) -> Any:
+        """After step 5 succeeded, ``seconds`` after the batch's step 2 began; returns what
+        ``on_batch`` is called with."""
         ...
 
     def idle(self) -> None:
@@ -232,6 +234,7 @@ class _Pending:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     deadline: float = 0.0  # time.monotonic() after which the thread counts as wedged
+    seconds: float = 0.0  # from step 2 to the end of step 5
 
 
 class StageRuntime:
@@ -458,8 +461,6 @@ class StageRuntime:
 
     def _statistics(self, stats_json: str) -> None:
         """librdkafka statistics callback (consumer thread): a broker connection is up."""
-        import orjson
-
         try:
             brokers = orjson.loads(stats_json).get("brokers", {})
         except ValueError:
@@ -607,7 +608,7 @@ class StageRuntime:
             bounded("send_offsets_to_transaction", producer.send_offsets_to_transaction,
                     offsets, metadata, CALL_TIMEOUT_S)
             self._commit_transaction(producer)
-            pending.written.seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+            pending.seconds = time.perf_counter() - started
         except BaseException as exc:  # noqa: BLE001 - raised again by _finish_pending
             pending.error = exc
 
@@ -635,7 +636,7 @@ class StageRuntime:
             if isinstance(pending.error, ProducerWedged):
                 self._discard_producer()
             raise pending.error
-        result = self.processor.committed(pending.written)
+        result = self.processor.committed(pending.written, pending.seconds)
         self._backoff, self._resets = 0.5, 0
         self.batches += 1
         self._broker_answered()
