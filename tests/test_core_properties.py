@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from scipy.sparse.csgraph import connected_components
 
 from neardup.core.arrays import sorted_unique
-from neardup.core.candidates import batch_candidates
+from neardup.core.candidates import batch_candidates, bucket_weights
 from neardup.core.decide import decide_batch
 from neardup.core.cluster import (
     CANONICAL,
@@ -711,6 +711,21 @@ def test_batch_candidates_follow_the_bucket_rules(data: st.DataObject, bands: in
     found, joined = _candidates_reference(buckets, stored, cap, first_seq, most)
     assert [got.seqs[got.bounds[i] : got.bounds[i + 1]].tolist() for i in range(n)] == found
     assert got.joined.tolist() == joined
+
+
+def test_bucket_weights_rank_a_rare_shared_bucket_above_a_common_one() -> None:
+    # one new document (seq 400) in two buckets: bucket 0 holds seq 250 alone, bucket 1
+    # the 300 seqs 0-299 but 250; three candidates kept
+    counts = np.array([1, 299], dtype=np.int64)
+    starts = np.array([0, 1], dtype=np.int64)
+    seqs = np.array([250] + [q for q in range(300) if q != 250], dtype=np.uint64)
+    entries = np.array([0, 1], dtype=np.int64)
+    weights = bucket_weights(counts, entries)
+    assert weights.tolist() == [8, 1]  # 9 - floor(log2(members + batch entries + 1))
+    plain = batch_candidates(entries, 2, starts, counts, seqs, 1000, 400, 3)
+    weighted = batch_candidates(entries, 2, starts, counts, seqs, 1000, 400, 3, weights=weights)
+    assert plain.seqs.tolist() == [0, 1, 2]  # one shared bucket each: the earliest
+    assert weighted.seqs.tolist() == [0, 1, 250]  # the rare bucket first, then the earliest
 
 
 def _ranked_below(near_similarity: float, match_similarity: float, extra: int) -> tuple[int, int]:

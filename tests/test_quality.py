@@ -21,6 +21,7 @@ from neardup.core.shingle import Shingling, shingle_batch
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
 from neardup.evaluate import evaluate
+from neardup.groundtruth import all_pairs
 from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -185,17 +186,21 @@ def _contained_pairs(docs: list[Document], shingling: Shingling) -> tuple[sp.coo
     return sp.triu(m @ m.T, k=1).tocoo(), np.array([len(x) for x in sets], dtype=np.float64)
 
 
-@pytest.mark.parametrize("shingle", ["word:3", "word:5", "char:5"])
-def test_containment_recall_per_size_ratio_on_composites(shingle):
+@pytest.mark.parametrize("shingle, threshold", [("word:3", 0.7), ("word:5", 0.7), ("char:5", 0.7),
+                                                ("char:5", 0.5)])
+def test_containment_recall_per_size_ratio_on_composites(shingle, threshold):
     """Reuters stories embedded in composites 2-6 times longer: every exactly contained
-    pair (either way, containment >= 0.7) found at each size ratio up to 8, and only those."""
+    pair (either way, containment >= threshold) found at each size ratio up to 8, and only
+    those. char:5 at 0.5 and 4-8x is the hard case: a short text shares a few slots with
+    its container, unrelated texts as many through common shingles; it needs the bucket
+    weights and containment's candidate budget (0.90 without them)."""
     docs = composites(_excerpt()[:1200], 300, seed=3)
     shingling = Shingling.parse(shingle)
     inter, sizes = _contained_pairs(docs, shingling)
     smaller = np.minimum(sizes[inter.row], sizes[inter.col])
     ratio = np.maximum(sizes[inter.row], sizes[inter.col]) / smaller
-    contained = inter.data / smaller >= 0.7
-    settings = EngineSettings(shingling=shingling, threshold=0.7, measure="containment",
+    contained = inter.data / smaller >= threshold
+    settings = EngineSettings(shingling=shingling, threshold=threshold, measure="containment",
                               containment_direction="both", duplicate_buckets="all")
     detector = Detector(settings, MemoryStateStore(settings.state_shape()))
     linked = set()
@@ -293,3 +298,13 @@ def test_a_chain_of_edits_is_found_through_the_copy_bucket(batch):
     chained = [i for i in range(2, len(docs), 3) if truth[i - 2, i] < 0.9 <= truth[i - 1, i]]
     assert len(chained) >= 100  # the chains the test is about: C near B, not near A
     assert not np.flatnonzero(has_partner & ~flagged).tolist()
+
+
+def test_ground_truth_containment_of_the_earlier_text_is_exact():
+    """15 shingles wholly inside 22: the earlier text's containment is 1.0, not the
+    0.9999999999999999 of (15 / 22) * 22 / 15, which would count a link at the threshold
+    as imprecise."""
+    words = [f"w{i}" for i in range(22)]
+    pairs = all_pairs(shingle_batch([" ".join(words[:15]), " ".join(words)], Shingling.parse("word:1")))
+    assert pairs.similarity("containment", "earlier-in-new").tolist() == [1.0]
+    assert pairs.similarity("containment", "both").tolist() == [1.0]

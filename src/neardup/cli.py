@@ -59,7 +59,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strip-punctuation", action=argparse.BooleanOptionalAction, default=None, help=f"delete punctuation ({_d('strip_punctuation')})")
     g.add_argument("--max-bucket-size", type=int, help=f"documents kept per band bucket ({_d('max_bucket_size')})")
     g.add_argument("--max-candidates", type=int, help=f"candidates verified per document, those sharing the most buckets first ({_d('max_candidates')})")
-    g.add_argument("--extra-candidates", type=int, help=f"candidates verified beyond --max-candidates while none is accepted and the best so far is a near miss ({_d('extra_candidates')})")
+    g.add_argument("--extra-candidates", type=int, help="candidates verified beyond --max-candidates while none is accepted and the best so far is a near miss (default 56; 248 with --measure containment)")
     g.add_argument("--measure", choices=["jaccard", "containment"], help=f"jaccard, or containment: the share of a document's shingles found in an earlier one ({_d('measure')})")
     g.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help=f"with --measure containment: a new text inside an earlier one, an earlier text inside a new one, or both ({_d('containment_direction')})")
     g.add_argument("--containment-ratio", type=float, help=f"with --measure containment: the largest size ratio of a contained text to its container that the banding is tuned for ({_d('containment_ratio')})")

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     strip_punctuation: bool = False
     max_bucket_size: int = Field(256, ge=1)
     max_candidates: int = Field(8, ge=1)
-    extra_candidates: int = Field(56, ge=0)
+    extra_candidates: int | None = Field(None, ge=0)
     duplicate_buckets: Literal["new", "all"] = "new"
     measure: Literal["jaccard", "containment"] = "jaccard"
     containment_direction: Literal["new-in-earlier", "earlier-in-new", "both"] = "new-in-earlier"

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neardup.core.arrays import sorted_unique
-from neardup.core.candidates import Window, batch_candidates
+from neardup.core.candidates import Window, batch_candidates, bucket_weights
 from neardup.core.cluster import (
     CANONICAL,
     COMPONENTS,
@@ -282,9 +282,12 @@ class Detector:
             window = Window(until(members.seqs, self.store.get_times(members.seqs), first_seq, marks, retention),
                             until(batch_seqs, times, first_seq, marks, retention))
         starts = _starts(members.counts)
+        # containment: rare shared buckets rank first (a short text inside a long one
+        # shares few slots with it, fewer than unrelated texts share common shingles)
+        weights = bucket_weights(members.counts, entries) if s.measure == "containment" else None
         possible = batch_candidates(entries, bands, starts, members.counts, members.seqs,
                                     0, first_seq, s.max_candidates + s.extra_candidates,
-                                    window)  # 0: no batch joins, stored only
+                                    window, weights)  # 0: no batch joins, stored only
         stored = sorted_unique(possible.seqs)
 
         # The copy buckets of the possible candidates and of the batch's documents, after
@@ -345,7 +348,7 @@ class Detector:
                 s.max_candidates, reach, parent, size, canonical, s.threshold,
                 COMPONENTS if s.cluster_policy == "components" else CANONICAL,
                 measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity,
-                window, local_until, copies)
+                window, local_until, copies, weights)
             if not decisions.missing.any():
                 break
             needed = sorted_unique(np.concatenate([needed, local[np.flatnonzero(decisions.missing)]]))

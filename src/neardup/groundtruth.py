@@ -53,7 +53,7 @@ class Pairs:
             return self.containment
         if direction not in ("earlier-in-new", "both") or self.sizes is None:
             raise ValueError(f"containment direction {direction!r} needs known set sizes")
-        inter = self.containment * self.sizes[self.later]
+        inter = np.rint(self.containment * self.sizes[self.later])  # a whole count: 0.5 * 14 is not 6.999…
         of_earlier = np.minimum(inter / np.maximum(self.sizes[self.earlier], 1), 1.0)
         return of_earlier if direction == "earlier-in-new" else np.maximum(self.containment, of_earlier)
 

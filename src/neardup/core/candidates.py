@@ -6,7 +6,10 @@ members and the documents of the same batch that joined the bucket before it. A 
 takes new members only while it holds fewer than ``max_bucket_size`` (a cap against the
 buckets of boilerplate that every document shares); a document that finds a bucket full
 is still compared with its members. When more than ``max_candidates`` documents qualify,
-those sharing the most buckets are kept, earlier ones first among equals.
+those sharing the most buckets are kept, earlier ones first among equals. With
+bucket weights (containment), a shared bucket counts more the fewer documents it holds
+(``bucket_weights``): a rare slot value is better evidence than the slot of a common
+shingle that hundreds of unrelated documents share.
 """
 
 from __future__ import annotations
@@ -35,11 +38,35 @@ class Candidates(NamedTuple):
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # multiplicative hashing (Knuth, TAOCP vol. 3, §6.4)
 
 
+#: The weight of a shared bucket holding no other document (``bucket_weights``).
+MAX_WEIGHT = 9
+
+
+def bucket_weights(member_counts: np.ndarray, entry_bucket: np.ndarray) -> np.ndarray:
+    """How much each bucket counts in the ranking of candidates: ``MAX_WEIGHT -
+    floor(log2(m + 1))``, at least 1, where m is its stored members plus the batch's
+    entries in it (an inverse document frequency in whole steps, Sparck Jones 1972: a
+    bucket of one document weighs 8, one of 255 or more weighs 1). The batch's entries
+    are counted whether they join or not, so a bucket weighs the same for every
+    document of the batch, and for the first pass that reads the candidates' sets.
+
+    Args:
+        member_counts: int64, shape (n_buckets,): stored members per bucket.
+        entry_bucket: int64, shape (n * bands,): the batch's bucket per entry.
+
+    Returns:
+        int64, shape (n_buckets,).
+    """
+    m = np.asarray(member_counts, dtype=np.int64) + np.bincount(
+        np.asarray(entry_bucket, dtype=np.int64), minlength=len(member_counts))[:len(member_counts)]
+    return np.maximum(MAX_WEIGHT - np.floor(np.log2(m + 1.0)).astype(np.int64), 1)
+
+
 @njit(nogil=True, cache=True)
 def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
-           shift: np.uint64, x: np.uint64) -> int:  # pragma: no cover - compiled
-    """Count ``x`` in an open-addressing table (linear probing); returns the number of
-    distinct keys, ``used`` listing their slots."""
+           shift: np.uint64, x: np.uint64, w: int) -> int:  # pragma: no cover - compiled
+    """Add ``w`` to the count of ``x`` in an open-addressing table (linear probing);
+    returns the number of distinct keys, ``used`` listing their slots."""
     mask = len(table_keys) - 1
     h = np.int64((x * _GOLDEN) >> shift)
     while table_counts[h] != 0 and table_keys[h] != x:
@@ -48,7 +75,7 @@ def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u
         table_keys[h] = x
         used[u] = h
         u += 1
-    table_counts[h] += 1
+    table_counts[h] += w
     return u
 
 
@@ -64,22 +91,23 @@ def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarra
           member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
           below: np.ndarray, first_seq: int, table_keys: np.ndarray, table_counts: np.ndarray,
           used: np.ndarray, shift: np.uint64, windowed: bool, member_until: np.ndarray,
-          batch_until: np.ndarray) -> int:  # pragma: no cover - compiled
+          batch_until: np.ndarray, weights: np.ndarray) -> int:  # pragma: no cover - compiled
     """Count the members of document ``d``'s buckets in the table: the stored ones, and
     the batch's entries that joined (``head``/``below`` chains); when ``windowed``, only
-    those held for ``d`` (``until`` above ``d``, ``neardup.core.retention``). Returns the
-    number of distinct members, whose slots are ``used[:u]``."""
+    those held for ``d`` (``until`` above ``d``, ``neardup.core.retention``). Each bucket
+    counts 1, or its entry of ``weights`` if any (``bucket_weights``). Returns the number of distinct members, whose slots are ``used[:u]``."""
     u = 0
     for e in range(d * bands, (d + 1) * bands):
         k = entry_bucket[e]
+        w = weights[k] if len(weights) else 1
         for j in range(member_starts[k], member_starts[k] + member_counts[k]):
             if windowed and member_until[j] <= d:
                 continue
-            u = _count(table_keys, table_counts, used, u, shift, member_seqs[j])
+            u = _count(table_keys, table_counts, used, u, shift, member_seqs[j], w)
         x = head[k]
         while x >= 0:
             if not (windowed and batch_until[x // bands] <= d):
-                u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands))
+                u = _count(table_keys, table_counts, used, u, shift, np.uint64(first_seq + x // bands), w)
             x = below[x]
     return u
 
@@ -87,13 +115,13 @@ def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarra
 @njit(nogil=True, cache=True)
 def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
          bands: int, limit: int) -> np.ndarray:  # pragma: no cover - compiled
-    """The ``limit`` members sharing the most buckets, in that order (earliest first
+    """The ``limit`` members with the highest counts, in that order (earliest first
     among equals), as seqs; empties the table's used slots."""
-    # most shared buckets first, then earliest: one sort of (bands - shared, seq) keys
+    # highest count first, then earliest: one sort of (MAX_WEIGHT * bands - count, seq) keys
     keys = np.empty(u, dtype=np.uint64)
     for i in range(u):
         h = used[i]
-        keys[i] = (np.uint64(bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
+        keys[i] = (np.uint64(MAX_WEIGHT * bands - table_counts[h]) << np.uint64(32)) | table_keys[h]
         table_counts[h] = 0
     keys.sort()
     return keys[:limit] & np.uint64(0xFFFFFFFF)
@@ -105,7 +133,7 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
             below: np.ndarray, taken: np.ndarray, first_seq: int, limit: int,
             bits: int, table_keys: np.ndarray, table_counts: np.ndarray,
             used: np.ndarray, windowed: bool, member_until: np.ndarray,
-            batch_until: np.ndarray):  # pragma: no cover - compiled
+            batch_until: np.ndarray, weights: np.ndarray):  # pragma: no cover - compiled
     """Document ``d``'s ``limit`` best candidates, most shared buckets first (``_meet``
     then ``_top``), with the counting table of 2**bits slots, grown first if the members
     met (with repeats) would fill more than half of it. Returns (candidates, bits, the
@@ -119,7 +147,7 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
         table_keys, table_counts, used = _table(bits)
     u = _meet(d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below,
               first_seq, table_keys, table_counts, used, np.uint64(64 - bits), windowed,
-              member_until, batch_until)
+              member_until, batch_until, weights)
     chosen = _top(table_keys, table_counts, used, u, bands, limit)
     return chosen, bits, table_keys, table_counts, used
 
@@ -138,7 +166,7 @@ def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
                 first_seq: int, max_candidates: int, windowed: bool, member_until: np.ndarray,
-                batch_until: np.ndarray):  # pragma: no cover - compiled
+                batch_until: np.ndarray, weights: np.ndarray):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     head = np.full(len(member_starts), -1, dtype=np.int64)  # last entry that joined a bucket
     below = np.full(len(entry_bucket), -1, dtype=np.int64)  # the entry that joined before it
@@ -153,7 +181,7 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
             first_seq, max_candidates, bits, table_keys, table_counts, used, windowed, member_until,
-            batch_until)
+            batch_until, weights)
         out[filled : filled + len(chosen)] = np.sort(chosen)
         filled += len(chosen)
         bounds[d + 1] = filled
@@ -166,7 +194,8 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
 def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                      member_counts: np.ndarray, member_seqs: np.ndarray, max_bucket_size: int,
                      first_seq: int, max_candidates: int,
-                     window: Window | None = None) -> Candidates:
+                     window: Window | None = None,
+                     weights: np.ndarray | None = None) -> Candidates:
     """Candidates of documents ``first_seq``, ``first_seq + 1``, … in arrival order.
 
     Args:
@@ -180,6 +209,8 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
         first_seq: the seq of the batch's first document.
         max_candidates: the most candidates kept per document (at least 1).
         window: which members each document may meet (a retention window); None: all.
+        weights: int64, shape (n_buckets,): rank by the sum of the shared buckets'
+            weights (``bucket_weights``) instead of their number; None: unweighted.
 
     Returns:
         ``Candidates``.
@@ -191,7 +222,13 @@ def batch_candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.nda
     return Candidates(*_candidates(*checked_members(entry_bucket, bands, member_starts, member_counts,
                                                     member_seqs, max_bucket_size, max_candidates),
                                    first_seq, max_candidates, *window_arrays(window, member_seqs,
-                                                                             len(entry_bucket) // max(bands, 1))))
+                                                                             len(entry_bucket) // max(bands, 1)),
+                                   _weights(weights)))
+
+
+def _weights(weights: np.ndarray | None) -> np.ndarray:
+    """``weights`` as the compiled loops take them (empty: unweighted)."""
+    return np.zeros(0, np.int64) if weights is None else np.asarray(weights, dtype=np.int64)
 
 
 class Window(NamedTuple):

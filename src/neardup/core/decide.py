@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from neardup.core.candidates import Window, _choose, _join, _table, checked_members, window_arrays
+from neardup.core.candidates import Window, _choose, _join, _table, _weights, checked_members, window_arrays
 from neardup.core.cluster import JACCARD, Clustering, Sets, _cluster_one, _outputs, _pair
 
 
@@ -190,7 +190,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             offsets: np.ndarray, signatures: np.ndarray, windowed: bool,
             member_until: np.ndarray, batch_until: np.ndarray, local_until: np.ndarray,
             max_bucket_size: int, copy_bucket: np.ndarray,
-            loaded: np.ndarray):  # pragma: no cover - compiled
+            loaded: np.ndarray, weights: np.ndarray):  # pragma: no cover - compiled
     n = len(entry_bucket) // bands
     first = len(stored_local)
     limit = max_candidates + extra_candidates
@@ -219,7 +219,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,
             first_seq, limit, bits, table_keys, table_counts, used, windowed, member_until,
-            batch_until)
+            batch_until, weights)
         lo = filled
         best = -1.0
         expanded = False
@@ -351,7 +351,8 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                  parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, threshold: float,
                  policy: int, measure: int, only_new: bool, sets: Sets,
                  extra_candidates: int = 0, near: float = 1.0, window: Window | None = None,
-                 local_until: np.ndarray | None = None, copies: CopyBuckets | None = None) -> Decisions:
+                 local_until: np.ndarray | None = None, copies: CopyBuckets | None = None,
+                 weights: np.ndarray | None = None) -> Decisions:
     """Candidates, verification, clustering and bucket joins of documents ``first_seq``,
     ``first_seq + 1``, … in arrival order (see the module docstring).
 
@@ -398,6 +399,9 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
             after the band buckets), used with ``only_new`` and ``JACCARD``; None: none.
             A copy bucket takes members while it holds fewer than ``max_bucket_size``
             (a retention window's expired members included).
+        weights: int64, one per bucket of the member arrays: rank the candidates by the
+            sum of their shared buckets' weights (``neardup.core.candidates.bucket_weights``,
+            as ``batch_candidates``); None: by the number of shared buckets.
 
     Returns:
         ``Decisions``.
@@ -422,5 +426,6 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                   sets.values, sets.offsets, sets.signatures, windowed, member_until, batch_until,
                   local_until, int(max_bucket_size),
                   *((np.zeros(0, np.int64), np.ones(len(parent), np.bool_)) if copies is None else
-                    (np.asarray(copies.bucket, dtype=np.int64), np.asarray(copies.loaded, dtype=np.bool_))))
+                    (np.asarray(copies.bucket, dtype=np.int64), np.asarray(copies.loaded, dtype=np.bool_))),
+                  _weights(weights))
     return Decisions(*out[:8], Clustering(*out[8:]))

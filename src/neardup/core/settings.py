@@ -24,6 +24,14 @@ Direction = Literal["new-in-earlier", "earlier-in-new", "both"]
 #: left is the estimate's own error. (Containment is banded from its size bound instead:
 #: ``containment_jaccard``.)
 CANDIDATE_MARGIN = {"exact": 0.25, "estimate": 0.1}
+#: ``extra_candidates`` when none is given, by measure. A text inside one several times
+#: longer shares few slots with it (about 128 / ratio times the containment), and with
+#: character shingles unrelated texts share as many through common shingles, so the
+#: container can rank far down the list even with the bucket weights
+#: (``neardup.core.candidates.bucket_weights``): on composite articles (char:5, 4-8x,
+#: containment 0.5; benchmarks/containment_quality.py) 0.93 of the contained pairs are
+#: found with 56 and 0.985 with 248.
+EXTRA_CANDIDATES = {"jaccard": 56, "containment": 248}
 #: The share of the pairs at the containment bound that the containment banding makes
 #: candidates (``neardup.core.lsh.recall_params``).
 CONTAINMENT_RECALL = 0.995
@@ -94,7 +102,8 @@ class EngineSettings:
             the same template. A copy of a story republished many times is accepted
             among its first candidates and stops there, so the protection of the cap is
             kept. With containment, a long text can contain several earlier ones, so an
-            accepted one does not stop the verification.
+            accepted one does not stop the verification. None: ``EXTRA_CANDIDATES`` of
+            the measure (56 for Jaccard, 248 for containment).
         duplicate_buckets: which band buckets a duplicate joins. ``"new"``: only those
             holding none of its accepted candidates, so a story's copies do not pile up
             in its buckets (a later document meets the earlier version there instead;
@@ -116,7 +125,7 @@ class EngineSettings:
     lsh: LshParams | None = None
     max_bucket_size: int = 256
     max_candidates: int = 8
-    extra_candidates: int = 56
+    extra_candidates: int | None = None
     duplicate_buckets: DuplicateBuckets = "new"
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
@@ -144,6 +153,8 @@ class EngineSettings:
             raise ValueError("max_bucket_size must be at least 1")
         if self.max_candidates < 1:
             raise ValueError("max_candidates must be at least 1")
+        if self.extra_candidates is None:
+            object.__setattr__(self, "extra_candidates", EXTRA_CANDIDATES[self.measure])
         if self.extra_candidates < 0:
             raise ValueError("extra_candidates must be at least 0")
         if self.lsh is not None:
