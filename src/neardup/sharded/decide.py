@@ -1,0 +1,73 @@
+"""A document's verdict from the findings of every shard partition it touched.
+
+The rule across shards (canonical policy):
+
+- The candidates checked are the union of the shards' checked candidates (a candidate met
+  on several shards has the same exact similarity on each). The best is the most
+  similar, the earliest among equals; it is the match when it reaches the threshold.
+- A duplicate joins, among the clusters of its accepted candidates, the one whose
+  canonical is most similar to it, provided that similarity reaches the threshold and
+  the canonical is itself among the candidates checked: a shard knows the sets of its
+  own members only, so a canonical that no shard put in front of the document cannot be
+  compared with it. Otherwise the document starts its own cluster and records its
+  match's cluster as ``related``, as one process does when the canonical is too far.
+
+One process computes the similarity to a canonical it did not meet from the stored sets;
+that is the one place where the sharded rule can differ from it on the same candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from neardup.sharded.shard import Checked, Finding
+from neardup.core.types import Verdict
+
+
+def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float,
+           name: Callable[[int], str]) -> tuple[Verdict, int]:
+    """The verdict of document ``seq`` and its cluster's canonical seq.
+
+    Args:
+        seq: the document's seq.
+        findings: one per shard partition the document touched (none: it touched no
+            bucket that held anyone, or has no valid shingles).
+        clusters: the canonical seq of every earlier document's cluster, by seq.
+        threshold: the similarity at or above which a candidate is accepted.
+        name: the external id of a seq.
+
+    Raises:
+        KeyError: an accepted candidate whose cluster is not in ``clusters`` (decided
+            later than the document: the caller's order is wrong).
+    """
+    checked: dict[int, Checked] = {}
+    met: set[int] = set()
+    for f in findings:
+        met.update(f.met)
+        for c in f.checked:
+            checked[c.seq] = c
+    nearest = max(checked.values(), key=lambda c: (c.similarity, -c.seq), default=None)
+    accepted = [c for c in checked.values() if c.similarity >= threshold]
+    own = name(seq)
+    if nearest is None or nearest.similarity < threshold:
+        verdict = Verdict(
+            id=own, seq=seq, verdict="unique", cluster=own, match=None,
+            similarity=nearest.similarity if nearest else 0.0,
+            jaccard=nearest.jaccard if nearest else 0.0,
+            containment=nearest.containment if nearest else 0.0,
+            candidates=len(checked), rejected=len(checked),
+            nearest=name(nearest.seq) if nearest else None)
+        return verdict, seq
+    target, target_similarity = -1, -1.0
+    for canonical in sorted({clusters[c.seq] for c in accepted}):
+        known = checked.get(canonical)
+        if known is not None and known.similarity > target_similarity:
+            target, target_similarity = canonical, known.similarity
+    joins = target_similarity >= threshold
+    cluster = target if joins else seq
+    verdict = Verdict(
+        id=own, seq=seq, verdict="duplicate", cluster=name(cluster), match=name(nearest.seq),
+        similarity=nearest.similarity, jaccard=nearest.jaccard, containment=nearest.containment,
+        candidates=len(checked), rejected=len(checked) - len(accepted),
+        related=None if joins else name(clusters[nearest.seq]), nearest=name(nearest.seq))
+    return verdict, cluster

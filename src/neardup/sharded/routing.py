@@ -1,0 +1,42 @@
+"""Which shard partition owns a band bucket, and the order in which shards see documents."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def shard_of(buckets: np.ndarray, shards: int) -> np.ndarray:
+    """The shard partition owning each bucket.
+
+    Bucket ids are 64-bit hashes (``neardup.core.lsh.bucket_ids``), uniform over their
+    range, so their remainder spreads buckets evenly; a bucket's owner depends only on its
+    id and the partition count, never on which process asks.
+
+    Args:
+        buckets: uint64, any shape: bucket ids.
+        shards: number of shard partitions, at least 1.
+
+    Returns:
+        int64, the shape of ``buckets``: partitions in [0, shards).
+
+    Raises:
+        ValueError: ``shards`` below 1.
+    """
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, not {shards}")
+    return (np.asarray(buckets, dtype=np.uint64) % np.uint64(shards)).astype(np.int64)
+
+
+def owned_bands(buckets: np.ndarray, shards: int) -> list[np.ndarray]:
+    """Per shard partition, the bands of one document whose bucket it owns.
+
+    Args:
+        buckets: uint64, shape (bands,): one document's bucket id in each band.
+        shards: number of shard partitions.
+
+    Returns:
+        ``shards`` int64 arrays of band indices, ascending; empty for a shard the
+        document does not touch.
+    """
+    owner = shard_of(buckets, shards)
+    return [np.flatnonzero(owner == p) for p in range(shards)]

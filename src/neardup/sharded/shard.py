@@ -1,0 +1,156 @@
+"""One shard partition's buckets: the earlier members a document meets there, their exact
+verification, and the document's bucket joins, for the buckets this partition owns alone.
+
+The rules are the single process's (``neardup.core.candidates``, ``neardup.core.decide``)
+applied to the shard's buckets: members met are ranked by the buckets they share with the
+document *on this shard*, earlier first among equals; the first ``max_candidates`` are
+verified, then up to ``extra_candidates`` more one at a time while the best so far is a
+near miss (and, for Jaccard, none is accepted); a bucket takes new members while it holds
+fewer than ``max_bucket_size``; with ``duplicate_buckets="new"`` a document skips the
+buckets holding a candidate it accepted, and joins instead the copy bucket of each
+accepted candidate (Jaccard below 1) that holds one of them here, where a later near miss
+of that candidate finds it. Every candidate met here joined a bucket here, so the shard
+holds its shingle set and verifies it exactly without asking anyone: a document's set is
+kept on every shard where it joins a bucket.
+
+This is the in-memory model (``neardup.sharded.reference``); retention windows are not
+part of it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from neardup.core.settings import EngineSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One verified candidate: its seq and its exact similarities to the document
+    (``containment``: of the document in the candidate; ``similarity``: the measure's)."""
+
+    seq: int
+    jaccard: float
+    containment: float
+    similarity: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """What one shard partition found for one document.
+
+    Attributes:
+        seq: the document's seq (its place in the order key's order).
+        met: the earlier documents met in this shard's buckets, as seqs.
+        checked: the verified candidates, in verification order.
+    """
+
+    seq: int
+    met: tuple[int, ...]
+    checked: tuple[Checked, ...]
+
+
+def similarities(a: np.ndarray, b: np.ndarray, measure: str, direction: str) -> tuple[float, float, float]:
+    """(Jaccard, containment of ``a`` in ``b``, the measure's similarity) of two sets.
+
+    Args:
+        a, b: uint32, sorted distinct fingerprints (``neardup.core.overlap``): ``a`` the
+            new document's, ``b`` the earlier one's.
+        measure: ``"jaccard"`` or ``"containment"``.
+        direction: the containment direction (``EngineSettings.containment_direction``).
+    """
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    union = len(a) + len(b) - inter
+    jaccard = inter / union if union else 0.0
+    containment = inter / len(a) if len(a) else 0.0
+    if measure == "jaccard":
+        return jaccard, containment, jaccard
+    if direction == "new-in-earlier":
+        return jaccard, containment, containment
+    if direction == "earlier-in-new":
+        return jaccard, containment, inter / len(b) if len(b) else 0.0
+    return jaccard, containment, inter / min(len(a), len(b)) if len(a) and len(b) else 0.0
+
+
+class ShardIndex:
+    """The buckets one shard partition owns and the sets of their members (in memory).
+
+    Args:
+        settings: the engine settings (threshold, measure, caps, bucket joins).
+    """
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.buckets: dict[int, list[int]] = {}
+        self.sets: dict[int, np.ndarray] = {}
+        self.copies: dict[int, list[int]] = {}
+        self._copies_on = settings.duplicate_buckets == "new" and settings.measure == "jaccard"
+
+    def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray) -> Finding:
+        """Meet, verify and join: one document, after every earlier one.
+
+        Args:
+            seq: the document's seq, above every seq added before.
+            buckets: uint64, shape (k,): its bucket ids in the bands this shard owns.
+            fingerprints: uint32, sorted distinct: its shingle set.
+
+        Returns:
+            The shard's ``Finding`` for the document.
+        """
+        s = self.settings
+        shared: Counter[int] = Counter()
+        for b in buckets.tolist():
+            shared.update(self.buckets.get(b, ()))
+        ranked = sorted(shared, key=lambda m: (-shared[m], m))
+        limit = s.max_candidates + s.extra_candidates
+        copies = self._copies_on
+        checked: dict[int, Checked] = {}
+        best = -1.0
+        for j, c in enumerate(ranked[:limit]):
+            if j >= s.max_candidates and (best < s.near_similarity
+                                          or (s.measure == "jaccard" and best >= s.threshold)):
+                break
+            if len(checked) >= limit:
+                break
+            if c in checked:
+                continue
+            best = max(best, self._check(c, fingerprints, checked))
+            # a near miss, none accepted: the copies it stands in for (neardup.core.decide)
+            sim = checked[c].similarity
+            if (copies and max(s.near_similarity, 2 * s.threshold - 1) <= sim < s.threshold
+                    and best < s.threshold):
+                for m in self.copies.get(c, ()):
+                    if len(checked) >= limit or best >= s.threshold:
+                        break
+                    if m not in checked:
+                        best = max(best, self._check(m, fingerprints, checked))
+        accepted = {c for c, x in checked.items() if x.similarity >= s.threshold}
+        only_new = s.duplicate_buckets == "new" and accepted
+        joined = False
+        held: set[int] = set()
+        for b in buckets.tolist():
+            members = self.buckets.setdefault(b, [])
+            held.update(members)
+            if len(members) >= s.max_bucket_size or (only_new and not accepted.isdisjoint(members)):
+                continue
+            members.append(seq)
+            joined = True
+        if copies and accepted and all(x.jaccard < 1.0 for x in checked.values()):
+            for c, x in checked.items():
+                if s.threshold <= x.jaccard < 1.0 and c in held:
+                    bucket = self.copies.setdefault(c, [])
+                    if len(bucket) < s.max_bucket_size:
+                        bucket.append(seq)
+                        joined = True
+        if joined:
+            self.sets[seq] = fingerprints
+        return Finding(seq, tuple(sorted(shared)), tuple(checked.values()))
+
+    def _check(self, c: int, fingerprints: np.ndarray, checked: dict[int, Checked]) -> float:
+        s = self.settings
+        jac, con, sim = similarities(fingerprints, self.sets[c], s.measure, s.containment_direction)
+        checked[c] = Checked(c, jac, con, sim)
+        return sim

@@ -1,0 +1,94 @@
+"""The sharded rules (``neardup.sharded``) against one process, in one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from neardup.core.settings import EngineSettings
+from neardup.core.shingle import Shingling
+from neardup.core.types import Document, Verdict
+from neardup.detector import Detector
+from neardup.sharded.reference import ShardedReference, run_sharded
+from neardup.sharded.routing import owned_bands, shard_of
+from neardup.state.memory import MemoryStateStore
+from test_quality import _chains, _excerpt
+
+
+def _one_process(docs: list[Document], settings: EngineSettings) -> list[Verdict]:
+    detector = Detector(settings, MemoryStateStore(settings.state_shape()))
+    out = []
+    for i in range(0, len(docs), 500):
+        out += detector.process(docs[i:i + 500])
+    return out
+
+
+def _republished(docs: list[Document], rounds: int, seed: int) -> list[Document]:
+    """The stories, then ``rounds`` rounds of copies, each with a few words dropped or
+    replaced, so that copies of copies drift away from the first version."""
+    rng = np.random.default_rng(seed)
+    out = list(docs)
+    previous = {d.id: d.text.split() for d in docs}
+    for r in range(1, rounds + 1):
+        for d in docs:
+            words = list(previous[d.id])
+            for _ in range(int(rng.integers(1, 6))):
+                at = int(rng.integers(len(words)))
+                if rng.random() < 0.5 and len(words) > 1:
+                    del words[at]
+                else:
+                    words[at] = f"w{rng.integers(10**6)}"
+            previous[d.id] = words
+            out.append(Document(f"{d.id}~r{r}", " ".join(words)))
+    return out
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64), st.integers(1, 40))
+@hsettings(max_examples=50, deadline=None)
+def test_every_band_has_one_owner(buckets, shards):
+    ids = np.array(buckets, dtype=np.uint64)
+    owner = shard_of(ids, shards)
+    assert ((owner >= 0) & (owner < shards)).all()
+    parts = owned_bands(ids, shards)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(ids)))
+    for p, bands in enumerate(parts):
+        assert (owner[bands] == p).all()
+
+
+def test_buckets_spread_evenly_over_shards():
+    ids = np.random.default_rng(1).integers(0, 2**64 - 1, size=80_000, dtype=np.uint64, endpoint=True)
+    counts = np.bincount(shard_of(ids, 8), minlength=8)
+    assert counts.min() > 0.95 * 10_000 and counts.max() < 1.05 * 10_000
+
+
+def test_shards_below_one_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        shard_of(np.zeros(1, np.uint64), 0)
+
+
+@pytest.mark.parametrize("shards", [1, 3, 8])
+def test_sharded_verdicts_are_those_of_one_process(shards):
+    docs = _republished(_excerpt()[:1500], rounds=3, seed=shards)
+    settings = EngineSettings()
+    one = _one_process(docs, settings)
+    sharded = run_sharded(docs, settings, shards, batch_size=700)
+    assert len(sharded) == len(one)
+    assert sum(v.is_duplicate for v in one) > 1500  # the copies the test is about
+    assert [(v.id, v.verdict, v.match) for v in sharded] == [(v.id, v.verdict, v.match) for v in one]
+    same_cluster = sum(a.cluster == b.cluster for a, b in zip(one, sharded))
+    assert same_cluster >= 0.999 * len(one)
+
+
+def test_a_chain_of_edits_is_found_through_a_shards_copy_bucket():
+    docs = _chains(300, seed=3)
+    settings = EngineSettings(shingling=Shingling.parse("word:5"), threshold=0.9)
+    one = _one_process(docs, settings)
+    sharded = run_sharded(docs, settings, 4)
+    assert sum(v.is_duplicate for v in one) == 600
+    assert [(v.verdict, v.match) for v in sharded] == [(v.verdict, v.match) for v in one]
+
+
+def test_the_components_policy_is_refused():
+    with pytest.raises(ValueError, match="canonical"):
+        ShardedReference(EngineSettings(cluster_policy="components"), 2)
