@@ -1,0 +1,92 @@
+"""The topics of a sharded deduplication (docs/scale-out.md): their names, partition
+counts and cleanup policies, created when missing and checked when present."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+log = logging.getLogger(__name__)
+
+
+class TopologyMismatchError(ValueError):
+    """An existing topic of the topology has another partition count than asked: the
+    bucket-to-shard and document-to-decide mappings would change under the state."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Names and partition counts of one sharded deduplication.
+
+    Attributes:
+        app: the prefix of its internal topics (and its consumer groups).
+        shards: partitions of the band topic (and of the shards' changelog): the number
+            of shard partitions, fixed for the life of the state.
+        decide_partitions: partitions of the findings topic.
+    """
+
+    app: str
+    shards: int
+    decide_partitions: int
+
+    def __post_init__(self) -> None:
+        if self.shards < 1 or self.decide_partitions < 1:
+            raise ValueError("shard and decide partition counts must be at least 1")
+
+    @property
+    def bands(self) -> str:
+        return f"{self.app}.bands"
+
+    @property
+    def findings(self) -> str:
+        return f"{self.app}.findings"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.app}.decisions"
+
+    def topics(self) -> dict[str, tuple[int, dict[str, str]]]:
+        """Every internal topic: (partitions, topic config)."""
+        deleted = {"cleanup.policy": "delete"}
+        return {
+            self.bands: (self.shards, deleted),
+            self.findings: (self.decide_partitions, deleted),
+            self.decisions: (1, {"cleanup.policy": "compact"}),
+        }
+
+    def ensure(self, admin: AdminClient, timeout_s: float = 30.0) -> list[str]:
+        """Create the missing topics; check the partition counts of the others.
+
+        Returns:
+            The names of the topics created.
+
+        Raises:
+            TopologyMismatchError: an existing topic has another partition count.
+            KafkaException: the broker could not be asked, or refused a creation.
+        """
+        wanted = self.topics()
+        existing = admin.list_topics(timeout=timeout_s).topics
+        for name, (partitions, _) in wanted.items():
+            meta = existing.get(name)
+            if meta is not None and meta.error is None and len(meta.partitions) != partitions:
+                raise TopologyMismatchError(
+                    f"topic {name} has {len(meta.partitions)} partitions, the topology asks for "
+                    f"{partitions}; a sharded state cannot change its partition counts")
+        missing = [NewTopic(name, num_partitions=p, config=config)
+                   for name, (p, config) in wanted.items() if name not in existing]
+        created = []
+        if missing:
+            for name, future in admin.create_topics(missing, request_timeout=timeout_s).items():
+                try:
+                    future.result()
+                    created.append(name)
+                    log.info("created topic %s", name)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise
+            if len(created) < len(missing):  # created meanwhile by another process: check it
+                return created + self.ensure(admin, timeout_s)
+        return created

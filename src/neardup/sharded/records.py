@@ -1,0 +1,89 @@
+"""Byte layouts of the records between the sharded stages (docs/scale-out.md).
+
+Order key (20 bytes, ``ORDER``): big-endian signed (record timestamp in ms, input
+partition, offset), so that comparing the bytes compares the keys: the order every shard
+processes documents in. ``order_seq`` turns it into one integer with the same order.
+
+Band record (prepare -> shard; key: the order key; partition: the shard's):
+
+    ">HHI" band count k, id length L, fingerprint count f
+    id (L bytes, UTF-8)
+    k bucket ids (uint64, little-endian)
+    f fingerprints (uint32, little-endian, sorted distinct: the shingle set)
+
+Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
+the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
+(the order key), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
+``ID_HEADER`` (the document id, UTF-8) and, for a record that is no document,
+``ERROR_HEADER`` (``kind: reason``).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+ORDER = struct.Struct(">qiq")
+_BAND = struct.Struct(">HHI")
+ORDER_HEADER = "neardup-sharded-order"
+SHARDS_HEADER = "neardup-sharded-shards"
+ID_HEADER = "neardup-sharded-id"
+ERROR_HEADER = "neardup-sharded-error"
+KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"finding"
+
+
+def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
+    """The 20-byte order key of an input record."""
+    return ORDER.pack(timestamp_ms, partition, offset)
+
+
+def order_seq(key: bytes) -> int:
+    """The order key as one integer, ordered like the keys (timestamp, partition, offset)."""
+    ts, partition, offset = ORDER.unpack(key)
+    return (ts << 96) | (partition << 64) | offset
+
+
+def decide_partition(key: bytes, partitions: int) -> int:
+    """The decide partition of a document (xxh64 of its order key, modulo)."""
+    return xxhash.xxh64_intdigest(key) % partitions
+
+
+@dataclass(frozen=True, slots=True)
+class BandRecord:
+    """One document as one shard sees it.
+
+    Attributes:
+        order: the 20-byte order key.
+        id: the document's external id.
+        buckets: uint64, shape (k,): its bucket ids in the bands this shard owns.
+        fingerprints: uint32, sorted distinct: its shingle set.
+    """
+
+    order: bytes
+    id: str
+    buckets: np.ndarray
+    fingerprints: np.ndarray
+
+    def value(self) -> bytes:
+        """The record's value (the layout above)."""
+        raw_id = self.id.encode("utf-8")
+        return b"".join((_BAND.pack(len(self.buckets), len(raw_id), len(self.fingerprints)), raw_id,
+                         self.buckets.astype("<u8").tobytes(), self.fingerprints.astype("<u4").tobytes()))
+
+    @classmethod
+    def parse(cls, key: bytes, value: bytes) -> BandRecord:
+        """Raises: ValueError (struct.error) on a record of another layout."""
+        if len(key) != ORDER.size:
+            raise ValueError(f"an order key has {ORDER.size} bytes, not {len(key)}")
+        k, n_id, f = _BAND.unpack_from(value)
+        at = _BAND.size
+        if len(value) != at + n_id + 8 * k + 4 * f:
+            raise ValueError("band record of the wrong length")
+        raw_id = value[at:at + n_id]
+        at += n_id
+        buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64)
+        fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32)
+        return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)

@@ -1,0 +1,197 @@
+"""The sharded stages against a real broker (docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from kafka_util import committed_offset, excerpt, produce, read_all
+from neardup.config import load_settings
+from neardup.core.settings import EngineSettings
+from neardup.core.types import Document
+from neardup.detector import Preparer
+from neardup.io.prepare_stage import PrepareStage
+from neardup.io.topology import Topology, TopologyMismatchError
+from neardup.sharded.records import (
+    ERROR_HEADER,
+    ID_HEADER,
+    ORDER,
+    ORDER_HEADER,
+    SHARDS_HEADER,
+    BandRecord,
+    decide_partition,
+)
+from neardup.sharded.routing import shard_of
+
+HERE = Path(__file__).parent
+
+
+def _input(bootstrap: str, make_topic, n: int) -> tuple[str, list[dict]]:
+    topic = make_topic("sharded-in", partitions=2)
+    records = excerpt(n)
+    messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
+    messages.insert(7, (b"bad", b"{not json"))
+    messages.insert(20, (b"empty", json.dumps({"id": "empty", "text": "  "}).encode()))
+    produce(bootstrap, topic, messages)
+    return topic, records
+
+
+def _ends(bootstrap: str, topic: str) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "ends"})
+    try:
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in (0, 1)}
+    finally:
+        c.close()
+
+
+def _wait_committed(bootstrap: str, group: str, topic: str, ends: dict[int, int], alive, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(committed_offset(bootstrap, group, topic, p) < end for p, end in ends.items()):
+        assert alive(), "the stage stopped"
+        assert time.monotonic() < deadline, "the stage did not commit the whole input"
+        time.sleep(0.3)
+
+
+def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[int, int]) -> None:
+    """Every input message exactly once as a document record, with its band records."""
+    out = read_all(bootstrap, [topology.bands, topology.findings])
+    documents = [o for o in out if o.topic == topology.findings]
+    bands = [o for o in out if o.topic == topology.bands]
+    keys = [ORDER.unpack(o.headers[ORDER_HEADER])[1:] for o in documents]
+    assert sorted(keys) == sorted((p, off) for p, end in ends.items() for off in range(end))
+    band_count = Counter(o.key for o in bands)
+    assert len(band_count) == sum(int(o.headers[SHARDS_HEADER]) > 0 for o in documents)
+    errors = {}
+    for o in documents:
+        key = o.headers[ORDER_HEADER]
+        assert band_count.get(key, 0) == int(o.headers[SHARDS_HEADER])
+        if ERROR_HEADER in o.headers:
+            errors[o.key] = o.headers[ERROR_HEADER].decode()
+    assert set(errors) == {b"bad", b"empty"}
+    assert errors[b"bad"].startswith("invalid_json") and errors[b"empty"].startswith("empty_text")
+    return documents, bands
+
+
+def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_bootstrap, kafka_topic_factory):
+    topic, records = _input(kafka_bootstrap, kafka_topic_factory, 300)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=3, decide_partitions=2)
+    settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic],
+                              "group_id": f"{topology.app}.prepare", "from_beginning": True,
+                              "text_field": ["text"], "id_field": "id", "batch_size": 64})
+    stage = PrepareStage(settings, topology)
+    import threading
+
+    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False})
+    runner.start()
+    ends = _ends(kafka_bootstrap, topic)
+    try:
+        _wait_committed(kafka_bootstrap, settings.group_id, topic, ends, runner.is_alive)
+    finally:
+        stage.stop()
+        runner.join(60)
+    documents, bands = _check_prepared(kafka_bootstrap, topic, topology, ends)
+    # the band records hold what one process computes, split by owner
+    engine = EngineSettings()
+    by_id = {str(r["id"]): r["text"] for r in records}
+    parsed = [BandRecord.parse(o.key, o.value) for o in bands]
+    per_doc: dict[str, list] = {}
+    for o, rec in zip(bands, parsed):
+        per_doc.setdefault(rec.id, []).append((o, rec))
+    ids = sorted(per_doc)
+    p = Preparer(engine)([Document(i, by_id[i]) for i in ids])
+    for v, doc_id in enumerate(ids):
+        got = per_doc[doc_id]
+        want = p.buckets[v]
+        assert sorted(np.concatenate([rec.buckets for _, rec in got]).tolist()) == sorted(want.tolist())
+        fp = p.fingerprints[p.fingerprint_offsets[v]:p.fingerprint_offsets[v + 1]]
+        for o, rec in got:
+            assert (rec.fingerprints == fp).all()
+    partitions = read_partitions(kafka_bootstrap, topology)
+    for (topic_name, part), key, value in partitions:
+        if topic_name == topology.bands:
+            assert (shard_of(BandRecord.parse(key, value).buckets, 3) == part).all()
+        else:
+            assert decide_partition(key, 2) == part
+    assert {d.headers[ID_HEADER].decode() for d in documents if ID_HEADER in d.headers} == set(by_id) - {"empty"}
+
+
+def read_partitions(bootstrap: str, topology: Topology) -> list[tuple[tuple[str, int], bytes, bytes]]:
+    """(topic, partition), routing key, value of every committed record of the topology
+    (the routing key of a document record is its order key)."""
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"parts-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
+    c.subscribe([topology.bands, topology.findings])
+    out, last = [], time.monotonic()
+    while time.monotonic() - last < 3:
+        for m in c.consume(500, timeout=0.5):
+            if m.error() is None:
+                last = time.monotonic()
+                key = m.key() if m.topic() == topology.bands else dict(m.headers())[ORDER_HEADER]
+                out.append(((m.topic(), m.partition()), key, m.value()))
+    c.close()
+    return out
+
+
+def test_prepare_killed_mid_stream_writes_every_document_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    topic, _ = _input(kafka_bootstrap, kafka_topic_factory, 1500)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    group = f"{topology.app}.prepare"
+    ends = _ends(kafka_bootstrap, topic)
+    log = open(tmp_path / "stage.log", "ab")
+
+    def start(instance: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(HERE / "stage_run.py"), "prepare", kafka_bootstrap, topic,
+                                 topology.app, "4", "2", instance], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    kills = 0
+    for target in (200, 500):  # SIGKILL once a part of partition 0 (of ~750) is committed, twice
+        proc = start("a")
+        try:
+            deadline = time.monotonic() + 120
+            while committed_offset(kafka_bootstrap, group, topic, 0) < target:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stage.log").read_text()[-3000:]
+                time.sleep(0.05)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        kills += 1
+    proc = start("a")
+    try:
+        _wait_committed(kafka_bootstrap, group, topic, ends, lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert kills == 2
+    _check_prepared(kafka_bootstrap, topic, topology, ends)
+
+
+def test_a_topology_whose_partition_counts_changed_is_refused(kafka_bootstrap):
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    app = f"sharded-{uuid.uuid4().hex[:8]}"
+    created = Topology(app, shards=4, decide_partitions=2).ensure(admin)
+    assert sorted(created) == sorted([f"{app}.bands", f"{app}.findings", f"{app}.decisions"])
+    assert Topology(app, shards=4, decide_partitions=2).ensure(admin) == []
+    with pytest.raises(TopologyMismatchError, match=f"topic {app}.bands has 4 partitions, the topology asks for 8"):
+        Topology(app, shards=8, decide_partitions=2).ensure(admin)
+    configs = admin.describe_configs([__import__("confluent_kafka.admin", fromlist=["ConfigResource"]).ConfigResource(
+        "topic", f"{app}.decisions")])
+    (cfg,) = [f.result() for f in configs.values()]
+    assert cfg["cleanup.policy"].value == "compact"
