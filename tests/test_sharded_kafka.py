@@ -187,7 +187,8 @@ def test_a_topology_whose_partition_counts_changed_is_refused(kafka_bootstrap):
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     app = f"sharded-{uuid.uuid4().hex[:8]}"
     created = Topology(app, shards=4, decide_partitions=2).ensure(admin)
-    assert sorted(created) == sorted([f"{app}.bands", f"{app}.findings", f"{app}.decisions"])
+    assert sorted(created) == sorted(f"{app}.{name}" for name in (
+        "bands", "findings", "decisions", "shard-changelog", "decide-changelog"))
     assert Topology(app, shards=4, decide_partitions=2).ensure(admin) == []
     with pytest.raises(TopologyMismatchError, match=f"topic {app}.bands has 4 partitions, the topology asks for 8"):
         Topology(app, shards=8, decide_partitions=2).ensure(admin)
@@ -195,3 +196,126 @@ def test_a_topology_whose_partition_counts_changed_is_refused(kafka_bootstrap):
         "topic", f"{app}.decisions")])
     (cfg,) = [f.result() for f in configs.values()]
     assert cfg["cleanup.policy"].value == "compact"
+
+
+# --- the three stages end to end ---------------------------------------------------------
+
+def _stories_and_copies(n: int, seed: int = 5) -> list[tuple[bytes, bytes]]:
+    """``n`` stories, then a copy of each with a few words dropped, as (key, JSON value)."""
+    rng = np.random.default_rng(seed)
+    records = excerpt(n)
+    out = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
+    for r in records:
+        words = r["text"].split()
+        for _ in range(int(rng.integers(1, 4))):
+            if len(words) > 1:
+                del words[int(rng.integers(len(words)))]
+        out.append((f"{r['id']}~copy".encode(), json.dumps({"id": f"{r['id']}~copy", "text": " ".join(words)}).encode()))
+    return out
+
+
+def _in_order(bootstrap: str, topic: str) -> list[tuple[tuple[int, int, int], bytes]]:
+    """The input's messages as (order key, value), in order-key order."""
+    from confluent_kafka import Consumer
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"order-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    out, last = [], time.monotonic()
+    while time.monotonic() - last < 3:
+        for m in c.consume(500, timeout=0.5):
+            if m.error() is None:
+                last = time.monotonic()
+                out.append(((m.timestamp()[1], m.partition(), m.offset()), m.value()))
+    c.close()
+    return sorted(out)
+
+
+class _Stages:
+    """The three stages as real processes (``stage_run.py``)."""
+
+    def __init__(self, bootstrap: str, topic: str, topology: Topology, log: Path) -> None:
+        self.args = [kafka_bootstrap_arg := bootstrap, topic, topology.app, str(topology.shards),
+                     str(topology.decide_partitions)]
+        del kafka_bootstrap_arg
+        self.log = open(log, "ab")
+        self.procs: dict[tuple[str, str], subprocess.Popen] = {}
+
+    def start(self, role: str, instance: str = "a") -> None:
+        self.procs[(role, instance)] = subprocess.Popen(
+            [sys.executable, str(HERE / "stage_run.py"), role, *self.args, instance, "1000"],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def kill(self, role: str, instance: str = "a") -> None:
+        proc = self.procs.pop((role, instance))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+
+def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = read_all(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"], idle_s=2.0, timeout_s=30)
+        if len(out) >= expected or time.monotonic() > deadline:
+            return out
+        assert alive(), "a stage stopped"
+
+
+def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list) -> None:
+    """Every input message once in the outputs, with the verdicts of the sharded rules
+    run in one process in order-key order."""
+    from neardup.sharded.reference import ShardedReference
+
+    ordered = _in_order(bootstrap, topic)
+    keys = Counter(o.key for o in out)
+    assert sum(keys.values()) == len(ordered), f"{sum(keys.values())} outputs for {len(ordered)} inputs"
+    assert max(keys.values()) == 1
+    docs = []
+    for _, value in ordered:
+        try:
+            r = json.loads(value)
+            docs.append(Document(str(r["id"]), r["text"]))
+        except json.JSONDecodeError:
+            continue
+    reference = {v.id: v for v in ShardedReference(EngineSettings(), topology.shards).process(docs)
+                 if hasattr(v, "verdict")}
+    got = {o.key.decode(): o for o in out if o.topic != f"{topic}.dlq"}
+    assert set(got) == set(reference)
+    differ = [k for k, v in reference.items()
+              if (got[k].headers["neardup-verdict"].decode(), got[k].headers["neardup-match"].decode() or None,
+                  got[k].headers["neardup-cluster"].decode()) != (v.verdict, v.match, v.cluster)]
+    assert not differ, differ[:5]
+    dead = {o.key: o.headers["neardup-error"] for o in out if o.topic == f"{topic}.dlq"}
+    assert set(dead) == {b"bad", b"empty"}
+    assert sum(v.is_duplicate for v in reference.values()) >= 100  # the copies the test is about
+
+
+def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    topic = kafka_topic_factory("sharded-e2e", partitions=2)
+    messages = _stories_and_copies(200)
+    messages.insert(7, (b"bad", b"{not json"))
+    messages.insert(20, (b"empty", json.dumps({"id": "empty", "text": "  "}).encode()))
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    try:
+        for role in ("prepare", "shard", "decide"):
+            stages.start(role)
+        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
+    finally:
+        stages.stop()
+    assert len(out) == len(messages), (tmp_path / "stages.log").read_text()[-4000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out)

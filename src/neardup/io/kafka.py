@@ -260,6 +260,13 @@ class DedupProcessor:
         for tp in partitions:
             self._positions.pop(tp, None)
 
+    def due(self) -> bool:
+        return False
+
+    def aborted(self) -> None:
+        """Nothing to undo: ``compute`` changes nothing (the state is written in step 4,
+        and a batch consumed again after it is a replay)."""
+
     def idle(self) -> None:
         try:
             self._worker_ready()  # idle: take the worker's start-up notice

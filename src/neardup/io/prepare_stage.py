@@ -39,6 +39,7 @@ from neardup.sharded.records import (
     KIND_HEADER,
     ORDER_HEADER,
     SHARDS_HEADER,
+    TOPIC_HEADER,
     BandRecord,
     decide_partition,
     order_key,
@@ -158,7 +159,8 @@ class PrepareProcessor:
         out: list[Record] = []
         for i, m in enumerate(batch.messages):
             key = self._order(m)
-            headers = carried_headers(m.headers()) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key)]
+            headers = carried_headers(m.headers()) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
+                                                      (TOPIC_HEADER, m.topic().encode("utf-8"))]
             if i in by_message:
                 doc_id, records = by_message[i]
                 out += records
@@ -206,6 +208,12 @@ class PrepareProcessor:
         return written
 
     def idle(self) -> None:
+        pass
+
+    def due(self) -> bool:
+        return False
+
+    def aborted(self) -> None:
         pass
 
     def close(self) -> None:

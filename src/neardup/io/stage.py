@@ -210,6 +210,17 @@ class Processor(Protocol):
         """Nothing consumed this time."""
         ...
 
+    def due(self) -> bool:
+        """Whether a batch of no messages should run now (called when idle): e.g. records
+        held in a reorder window whose time has come while the input is quiet."""
+        ...
+
+    def aborted(self) -> None:
+        """A batch failed (its transaction aborted, or its producer replaced): what
+        ``compute`` changed in memory for it, or for a batch computed after it, must be
+        undone (its messages are consumed again)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -500,6 +511,11 @@ class StageRuntime:
                 except KafkaException as exc:
                     self._recover(exc, [])
                 self.processor.idle()
+                if self.processor.due():
+                    try:
+                        self._process(self.processor.read([], False))
+                    except KafkaException as exc:
+                        self._recover(exc, [])
                 continue
             if not self._consumed:
                 self._consumed = True
@@ -605,8 +621,9 @@ class StageRuntime:
         ``pending.error`` (``ProducerWedged``: a call that did not return in time, the
         producer is never called again)."""
         try:
-            bounded("send_offsets_to_transaction", producer.send_offsets_to_transaction,
-                    offsets, metadata, CALL_TIMEOUT_S)
+            if offsets:  # none: a batch of no messages (``Processor.due``)
+                bounded("send_offsets_to_transaction", producer.send_offsets_to_transaction,
+                        offsets, metadata, CALL_TIMEOUT_S)
             self._commit_transaction(producer)
             pending.seconds = time.perf_counter() - started
         except BaseException as exc:  # noqa: BLE001 - raised again by _finish_pending
@@ -673,6 +690,7 @@ class StageRuntime:
             self._abort()
         self._rewind(self._unsettled + messages)
         self._unsettled = []
+        self.processor.aborted()
         if self.on_abort:
             self.on_abort(exc)
         self._stop.wait(self._backoff)

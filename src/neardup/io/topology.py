@@ -23,9 +23,10 @@ class Topology:
 
     Attributes:
         app: the prefix of its internal topics (and its consumer groups).
-        shards: partitions of the band topic (and of the shards' changelog): the number
-            of shard partitions, fixed for the life of the state.
-        decide_partitions: partitions of the findings topic.
+        shards: partitions of the band topic and of the shards' changelog (partition p's
+            state is logged to changelog partition p): the number of shard partitions,
+            fixed for the life of the state.
+        decide_partitions: partitions of the findings topic and of decide's changelog.
     """
 
     app: str
@@ -48,13 +49,24 @@ class Topology:
     def decisions(self) -> str:
         return f"{self.app}.decisions"
 
+    @property
+    def shard_changelog(self) -> str:
+        return f"{self.app}.shard-changelog"
+
+    @property
+    def decide_changelog(self) -> str:
+        return f"{self.app}.decide-changelog"
+
     def topics(self) -> dict[str, tuple[int, dict[str, str]]]:
         """Every internal topic: (partitions, topic config)."""
         deleted = {"cleanup.policy": "delete"}
+        compacted = {"cleanup.policy": "compact"}
         return {
             self.bands: (self.shards, deleted),
             self.findings: (self.decide_partitions, deleted),
-            self.decisions: (1, {"cleanup.policy": "compact"}),
+            self.decisions: (1, compacted),
+            self.shard_changelog: (self.shards, compacted),
+            self.decide_changelog: (self.decide_partitions, compacted),
         }
 
     def ensure(self, admin: AdminClient, timeout_s: float = 30.0) -> list[str]:

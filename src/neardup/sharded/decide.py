@@ -41,9 +41,7 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
             later than the document: the caller's order is wrong).
     """
     checked: dict[int, Checked] = {}
-    met: set[int] = set()
     for f in findings:
-        met.update(f.met)
         for c in f.checked:
             checked[c.seq] = c
     nearest = max(checked.values(), key=lambda c: (c.similarity, -c.seq), default=None)
@@ -71,3 +69,9 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         candidates=len(checked), rejected=len(checked) - len(accepted),
         related=None if joins else name(clusters[nearest.seq]), nearest=name(nearest.seq))
     return verdict, cluster
+
+
+def waiting_for(findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float) -> list[int]:
+    """The accepted candidates whose cluster is not known yet (``decide`` needs them):
+    earlier documents not yet decided, or decided elsewhere and not yet read."""
+    return sorted({c.seq for f in findings for c in f.checked if c.similarity >= threshold and c.seq not in clusters})

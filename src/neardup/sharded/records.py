@@ -13,7 +13,7 @@ Band record (prepare -> shard; key: the order key; partition: the shard's):
 
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
-(the order key), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
+(the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
 ``ID_HEADER`` (the document id, UTF-8) and, for a record that is no document,
 ``ERROR_HEADER`` (``kind: reason``).
 """
@@ -33,6 +33,10 @@ SHARDS_HEADER = "neardup-sharded-shards"
 ID_HEADER = "neardup-sharded-id"
 ERROR_HEADER = "neardup-sharded-error"
 KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"finding"
+TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
+SHARDED_PREFIX = "neardup-sharded-"
+_LEN = struct.Struct(">I")
+_NONE = 0xFFFFFFFF
 
 
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
@@ -87,3 +91,52 @@ class BandRecord:
         buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64)
         fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32)
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
+
+
+def seq_order(seq: int) -> bytes:
+    """The order key of ``order_seq``'s integer."""
+    return ORDER.pack(seq >> 96, (seq >> 64) & 0xFFFFFFFF, seq & 0xFFFFFFFFFFFFFFFF)
+
+
+def order_time(key: bytes) -> int:
+    """The record timestamp (ms) of an order key."""
+    return ORDER.unpack(key)[0]
+
+
+def pack_message(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> bytes:
+    """A record's key, value and headers as one value (a held document in a changelog):
+    each of key and value as ``">I"`` length (0xFFFFFFFF: None) and bytes, then ``">I"``
+    header count and per header its key and value the same way (key UTF-8)."""
+    parts = []
+    for field in (key, value):
+        parts += [_LEN.pack(_NONE), b""] if field is None else [_LEN.pack(len(field)), field]
+    parts.append(_LEN.pack(len(headers)))
+    for k, v in headers:
+        raw = k.encode("utf-8")
+        parts += [_LEN.pack(len(raw)), raw, _LEN.pack(len(v)), v]
+    return b"".join(parts)
+
+
+def unpack_message(data: bytes) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
+    """``pack_message``'s inverse."""
+    at = 0
+    fields: list[bytes | None] = []
+    for _ in range(2):
+        (n,) = _LEN.unpack_from(data, at)
+        at += 4
+        if n == _NONE:
+            fields.append(None)
+        else:
+            fields.append(data[at:at + n])
+            at += n
+    (count,) = _LEN.unpack_from(data, at)
+    at += 4
+    headers = []
+    for _ in range(count):
+        (n,) = _LEN.unpack_from(data, at)
+        k = data[at + 4:at + 4 + n].decode("utf-8")
+        at += 4 + n
+        (n,) = _LEN.unpack_from(data, at)
+        headers.append((k, data[at + 4:at + 4 + n]))
+        at += 4 + n
+    return fields[0], fields[1], headers

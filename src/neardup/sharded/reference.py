@@ -58,7 +58,7 @@ class ShardedReference:
             for q, bands in enumerate(owned_bands(buckets[i], len(self.shards))):
                 if len(bands):
                     self.touched[q] += 1
-                    findings.append(self.shards[q].add(seq, buckets[i][bands], fp))
+                    findings.append(self.shards[q].add(seq, buckets[i][bands], fp, doc.id)[0])
             verdict, cluster = decide(seq, findings, self.clusters, self.settings.threshold,
                                       self.ids.__getitem__)
             self.clusters[seq] = cluster

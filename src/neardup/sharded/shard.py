@@ -44,13 +44,25 @@ class Finding:
 
     Attributes:
         seq: the document's seq (its place in the order key's order).
-        met: the earlier documents met in this shard's buckets, as seqs.
         checked: the verified candidates, in verification order.
     """
 
     seq: int
-    met: tuple[int, ...]
     checked: tuple[Checked, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Joins:
+    """What one document added to a shard: the buckets it joined (uint64 ids), the
+    candidates whose copy bucket it joined (seqs); its set is kept when either is not
+    empty. ``ShardIndex.apply`` adds them again (a restore)."""
+
+    buckets: np.ndarray
+    copies: tuple[int, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not len(self.buckets) and not self.copies
 
 
 def similarities(a: np.ndarray, b: np.ndarray, measure: str, direction: str) -> tuple[float, float, float]:
@@ -87,18 +99,20 @@ class ShardIndex:
         self.buckets: dict[int, list[int]] = {}
         self.sets: dict[int, np.ndarray] = {}
         self.copies: dict[int, list[int]] = {}
+        self.ids: dict[int, str] = {}
         self._copies_on = settings.duplicate_buckets == "new" and settings.measure == "jaccard"
 
-    def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray) -> Finding:
+    def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray, doc_id: str = "") -> tuple[Finding, Joins]:
         """Meet, verify and join: one document, after every earlier one.
 
         Args:
             seq: the document's seq, above every seq added before.
             buckets: uint64, shape (k,): its bucket ids in the bands this shard owns.
             fingerprints: uint32, sorted distinct: its shingle set.
+            doc_id: its external id (kept with its set, ``ids``).
 
         Returns:
-            The shard's ``Finding`` for the document.
+            The shard's ``Finding`` for the document, and what it joined.
         """
         s = self.settings
         shared: Counter[int] = Counter()
@@ -129,7 +143,7 @@ class ShardIndex:
                         best = max(best, self._check(m, fingerprints, checked))
         accepted = {c for c, x in checked.items() if x.similarity >= s.threshold}
         only_new = s.duplicate_buckets == "new" and accepted
-        joined = False
+        joined: list[int] = []
         held: set[int] = set()
         for b in buckets.tolist():
             members = self.buckets.setdefault(b, [])
@@ -137,17 +151,28 @@ class ShardIndex:
             if len(members) >= s.max_bucket_size or (only_new and not accepted.isdisjoint(members)):
                 continue
             members.append(seq)
-            joined = True
+            joined.append(b)
+        copied: list[int] = []
         if copies and accepted and all(x.jaccard < 1.0 for x in checked.values()):
             for c, x in checked.items():
                 if s.threshold <= x.jaccard < 1.0 and c in held:
                     bucket = self.copies.setdefault(c, [])
                     if len(bucket) < s.max_bucket_size:
                         bucket.append(seq)
-                        joined = True
-        if joined:
+                        copied.append(c)
+        if joined or copied:
             self.sets[seq] = fingerprints
-        return Finding(seq, tuple(sorted(shared)), tuple(checked.values()))
+            self.ids[seq] = doc_id
+        return Finding(seq, tuple(checked.values())), Joins(np.array(joined, dtype=np.uint64), tuple(copied))
+
+    def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
+        """Add again what ``add`` added for a document (a restore, in the same order)."""
+        for b in joins.buckets.tolist():
+            self.buckets.setdefault(b, []).append(seq)
+        for c in joins.copies:
+            self.copies.setdefault(c, []).append(seq)
+        self.sets[seq] = fingerprints
+        self.ids[seq] = doc_id
 
     def _check(self, c: int, fingerprints: np.ndarray, checked: dict[int, Checked]) -> float:
         s = self.settings

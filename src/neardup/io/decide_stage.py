@@ -1,0 +1,385 @@
+"""The decide stage of a sharded deduplication (docs/scale-out.md): a stateful
+``Processor`` on the stage runtime (``neardup.io.stage``), consuming the findings topic.
+
+A document's record (from prepare) and the findings of the shards it touched (from the
+shards) meet on its decide partition. Once all have come, and the cluster of every
+candidate it accepted is known, the document is decided (``neardup.sharded.decide``): its
+record is produced to ``<input>.unique`` or ``<input>.duplicates`` with today's headers
+(or, for a message that was no document, to ``<input>.dlq`` with its error), and its
+cluster to the compacted decisions topic, which every decide process reads in full (the
+decisions table: the clusters of earlier documents decided anywhere). A candidate is
+always earlier than the document and its own decision needs only earlier documents, so
+the earliest undecided document can always be decided: no deadlock.
+
+What waits lives in memory and in the stage's changelog (partition q of
+``<app>.decide-changelog``), written in the batch's transaction: ``b"D" + order key`` ->
+the document record (``pack_message``), ``b"F" + order key + shard`` -> a finding; both
+deleted when the document is decided. A partition's waiting documents are read back when
+it is assigned, and after a failed batch (``aborted``). The decisions table needs no
+undo: a decision is a function of the findings and of earlier decisions, so one taken in
+a batch that failed is taken again the same.
+
+Not yet here (docs/scale-out.md): the fitting of records too large for an output topic,
+metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from neardup.config import Settings
+from neardup.io.bounded import discard
+from neardup.io.clients import admin_config
+from neardup.io.messages import Outcome
+from neardup.io.partition_log import read_to_end
+from neardup.io.rdkafka_log import rdkafka_logger
+from neardup.io.stage import TP, StageRuntime
+from neardup.io.topology import Topology
+from neardup.sharded.decide import decide, waiting_for
+from neardup.sharded.records import (
+    ERROR_HEADER,
+    ID_HEADER,
+    KIND_HEADER,
+    ORDER,
+    ORDER_HEADER,
+    SHARDED_PREFIX,
+    SHARDS_HEADER,
+    TOPIC_HEADER,
+    order_seq,
+    pack_message,
+    seq_order,
+    unpack_message,
+)
+from neardup.sharded.shard import Checked, Finding
+
+log = logging.getLogger(__name__)
+
+_SHARD = struct.Struct(">i")
+Record = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
+
+
+@dataclass
+class _Waiting:
+    """A document on its way: its record (key, value, headers) once come, its findings."""
+
+    record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
+    findings: dict[int, list] = field(default_factory=dict)
+    logged: set[bytes] = field(default_factory=set)  # its changelog keys
+
+
+@dataclass
+class DecideBatch:
+    messages: list[Message]
+    full: bool
+
+
+@dataclass
+class DecideWritten:
+    offsets: list[TopicPartition]
+    messages: int = 0
+    unique: int = 0
+    duplicate: int = 0
+    dead_letter: int = 0
+    waiting: int = 0
+    seconds: float = 0.0
+
+
+def _header(headers: list[tuple[str, bytes]], name: str) -> bytes | None:
+    return next((v for k, v in headers if k == name), None)
+
+
+class DecideProcessor:
+    """The decide stage's ``Processor``.
+
+    Args:
+        settings: Kafka and batch settings; ``settings.engine()`` gives the threshold.
+        topology: the sharded topics.
+    """
+
+    reads_ahead = False
+
+    def __init__(self, settings: Settings, topology: Topology) -> None:
+        self.settings = settings
+        self.threshold = settings.engine().threshold
+        self.topology = topology
+        self.partitions: dict[int, dict[bytes, _Waiting]] = {}
+        self.clusters: dict[int, int] = {}  # the decisions table: seq -> canonical seq
+        self.names: dict[int, str] = {}  # external ids of canonicals
+        self._table: Consumer | None = None
+        self._outputs: set[str] = set()
+        self._ensured = False
+
+    # --- lifecycle ------------------------------------------------------------------
+    def open(self) -> None:
+        pass
+
+    def start(self, producer: Producer) -> None:
+        """Read the decisions table to its end."""
+        if self._table is None:
+            self._table = Consumer({
+                "bootstrap.servers": self.settings.bootstrap_servers, "logger": rdkafka_logger(),
+                **self.settings.kafka, "group.id": f"neardup-decisions-{uuid.uuid4()}",
+                "enable.auto.commit": False, "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest"})
+            self._ensure()
+            self._table.assign([TopicPartition(self.topology.decisions, 0, -2)])
+            for chunk in read_to_end(self.settings, self.topology.decisions, 0):
+                self._apply_decisions(chunk)
+            log.info("decisions table read: %d documents", len(self.clusters))
+
+    def close(self) -> None:
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+
+    def _ensure(self) -> None:
+        if not self._ensured:
+            admin = AdminClient(admin_config(self.settings))
+            try:
+                self.topology.ensure(admin)
+            finally:
+                discard(admin)
+            self._ensured = True
+
+    def is_output(self, topic: str) -> bool:
+        return topic == self.topology.decisions or topic.endswith((".unique", ".duplicates", ".dlq"))
+
+    def check(self, consumer: Consumer, partitions: list[TP]) -> None:
+        """Read back the waiting documents of the newly assigned partitions.
+
+        Raises:
+            KafkaException: the changelog could not be read.
+        """
+        for _, q in partitions:
+            self.partitions[q] = self._restore(q)
+
+    def revoked(self, partitions: set[TP]) -> None:
+        for _, q in partitions:
+            self.partitions.pop(q, None)
+
+    def aborted(self) -> None:
+        for q in list(self.partitions):
+            self.partitions[q] = self._restore(q)
+
+    def _restore(self, q: int) -> dict[bytes, _Waiting]:
+        waiting: dict[bytes, _Waiting] = {}
+        for chunk in read_to_end(self.settings, self.topology.decide_changelog, q):
+            for m in chunk:
+                key, value = m.key(), m.value()
+                order = key[1:1 + ORDER.size]
+                if value is None:
+                    w = waiting.get(order)
+                    if w is not None:
+                        w.logged.discard(key)
+                        if key[:1] == b"D":
+                            w.record = None
+                        else:
+                            w.findings.pop(_SHARD.unpack(key[1 + ORDER.size:])[0], None)
+                        if w.record is None and not w.findings:
+                            del waiting[order]
+                    continue
+                w = waiting.setdefault(order, _Waiting())
+                w.logged.add(key)
+                if key[:1] == b"D":
+                    w.record = unpack_message(value)
+                else:
+                    w.findings[_SHARD.unpack(key[1 + ORDER.size:])[0]] = orjson.loads(value)["checked"]
+        if waiting:
+            log.info("decide partition %d: %d documents waiting, read back", q, len(waiting))
+        return waiting
+
+    # --- the decisions table -----------------------------------------------------------
+    def _apply_decisions(self, messages: list[Message]) -> int:
+        n = 0
+        for m in messages:
+            if m.error() is not None or m.value() is None:
+                continue
+            d = orjson.loads(m.value())
+            canonical = order_seq(ORDER.pack(*d["cluster"]))
+            self.clusters[order_seq(m.key())] = canonical
+            self.names[canonical] = d["cluster_id"]
+            n += 1
+        return n
+
+    def _poll_table(self) -> int:
+        assert self._table is not None
+        n = 0
+        while True:
+            got = self._table.consume(10_000, timeout=0)
+            if not got:
+                return n
+            n += self._apply_decisions(got)
+
+    # --- a batch --------------------------------------------------------------------
+    def read(self, messages: list[Message], full: bool) -> DecideBatch:
+        return DecideBatch(messages, full)
+
+    def ahead(self, batch: DecideBatch) -> None:
+        pass
+
+    def take(self, batch: DecideBatch) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def due(self) -> bool:
+        """Whether decisions read from the table may let a waiting document go."""
+        return self._poll_table() > 0 and any(self.partitions.values())
+
+    def compute(self, batch: DecideBatch) -> tuple[list[Record], DecideWritten]:
+        self._poll_table()
+        t = self.topology
+        out: list[Record] = []
+        stats = DecideWritten([], messages=len(batch.messages))
+        for m in batch.messages:
+            q = m.partition()
+            headers = list(m.headers() or [])
+            if _header(headers, KIND_HEADER) == b"document":
+                order = _header(headers, ORDER_HEADER)
+                w = self.partitions[q].setdefault(order, _Waiting())
+                w.record = (m.key(), m.value(), headers)
+            else:
+                order = m.key()
+                w = self.partitions[q].setdefault(order, _Waiting())
+                d = orjson.loads(m.value())
+                w.findings[d["shard"]] = d["checked"]
+        for q in sorted(self.partitions):  # decisions read from the table may let any go
+            waiting = self.partitions[q]
+            progress = True
+            while progress:
+                progress = False
+                for order in sorted(waiting):
+                    if self._try(q, order, waiting[order], out, stats):
+                        del waiting[order]
+                        progress = True
+            for order, w in waiting.items():  # what still waits goes to the changelog
+                if w.record is not None and b"D" + order not in w.logged:
+                    key = b"D" + order
+                    w.logged.add(key)
+                    out.append((t.decide_changelog, q, key, pack_message(*w.record), []))
+                for shard, checked in w.findings.items():
+                    key = b"F" + order + _SHARD.pack(shard)
+                    if key not in w.logged:
+                        w.logged.add(key)
+                        out.append((t.decide_changelog, q, key, orjson.dumps({"shard": shard, "checked": checked}), []))
+            stats.waiting += len(waiting)
+        return out, stats
+
+    def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> bool:
+        """Decide one document if it can be; its records appended to ``out``."""
+        if w.record is None:
+            return False
+        key, value, headers = w.record
+        shards = int(_header(headers, SHARDS_HEADER) or b"0")
+        if len(w.findings) < shards:
+            return False
+        seq = order_seq(order)
+        topic = (_header(headers, TOPIC_HEADER) or b"").decode("utf-8")
+        carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
+        error = _header(headers, ERROR_HEADER)
+        if error is not None:
+            kind, _, reason = error.decode("utf-8").partition(": ")
+            _, partition, offset = ORDER.unpack(order)
+            outcome = Outcome.of_error(kind, reason, topic, partition, offset)
+            stats.dead_letter += 1
+            target = f"{topic}.dlq"
+        else:
+            names: dict[int, str] = {seq: (_header(headers, ID_HEADER) or b"").decode("utf-8")}
+            findings = []
+            for checked in w.findings.values():
+                items = []
+                for ts, p, o, cid, jac, con, sim in checked:
+                    c = order_seq(ORDER.pack(ts, p, o))
+                    names[c] = cid
+                    items.append(Checked(c, jac, con, sim))
+                findings.append(Finding(seq, tuple(items)))
+            if waiting_for(findings, self.clusters, self.threshold):
+                return False
+            verdict, cluster = decide(seq, findings, self.clusters, self.threshold,
+                                      lambda s: names.get(s) or self.names[s])
+            self.clusters[seq] = cluster
+            self.names.setdefault(cluster, names.get(cluster) or self.names.get(cluster, ""))
+            outcome = Outcome.of_verdict(verdict)
+            if verdict.is_duplicate:
+                stats.duplicate += 1
+                target = f"{topic}.duplicates"
+            else:
+                stats.unique += 1
+                target = f"{topic}.unique"
+            out.append((self.topology.decisions, 0, order,
+                        orjson.dumps({"cluster": list(ORDER.unpack(seq_order(cluster))),
+                                      "cluster_id": self.names[cluster]}), []))
+        self._create_outputs(topic)
+        out.append((target, None, key, value, carried + outcome.headers))
+        for logged in w.logged:
+            out.append((self.topology.decide_changelog, q, logged, None, []))
+        return True
+
+    def _create_outputs(self, topic: str) -> None:
+        """Create the output topics of an input topic before the first record goes there
+        (a record produced to a topic being created was once seen lost, see
+        ``neardup.io.kafka``)."""
+        if topic in self._outputs:
+            return
+        admin = AdminClient(admin_config(self.settings))
+        try:
+            names = [f"{topic}.{suffix}" for suffix in ("unique", "duplicates", "dlq")]
+            existing = admin.list_topics(timeout=10).topics
+            missing = [NewTopic(n) for n in names if n not in existing]
+            for name, future in (admin.create_topics(missing, request_timeout=30).items() if missing else ()):
+                try:
+                    future.result()
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise
+        finally:
+            discard(admin)
+        self._outputs.add(topic)
+
+    def write(self, work: tuple[list[Record], DecideWritten], producer: Producer) -> DecideWritten:
+        """Produce the batch's outputs, decisions and changelog records into the open
+        transaction.
+
+        Raises:
+            KafkaException: a produce error (the transaction is aborted and retried).
+        """
+        records, stats = work
+        for topic, partition, key, value, headers in records:
+            extra = {} if partition is None else {"partition": partition}
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=key, headers=headers, **extra)
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+        return stats
+
+    def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:
+        written.seconds = seconds
+        return written
+
+
+class DecideStage(StageRuntime):
+    """The decide stage: ``DecideProcessor`` on the stage runtime, consuming the findings
+    topic.
+
+    Args:
+        settings: as ``StageRuntime``'s (its ``input_topics`` are replaced by the findings
+            topic); ``group_id`` is the stage's consumer group.
+        topology: the sharded topics.
+        instance: this process's name among the stage's instances.
+        **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
+    """
+
+    def __init__(self, settings: Settings, topology: Topology, instance: str = "0", **callbacks: object) -> None:
+        settings = settings.model_copy(update={
+            "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.findings]})
+        super().__init__(settings, DecideProcessor(settings, topology), **callbacks)

@@ -1,0 +1,52 @@
+"""Reading one partition of a topic from its first committed record to its end: the
+restore of a stage's state from its changelog partition (Kafka Streams' model)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from neardup.config import Settings
+from neardup.io.rdkafka_log import rdkafka_logger
+
+CHUNK = 10_000
+
+
+def read_to_end(settings: Settings, topic: str, partition: int) -> Iterator[list[Message]]:
+    """Chunks of the committed records of one partition (``read_committed``), from the
+    beginning to the end at the time of reading.
+
+    Raises:
+        KafkaException: a consume error other than the partition's end.
+    """
+    reader = Consumer({
+        "bootstrap.servers": settings.bootstrap_servers, "logger": rdkafka_logger(), **settings.kafka,
+        "group.id": f"neardup-restore-{uuid.uuid4()}", "enable.auto.commit": False,
+        "enable.partition.eof": True, "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",
+    })
+    try:
+        low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
+        if high <= low:
+            return
+        reader.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        while True:
+            messages = reader.consume(CHUNK, timeout=0.2)
+            chunk: list[Message] = []
+            done = False
+            for m in messages:
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        done = True
+                        continue
+                    raise KafkaException(err)
+                chunk.append(m)
+            if chunk:
+                yield chunk
+            if done:
+                return
+    finally:
+        reader.close()
