@@ -40,7 +40,7 @@ from neardup.io.clients import admin_config
 from neardup.io.messages import Outcome
 from neardup.io.partition_log import read_to_end
 from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.stage import TP, StageRuntime
+from neardup.io.stage import TP, StageRuntime, next_offsets
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
@@ -238,7 +238,7 @@ class DecideProcessor:
         self._poll_table()
         t = self.topology
         out: list[Record] = []
-        stats = DecideWritten([], messages=len(batch.messages))
+        stats = DecideWritten(next_offsets(batch.messages), messages=len(batch.messages))
         for m in batch.messages:
             q = m.partition()
             headers = list(m.headers() or [])

@@ -31,7 +31,7 @@ from neardup.detector import Preparer, warm_up
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.messages import MessageError, carried_headers, to_document
-from neardup.io.stage import TP, StageRuntime
+from neardup.io.stage import TP, StageRuntime, next_offsets
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     ERROR_HEADER,
@@ -196,12 +196,8 @@ class PrepareProcessor:
                 band_bytes += size
             else:
                 document_bytes += size
-        ends: dict[TP, int] = {}
-        for m in batch.messages:
-            tp = (m.topic(), m.partition())
-            ends[tp] = max(ends.get(tp, 0), m.offset() + 1)
-        return PrepareWritten([TopicPartition(t, p, o) for (t, p), o in ends.items()], len(batch.messages),
-                              band_records, band_bytes, document_bytes)
+        return PrepareWritten(next_offsets(batch.messages), len(batch.messages), band_records, band_bytes,
+                              document_bytes)
 
     def committed(self, written: PrepareWritten, seconds: float) -> PrepareWritten:
         written.seconds = seconds

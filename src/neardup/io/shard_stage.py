@@ -20,7 +20,7 @@ Changelog records (key -> value; a null value deletes):
 - ``b"H" + order key`` -> the band record's value: held in the window.
 - ``b"M" + order key`` -> ``">I"`` n, n candidate order keys whose copy bucket it joined,
   then a band record value (id, the buckets it joined, its set): a member.
-- ``b"P"`` -> the last order key released + the watermark (``">q"``, ms).
+- ``b"P"`` -> the watermark (``">q"``, ms) + the last order key released (none yet: empty).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from neardup.core.settings import EngineSettings
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.partition_log import read_to_end
-from neardup.io.stage import TP, StageRuntime
+from neardup.io.stage import TP, StageRuntime, next_offsets
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     KIND_HEADER,
@@ -170,7 +170,7 @@ class ShardProcessor:
                     rec = BandRecord.parse(order, value[4 + 20 * n:])
                     shard.index.apply(order_seq(order), rec.id, Joins(rec.buckets, copies), rec.fingerprints)
                 elif kind == b"P" and value is not None:
-                    shard.last, shard.watermark = value[:ORDER.size], _WATERMARK.unpack(value[ORDER.size:])[0]
+                    shard.watermark, shard.last = _WATERMARK.unpack_from(value)[0], value[_WATERMARK.size:]
         if records:
             log.info("shard %d restored from %s: %d records, %d members, %d held, in %.1f s", p,
                      self.topology.shard_changelog, records, len(shard.index.sets), len(shard.held),
@@ -200,9 +200,12 @@ class ShardProcessor:
     def compute(self, batch: ShardBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
-        stats = ShardWritten([], messages=len(batch.messages))
-        touched: set[int] = set(self._flush)
+        stats = ShardWritten(next_offsets(batch.messages), messages=len(batch.messages))
         now = time.monotonic()
+        # shards of this process without an arrival for the window's length are flushed,
+        # even while others are busy
+        self._flush |= {p for p, s in self.shards.items() if s.held and now - s.arrived >= self.window_ms / 1000}
+        touched: set[int] = set(self._flush)
         for m in batch.messages:
             p = m.partition()
             shard = self.shards[p]
@@ -230,7 +233,7 @@ class ShardProcessor:
                     shard.logged.add(k)
                     out.append((self.topology.shard_changelog, p, b"H" + k, rec.value(), []))
             out.append((self.topology.shard_changelog, p, b"P",
-                        shard.last + _WATERMARK.pack(shard.watermark), []))
+                        _WATERMARK.pack(shard.watermark) + shard.last, []))
             stats.held += len(shard.held)
         self._flush = set()
         return out, stats

@@ -224,6 +224,15 @@ class Processor(Protocol):
     def close(self) -> None: ...
 
 
+def next_offsets(messages: list[Message]) -> list[TopicPartition]:
+    """The offsets to commit after ``messages``: per partition, its last offset + 1."""
+    ends: dict[TP, int] = {}
+    for m in messages:
+        tp = (m.topic(), m.partition())
+        ends[tp] = max(ends.get(tp, 0), m.offset() + 1)
+    return [TopicPartition(t, p, o) for (t, p), o in ends.items()]
+
+
 def _consumer_fatal(err: KafkaError | None) -> bool:
     """A consume error after which the consumer is unusable (librdkafka reports it as
     ``_FATAL``, its ``fatal()`` flag unset)."""
