@@ -34,7 +34,6 @@ from neardup.sharded.records import (
 )
 from neardup.sharded.routing import shard_of
 
-HERE = Path(__file__).parent
 
 
 def _input(bootstrap: str, make_topic, n: int) -> tuple[str, list[dict]]:
@@ -173,9 +172,12 @@ def test_prepare_killed_mid_stream_writes_every_document_once(kafka_bootstrap, k
     log = open(tmp_path / "stage.log", "ab")
 
     def start(instance: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(HERE / "stage_run.py"), "prepare", kafka_bootstrap, topic,
-                                 topology.app, "4", "2", instance], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen([sys.executable, "-m", "neardup.cli", "stage", "prepare", "--bootstrap-servers",
+                                 kafka_bootstrap, "--input-topic", topic, "--app", topology.app, "--shards", "4",
+                                 "--decide-partitions", "2", "--instance", instance, "--from-beginning",
+                                 "--text-field", "text", "--id-field", "id", "--batch-size", "50",
+                                 "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500"],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     kills = 0
     for target in (200, 500):  # SIGKILL once a part of partition 0 (of ~750) is committed, twice
@@ -259,8 +261,13 @@ class _Stages:
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
 
     def start(self, role: str, instance: str = "a") -> None:
+        bootstrap, topic, app, shards, decide = self.args
         self.procs[(role, instance)] = subprocess.Popen(
-            [sys.executable, str(HERE / "stage_run.py"), role, *self.args, instance, self.reorder_ms],
+            [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
+             "--input-topic", topic, "--app", app, "--shards", shards, "--decide-partitions", decide,
+             "--instance", instance, "--reorder-window-ms", self.reorder_ms, "--from-beginning",
+             "--text-field", "text", "--id-field", "id", "--batch-size", "50",
+             "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500"],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def kill(self, role: str, instance: str = "a") -> None:
@@ -389,3 +396,19 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
         keys = Counter(o.key for o in out)
         assert sum(keys.values()) == len(messages) and max(keys.values()) == 1
         pytest.fail(f"{late} band records came later than the reorder window: {log[-2000:]}")
+
+
+def test_a_stage_started_with_other_partition_counts_stops_with_one_line(kafka_bootstrap, kafka_topic_factory):
+    topic = kafka_topic_factory("sharded-counts", partitions=1)
+    produce(kafka_bootstrap, topic, [(b"1", b'{"id": "1", "text": "a few words of text here"}')])
+    app = f"sharded-{uuid.uuid4().hex[:8]}"
+    Topology(app, shards=4, decide_partitions=2).ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    done = subprocess.run([sys.executable, "-m", "neardup.cli", "stage", "prepare", "--bootstrap-servers",
+                           kafka_bootstrap, "--input-topic", topic, "--app", app, "--shards", "8",
+                           "--from-beginning", "--log-level", "WARNING"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"neardup: error: topic {app}.bands has 4 partitions, the topology asks for 8; "
+        "a sharded state cannot change its partition counts")
+    assert "Traceback" not in done.stderr

@@ -149,6 +149,28 @@ def build_parser() -> argparse.ArgumentParser:
     _metrics_flags(run)
     _common_flags(run)
 
+    stage = sub.add_parser("stage", help="run one stage of a sharded deduplication over many processes (docs/scale-out.md)")
+    stage.add_argument("role", choices=["prepare", "shard", "decide"], help="prepare: input -> band and document records; shard: band buckets, verification; decide: verdicts to <input>.unique / .duplicates")
+    g = stage.add_argument_group("Kafka")
+    g.add_argument("--bootstrap-servers", help="host:port[,host:port...]")
+    g.add_argument("--input-topic", dest="input_topics", action="append", help="the input topic (prepare consumes it; every stage needs it); repeat for several")
+    g.add_argument("--app", help="prefix of the internal topics (<app>.bands, .findings, .decisions, .shard-changelog, .decide-changelog) and of the stages' consumer groups (<app>.<role>); default the --group-id")
+    g.add_argument("--group-id", help=f"the default --app ({_d('group_id')})")
+    g.add_argument("--shards", type=int, help=f"partitions of the band topic: shard partitions, fixed for the life of the state ({_d('shards')})")
+    g.add_argument("--decide-partitions", type=int, help=f"partitions of the findings topic ({_d('decide_partitions')})")
+    g.add_argument("--reorder-window-ms", type=int, help=f"shard: how long, in record time (and in wall time when the input is quiet), a band record is held so that documents are processed in order-key order ({_d('reorder_window_ms')})")
+    g.add_argument("--instance", help="this process's name among the stage's processes, stable across restarts: its transactional id is neardup-<app>.<role>-<instance> (default: the host name)")
+    g.add_argument("--batch-max-ms", type=int, help=f"longest wait to fill a batch, ms ({_d('batch_max_ms')})")
+    g.add_argument("--max-message-bytes", type=int, help=f"prepare: larger values go to the dead-letter topic, bytes ({_d('max_message_bytes')})")
+    g.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help=f"prepare: a new group starts at the input's earliest offset ({_d('from_beginning')}: at the latest)")
+    g.add_argument("-X", dest="kafka", action="append", metavar="KEY=VALUE", type=_kafka_setting, help="librdkafka setting for the consumer and producer; repeatable")
+    r = stage.add_argument_group("records")
+    r.add_argument("--text-field", action="append", help="prepare: JSON field holding text, dotted path; repeat to join several (default: the whole message value)")
+    r.add_argument("--id-field", help="prepare: JSON field holding the document id (default: the message key, else topic/partition/offset)")
+    r.add_argument("--batch-size", type=int, help=f"messages per batch ({_d('batch_size')})")
+    _engine_flags(stage)
+    _common_flags(stage)
+
     produce = sub.add_parser("produce", help="replay JSONL files into a Kafka topic, one message per line")
     produce.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
     produce.add_argument("--topic", required=True, help="topic to produce to")
@@ -178,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NOT_SETTINGS = {"command", "inputs", "out_dir", "append", "overwrite", "summary_json", "progress", "config",
+_NOT_SETTINGS = {"command", "role", "inputs", "out_dir", "append", "overwrite", "summary_json", "progress", "config",
                  "json", "corpus", "label_field", "report"}
 
 
@@ -341,6 +363,40 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     return 0
 
 
+def cmd_stage(role: str, settings: Settings) -> int:
+    """One stage of a sharded deduplication (``neardup.io.prepare_stage``, ``shard_stage``,
+    ``decide_stage``); every stage gets the same engine and topology settings."""
+    import socket
+
+    from neardup.io.kafka_config import check_kafka_settings
+    from neardup.io.topology import Topology
+
+    check_kafka_settings(settings)
+    if not settings.bootstrap_servers:
+        raise ValueError("--bootstrap-servers is required")
+    if not settings.input_topics:
+        raise ValueError("--input-topic is required")
+    app = settings.app or settings.group_id
+    topology = Topology(app, settings.shards, settings.decide_partitions)
+    instance = settings.instance or socket.gethostname()
+    stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
+    if role == "prepare":
+        from neardup.io.prepare_stage import PrepareStage
+
+        PrepareStage(stage_settings, topology, instance).run()
+    elif role == "shard":
+        from neardup.io.shard_stage import ShardStage
+
+        stage_settings = stage_settings.model_copy(update={"from_beginning": True})
+        ShardStage(stage_settings, topology, instance, settings.reorder_window_ms).run()
+    else:
+        from neardup.io.decide_stage import DecideStage
+
+        stage_settings = stage_settings.model_copy(update={"from_beginning": True})
+        DecideStage(stage_settings, topology, instance).run()
+    return 0
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     from neardup.io.kafka_config import read_value_files
     from neardup.io.produce import ProduceError, produce_files
@@ -399,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_dedup(args, settings, engine)
         if args.command == "run":
             return cmd_run(settings, engine)
+        if args.command == "stage":
+            return cmd_stage(args.role, settings)
         if args.command == "eval":
             return cmd_eval(args, settings, engine)
     except KeyboardInterrupt:

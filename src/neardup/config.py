@@ -98,6 +98,12 @@ class Settings(BaseSettings):
     reset_state: bool = False
     changelog: Literal["on", "off"] = "on"
     changelog_topic: str | None = None
+    # sharded stages (docs/scale-out.md)
+    app: str | None = None  # prefix of the internal topics and consumer groups; default: group_id
+    shards: int = Field(4, ge=1)
+    decide_partitions: int = Field(2, ge=1)
+    reorder_window_ms: int = Field(2000, ge=0)
+    instance: str | None = None  # default: the host name
     kafka: dict[str, str] = {}
     # operations
     metrics_host: str = "0.0.0.0"
