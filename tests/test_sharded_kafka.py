@@ -412,3 +412,35 @@ def test_a_stage_started_with_other_partition_counts_stops_with_one_line(kafka_b
         f"neardup: error: topic {app}.bands has 4 partitions, the topology asks for 8; "
         "a sharded state cannot change its partition counts")
     assert "Traceback" not in done.stderr
+
+
+def test_a_malformed_band_record_dead_letters_its_document_and_stalls_nothing(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    # something else than prepare writes to the band topic: the shard neither crashes
+    # nor skips the document silently
+    from confluent_kafka import Producer
+
+    from neardup.sharded.records import KIND_HEADER, TOPIC_HEADER, order_key
+
+    topic = kafka_topic_factory("sharded-bad", partitions=1)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    key = order_key(1_700_000_000_000, 0, 0)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topology.findings, key=b"k", value=b'{"id": "x", "text": "some text"}', partition=0,
+              headers=[(KIND_HEADER, b"document"), (ORDER_HEADER, key), (TOPIC_HEADER, topic.encode()),
+                       (SHARDS_HEADER, b"1"), (ID_HEADER, b"x")])
+    p.produce(topology.bands, key=key, value=b"\x00\x01" + bytes(6), partition=1)  # says 1 bucket, holds none
+    p.produce(topology.bands, key=b"short", value=b"\x00\x01", partition=0)  # no order key either
+    assert p.flush(30) == 0
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    try:
+        stages.start("shard")
+        stages.start("decide")
+        out = _outputs(kafka_bootstrap, topic, 1, 120, stages.alive)
+        assert stages.alive()
+    finally:
+        stages.stop()
+    log = (tmp_path / "stages.log").read_text()
+    assert [(o.topic, o.key) for o in out] == [(f"{topic}.dlq", b"k")], log[-3000:]
+    assert out[0].headers["neardup-error"].decode().startswith("band record of the wrong length")
+    assert "not a band record" in log and "Traceback" not in log

@@ -72,6 +72,7 @@ class _Waiting:
     record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
     findings: dict[int, list] = field(default_factory=dict)
     logged: set[bytes] = field(default_factory=set)  # its changelog keys
+    error: str | None = None  # a shard could not read its band record
 
 
 @dataclass
@@ -190,7 +191,9 @@ class DecideProcessor:
                 if key[:1] == b"D":
                     w.record = unpack_message(value)
                 else:
-                    w.findings[_SHARD.unpack(key[1 + ORDER.size:])[0]] = orjson.loads(value)["checked"]
+                    d = orjson.loads(value)
+                    w.findings[_SHARD.unpack(key[1 + ORDER.size:])[0]] = d["checked"]
+                    w.error = d.get("error", w.error)
         if waiting:
             log.info("decide partition %d: %d documents waiting, read back", q, len(waiting))
         return waiting
@@ -251,6 +254,8 @@ class DecideProcessor:
                 w = self.partitions[q].setdefault(order, _Waiting())
                 d = orjson.loads(m.value())
                 w.findings[d["shard"]] = d["checked"]
+                if "error" in d:
+                    w.error = d["error"]
         for q in sorted(self.partitions):  # decisions read from the table may let any go
             waiting = self.partitions[q]
             progress = True
@@ -269,7 +274,8 @@ class DecideProcessor:
                     key = b"F" + order + _SHARD.pack(shard)
                     if key not in w.logged:
                         w.logged.add(key)
-                        out.append((t.decide_changelog, q, key, orjson.dumps({"shard": shard, "checked": checked}), []))
+                        logged = {"shard": shard, "checked": checked, **({"error": w.error} if w.error else {})}
+                        out.append((t.decide_changelog, q, key, orjson.dumps(logged), []))
             stats.waiting += len(waiting)
         return out, stats
 
@@ -284,7 +290,7 @@ class DecideProcessor:
         seq = order_seq(order)
         topic = (_header(headers, TOPIC_HEADER) or b"").decode("utf-8")
         carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
-        error = _header(headers, ERROR_HEADER)
+        error = _header(headers, ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
         if error is not None:
             kind, _, reason = error.decode("utf-8").partition(": ")
             _, partition, offset = ORDER.unpack(order)

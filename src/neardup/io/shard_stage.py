@@ -83,6 +83,7 @@ class ShardWritten:
     messages: int = 0
     released: int = 0
     late: int = 0
+    malformed: int = 0
     held: int = 0
     finding_bytes: int = 0
     changelog_bytes: int = 0
@@ -206,20 +207,27 @@ class ShardProcessor:
         # even while others are busy
         self._flush |= {p for p, s in self.shards.items() if s.held and now - s.arrived >= self.window_ms / 1000}
         touched: set[int] = set(self._flush)
+        behind = 0
         for m in batch.messages:
             p = m.partition()
             shard = self.shards[p]
             touched.add(p)
             shard.arrived = now
-            rec = BandRecord.parse(m.key(), m.value())
+            try:
+                rec = BandRecord.parse(m.key(), m.value())
+            except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                self._malformed(m, exc, out, stats)
+                continue
             shard.watermark = max(shard.watermark, order_time(rec.order))
             if shard.last and rec.order <= shard.last:
                 stats.late += 1
-                log.warning("shard %d: a band record %d ms behind the last released; processed late", p,
-                            order_time(shard.last) - order_time(rec.order))
+                behind = max(behind, order_time(shard.last) - order_time(rec.order))
                 self._release(p, shard, [rec], out, stats)
             else:
                 shard.held[rec.order] = rec
+        if stats.late:
+            log.warning("%d band records came after a later one was released (up to %d ms behind); "
+                        "processed late", stats.late, behind)
         for p in sorted(touched):
             shard = self.shards[p]
             if p in self._flush:
@@ -237,6 +245,20 @@ class ShardProcessor:
             stats.held += len(shard.held)
         self._flush = set()
         return out, stats
+
+    def _malformed(self, m: Message, exc: Exception, out: list[Record], stats: ShardWritten) -> None:
+        """A band record of another layout (written by something else than prepare): its
+        document, if its key names one, gets a finding with the error, which decide sends
+        to the dead-letter topic; else it is skipped, logged."""
+        stats.malformed += 1
+        key = m.key() or b""
+        if len(key) != ORDER.size:
+            log.error("band topic %s[%d]@%d: not a band record (%s); skipped", m.topic(), m.partition(),
+                      m.offset(), exc)
+            return
+        value = orjson.dumps({"shard": m.partition(), "checked": [], "error": f"malformed_band_record: {exc}"})
+        out.append((self.topology.findings, decide_partition(key, self.topology.decide_partitions), key, value,
+                    [(KIND_HEADER, b"finding")]))
 
     def _release(self, p: int, shard: _Shard, records: list[BandRecord], out: list[Record],
                  stats: ShardWritten) -> None:

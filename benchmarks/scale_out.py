@@ -1,0 +1,240 @@
+"""The sharded stages through a real broker: throughput, CPU and bytes per document per
+stage, memory per process, and agreement with one process.
+
+Setup: the broker of ``kafka_e2e.start_broker`` (``NEARDUP_KAFKA_BOOTSTRAP``, or a local
+one from a private cache). Input: ``--docs`` documents of the replayed Reuters stream
+(``benchlib.replay_stream``, light edits), JSON ``{"id", "text"}`` keyed by id, produced
+to a fresh topic of ``--input-partitions`` partitions *before* the stages start (a
+backlog). Its output topics are created first.
+
+For each count k of ``--processes``: k processes of each stage (``neardup stage prepare |
+shard | decide``, each its own ``--instance``) are launched at once with a fresh
+``--app``; the time is from the launch to the moment a ``read_committed`` reader of the
+output topics has seen every input message (so Python start, group joins and the reorder
+window's final flush are in it). Then, before SIGTERM: each process's CPU seconds
+(user + system) and peak RSS (VmHWM). After: the committed records and bytes (key +
+value) of every internal topic, per input document; and the verdict, match and cluster
+of every output against ``Detector`` (one process, default settings) run over the same
+documents in order-key order (record timestamp, partition, offset).
+
+Printed: messages/s, CPU µs per document per stage, peak RSS per process, bytes per
+document per topic, agreement; the load average before and after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+import benchlib
+from kafka_e2e import encode, start_broker
+
+from neardup.core.settings import EngineSettings
+from neardup.core.types import Document
+from neardup.detector import Detector
+from neardup.state.memory import MemoryStateStore
+
+ROLES = ("prepare", "shard", "decide")
+
+
+def create(bootstrap: str, topics: dict[str, int]) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.create_topics([NewTopic(t, num_partitions=n) for t, n in topics.items()]).values():
+        fut.result(30)
+    deadline = time.monotonic() + 30
+    while not all(t in admin.list_topics(timeout=5).topics for t in topics):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> dict[bytes, tuple[int, int, int]]:
+    """Produce in order; the order key (timestamp, partition, offset) of each key."""
+    where: dict[bytes, tuple[int, int, int]] = {}
+
+    def delivered(err, msg) -> None:  # type: ignore[no-untyped-def]
+        assert err is None, err
+        where[msg.key()] = (msg.timestamp()[1], msg.partition(), msg.offset())
+
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    for key, value in messages:
+        while True:
+            try:
+                p.produce(topic, key=key, value=value, on_delivery=delivered)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    assert p.flush(120) == 0
+    return where
+
+
+class Outputs(threading.Thread):
+    """Reads the output topics (read_committed) and keeps each record's headers."""
+
+    def __init__(self, bootstrap: str, topics: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                                  "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
+        self.consumer.subscribe(topics)
+        self.records: list[tuple[bytes, dict[str, bytes]]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for m in self.consumer.consume(1000, timeout=0.2):
+                if m.error() is None:
+                    self.records.append((m.key(), dict(m.headers() or [])))
+        self.consumer.close()
+
+
+def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
+    """(records, key + value bytes) committed in every partition of ``topic``."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                  "enable.partition.eof": True})
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    records = size = 0
+    ended: set[int] = set()
+    deadline = time.monotonic() + 300
+    while len(ended) < len(parts) and time.monotonic() < deadline:
+        for m in c.consume(10_000, timeout=1.0):
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    ended.add(m.partition())
+                continue
+            records += 1
+            size += len(m.key() or b"") + len(m.value() or b"")
+    c.close()
+    return records, size
+
+
+def one_process(docs: list[Document]) -> dict[str, tuple[str, str | None, str]]:
+    settings = EngineSettings()
+    detector = Detector(settings, MemoryStateStore(settings.state_shape()))
+    out = {}
+    for i in range(0, len(docs), 2000):
+        for v in detector.process(docs[i:i + 2000]):
+            if hasattr(v, "verdict"):
+                out[v.id] = (v.verdict, v.match, v.cluster)
+    return out
+
+
+def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[tuple[bytes, bytes]],
+               reference: dict[bytes, tuple[int, int, int]] | None) -> dict[str, object]:
+    topic = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    app = f"bench-app-{uuid.uuid4().hex[:8]}"
+    create(bootstrap, {topic: args.input_partitions, **{f"{topic}.{s}": 1 for s in ("unique", "duplicates", "dlq")}})
+    where = produce(bootstrap, topic, messages)
+    reader = Outputs(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"])
+    reader.start()
+    load_before = os.getloadavg()
+    log = open(args.log, "ab")
+    procs: dict[tuple[str, int], subprocess.Popen] = {}
+    started = time.perf_counter()
+    for role in ROLES:
+        for i in range(k):
+            procs[(role, i)] = subprocess.Popen(
+                [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
+                 "--input-topic", topic, "--app", app, "--shards", str(args.shards),
+                 "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
+                 "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
+                 "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
+                 "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+    n = len(messages)
+    while len(reader.records) < n:
+        dead = [key for key, p in procs.items() if p.poll() is not None]
+        if dead or time.perf_counter() - started > args.timeout:
+            raise RuntimeError(f"stopped: {dead}, {len(reader.records)} of {n} outputs; see {args.log}")
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    cpu = {role: sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
+           for role in ROLES}
+    rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
+           for role in ROLES}
+    for p in procs.values():
+        p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        p.wait(60)
+    load_after = os.getloadavg()
+    time.sleep(1)
+    reader.stop.set()
+    reader.join(10)
+    keys = Counter(key for key, _ in reader.records)
+    topics = {name: topic_totals(bootstrap, f"{app}.{name}")
+              for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
+    result: dict[str, object] = {
+        "processes_per_stage": k, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
+        "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
+        "cpu_us_per_document": {r: 1e6 * c / n for r, c in cpu.items()},
+        "peak_rss_mb_per_process": rss,
+        "records_per_document": {t: r / n for t, (r, _) in topics.items()},
+        "bytes_per_document": {t: b / n for t, (_, b) in topics.items()},
+        "load_before": load_before, "load_after": load_after,
+    }
+    if reference is not None:
+        order = sorted(messages, key=lambda kv: where[kv[0]])
+        import json
+
+        docs = [Document(str(json.loads(v)["id"]), json.loads(v)["text"]) for _, v in order]
+        truth = one_process(docs)
+        got = {key.decode(): (h["neardup-verdict"].decode(), h["neardup-match"].decode() or None,
+                              h["neardup-cluster"].decode()) for key, h in reader.records if "neardup-verdict" in h}
+        differ = [i for i in truth if got.get(i) != truth[i]]
+        result["agreement"] = 1 - len(differ) / len(truth)
+        result["differing"] = differ[:20]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=20_000)
+    ap.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--input-partitions", type=int, default=4)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--decide-partitions", type=int, default=4)
+    ap.add_argument("--reorder-window-ms", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=500)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--shared-broker", action="store_true")
+    ap.add_argument("--log", type=Path, default=Path("scale_out.log"))
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "scale_out.json")
+    args = ap.parse_args()
+    bootstrap, how, _ = start_broker(args.shared_broker)
+    corpus = benchlib.load_corpus(benchlib.default_corpus())
+    messages = [encode(i, t) for i, t in benchlib.replay_stream(corpus, args.docs)]
+    print(f"{len(messages):,} documents, {args.input_partitions} input partitions, {args.shards} shards, "
+          f"{args.decide_partitions} decide partitions; broker {how}; nproc {os.cpu_count()}")
+    runs = []
+    for i, k in enumerate(args.processes):
+        r = run_config(args, bootstrap, k, messages, reference={} if i == 0 else None)
+        runs.append(r)
+        print(f"\n{k} process(es) per stage: {r['messages_per_second']:,.0f} messages/s ({r['seconds']:.1f} s "
+              f"from launch), outputs {r['outputs']:,} (repeated {r['outputs_repeated']}), "
+              f"load {r['load_before']} -> {r['load_after']}")
+        print("  CPU µs per document: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["cpu_us_per_document"].items()))
+        print("  peak RSS MB per process: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["peak_rss_mb_per_process"].items()))
+        print("  records / bytes per document: " + ", ".join(
+            f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
+        if "agreement" in r:
+            print(f"  agreement with one process (verdict, match, cluster): {r['agreement']:.5f}; differing: {r['differing'][:5]}")
+    benchlib.write_json(args.json, {"environment": benchlib.environment(), "docs": len(messages),
+                                    "input_partitions": args.input_partitions, "shards": args.shards,
+                                    "decide_partitions": args.decide_partitions,
+                                    "reorder_window_ms": args.reorder_window_ms, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
