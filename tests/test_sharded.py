@@ -92,3 +92,14 @@ def test_a_chain_of_edits_is_found_through_a_shards_copy_bucket():
 def test_the_components_policy_is_refused():
     with pytest.raises(ValueError, match="canonical"):
         ShardedReference(EngineSettings(cluster_policy="components"), 2)
+
+
+@pytest.mark.parametrize("flag, value, line", [
+    ("--cluster-policy", "components", "neardup stage implements the canonical cluster policy only"),
+    ("--verify", "estimate", "neardup stage verifies exactly only (--verify exact)"),
+])
+def test_a_stage_refuses_what_the_sharded_rules_do_not_implement(flag, value, line, capsys):
+    from neardup.cli import main
+
+    assert main(["stage", "shard", "--bootstrap-servers", "127.0.0.1:9", "--input-topic", "t", flag, value]) == 2
+    assert capsys.readouterr().err.strip() == f"neardup: error: {line}"

@@ -376,6 +376,11 @@ def cmd_stage(role: str, settings: Settings) -> int:
         raise ValueError("--bootstrap-servers is required")
     if not settings.input_topics:
         raise ValueError("--input-topic is required")
+    engine = settings.engine()
+    if engine.cluster_policy != "canonical":
+        raise ValueError("neardup stage implements the canonical cluster policy only")
+    if engine.verify != "exact":
+        raise ValueError("neardup stage verifies exactly only (--verify exact)")
     app = settings.app or settings.group_id
     topology = Topology(app, settings.shards, settings.decide_partitions)
     instance = settings.instance or socket.gethostname()
