@@ -444,3 +444,58 @@ def test_a_malformed_band_record_dead_letters_its_document_and_stalls_nothing(ka
     assert [(o.topic, o.key) for o in out] == [(f"{topic}.dlq", b"k")], log[-3000:]
     assert out[0].headers["neardup-error"].decode().startswith("band record of the wrong length")
     assert "not a band record" in log and "Traceback" not in log
+
+
+def test_records_too_large_for_a_topic_become_dead_letters(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    # a document record larger than the findings topic takes, and an output record larger
+    # than its output topic takes: both reach the dead-letter topic, nothing stalls
+    from confluent_kafka.admin import NewTopic
+
+    topic = kafka_topic_factory("sharded-large", partitions=1)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    small = [NewTopic(topology.findings, 1, config={"max.message.bytes": "20000"}),
+             NewTopic(f"{topic}.unique", 1, config={"max.message.bytes": "6000"})]
+    for future in admin.create_topics(small).values():
+        future.result(30)
+    words = " ".join(f"word{i}" for i in range(1000))  # about 9 KB
+    huge = " ".join(f"term{i}" for i in range(4000))  # about 38 KB
+    produce(kafka_bootstrap, topic, [(b"small", json.dumps({"id": "small", "text": "a short story of a few words here"}).encode()),
+                                     (b"long", json.dumps({"id": "long", "text": words}).encode()),
+                                     (b"huge", json.dumps({"id": "huge", "text": huge}).encode())])
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    try:
+        for role in ("prepare", "shard", "decide"):
+            stages.start(role)
+        out = _outputs(kafka_bootstrap, topic, 3, 120, stages.alive)
+    finally:
+        stages.stop()
+    got = {o.key: o for o in out}
+    assert len(out) == 3, (tmp_path / "stages.log").read_text()[-3000:]
+    assert got[b"small"].topic == f"{topic}.unique"
+    assert got[b"long"].topic == f"{topic}.dlq"
+    assert got[b"long"].headers["neardup-error"].startswith(b"record of ")
+    assert b"max.message.bytes 6000" in got[b"long"].headers["neardup-error"]
+    assert got[b"huge"].topic == f"{topic}.dlq" and got[b"huge"].value is None
+    assert got[b"huge"].headers["neardup-error"].startswith(b"a record of ")
+    assert int(got[b"huge"].headers["neardup-value-bytes"]) > 20000
+
+
+def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    topic = kafka_topic_factory("sharded-engine", partitions=1)
+    produce(kafka_bootstrap, topic, [(b"1", json.dumps({"id": "1", "text": "a few words of text for the shards"}).encode())])
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    try:
+        stages.start("prepare")
+        shard = subprocess.run(
+            [sys.executable, "-m", "neardup.cli", "stage", "shard", "--bootstrap-servers", kafka_bootstrap,
+             "--input-topic", topic, "--app", topology.app, "--shards", "2", "--decide-partitions", "1",
+             "--threshold", "0.9", "--log-level", "WARNING"], capture_output=True, text=True, timeout=180)
+    finally:
+        stages.stop()
+    assert shard.returncode == 2, shard.stderr[-2000:]
+    last = shard.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"neardup: error: band record {topology.bands}[") and last.endswith(
+        "every stage of one deduplication needs the same engine settings")
+    assert "Traceback" not in shard.stderr

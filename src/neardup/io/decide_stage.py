@@ -19,8 +19,10 @@ it is assigned, and after a failed batch (``aborted``). The decisions table need
 undo: a decision is a function of the findings and of earlier decisions, so one taken in
 a batch that failed is taken again the same.
 
-Not yet here (docs/scale-out.md): the fitting of records too large for an output topic,
-metrics.
+A record too large for its output topic goes to the dead-letter topic, with less of the
+message if need be (``neardup.io.messages.fit``, as in ``neardup run``). Not yet here
+(docs/scale-out.md): metrics; the fallback when the broker refuses a record that fitted
+by its topic's limit as read (``neardup run``'s per-message errors).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from neardup.config import Settings
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
-from neardup.io.messages import Outcome
+from neardup.io.limits import TopicLimits
+from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.io.partition_log import read_to_end
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import TP, StageRuntime, next_offsets
@@ -52,6 +55,9 @@ from neardup.sharded.records import (
     SHARDED_PREFIX,
     SHARDS_HEADER,
     TOPIC_HEADER,
+    VALUE_BYTES_HEADER,
+    check_engine,
+    engine_digest,
     order_seq,
     pack_message,
     seq_order,
@@ -109,12 +115,17 @@ class DecideProcessor:
     def __init__(self, settings: Settings, topology: Topology) -> None:
         self.settings = settings
         self.threshold = settings.engine().threshold
+        self.digest = engine_digest(settings.engine())
         self.topology = topology
         self.partitions: dict[int, dict[bytes, _Waiting]] = {}
         self.clusters: dict[int, int] = {}  # the decisions table: seq -> canonical seq
         self.names: dict[int, str] = {}  # external ids of canonicals
         self._table: Consumer | None = None
         self._outputs: set[str] = set()
+        self._blocked: dict[int, set[bytes]] = {}  # complete documents waiting for a cluster
+        self._retry_all = False  # after a restore: every waiting document is tried once
+        self._table_new = False  # decisions came to the table since the last batch
+        self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
 
     # --- lifecycle ------------------------------------------------------------------
@@ -160,14 +171,19 @@ class DecideProcessor:
         """
         for _, q in partitions:
             self.partitions[q] = self._restore(q)
+            self._blocked.pop(q, None)
+        self._retry_all = True
 
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
             self.partitions.pop(q, None)
+            self._blocked.pop(q, None)
 
     def aborted(self) -> None:
         for q in list(self.partitions):
             self.partitions[q] = self._restore(q)
+        self._blocked.clear()
+        self._retry_all = True
 
     def _restore(self, q: int) -> dict[bytes, _Waiting]:
         waiting: dict[bytes, _Waiting] = {}
@@ -212,11 +228,13 @@ class DecideProcessor:
         return n
 
     def _poll_table(self) -> int:
+        """Apply the decisions that came to the table; sets ``_table_new`` if any did."""
         assert self._table is not None
         n = 0
         while True:
             got = self._table.consume(10_000, timeout=0)
             if not got:
+                self._table_new = self._table_new or n > 0
                 return n
             n += self._apply_decisions(got)
 
@@ -238,14 +256,17 @@ class DecideProcessor:
         return self._poll_table() > 0 and any(self.partitions.values())
 
     def compute(self, batch: DecideBatch) -> tuple[list[Record], DecideWritten]:
-        self._poll_table()
         t = self.topology
         out: list[Record] = []
         stats = DecideWritten(next_offsets(batch.messages), messages=len(batch.messages))
+        self._poll_table()
+        new_decisions, self._table_new = self._table_new, False
+        touched: dict[int, set[bytes]] = {}
         for m in batch.messages:
             q = m.partition()
             headers = list(m.headers() or [])
             if _header(headers, KIND_HEADER) == b"document":
+                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{m.offset()}")
                 order = _header(headers, ORDER_HEADER)
                 w = self.partitions[q].setdefault(order, _Waiting())
                 w.record = (m.key(), m.value(), headers)
@@ -256,16 +277,39 @@ class DecideProcessor:
                 w.findings[d["shard"]] = d["checked"]
                 if "error" in d:
                     w.error = d["error"]
-        for q in sorted(self.partitions):  # decisions read from the table may let any go
-            waiting = self.partitions[q]
-            progress = True
-            while progress:
-                progress = False
-                for order in sorted(waiting):
-                    if self._try(q, order, waiting[order], out, stats):
+            touched.setdefault(q, set()).add(order)
+        fresh = {q: set(orders) for q, orders in touched.items()}  # to the changelog if they wait
+        # Only what changed is tried: documents given a record or a finding in this batch,
+        # and, once any decision is new (read from the table or taken here), those that
+        # were complete but waited for a candidate's cluster.
+        if self._retry_all:
+            self._retry_all = False
+            new_decisions = True
+            touched = {q: set(waiting) for q, waiting in self.partitions.items()}
+        while True:
+            decided = 0
+            for q in sorted(self.partitions):
+                waiting, blocked = self.partitions[q], self._blocked.setdefault(q, set())
+                for order in sorted(touched.get(q, set()) | (blocked if new_decisions else set())):
+                    w = waiting.get(order)
+                    if w is None:
+                        continue
+                    state = self._try(q, order, w, out, stats)
+                    if state == "decided":
                         del waiting[order]
-                        progress = True
-            for order, w in waiting.items():  # what still waits goes to the changelog
+                        blocked.discard(order)
+                        decided += 1
+                    elif state == "blocked":
+                        blocked.add(order)
+            touched, new_decisions = {}, decided > 0
+            if not decided:
+                break
+        for q in sorted(self.partitions):
+            waiting = self.partitions[q]
+            for order in fresh.get(q, ()):  # what came in this batch and still waits: to the changelog
+                w = waiting.get(order)
+                if w is None:
+                    continue
                 if w.record is not None and b"D" + order not in w.logged:
                     key = b"D" + order
                     w.logged.add(key)
@@ -279,14 +323,16 @@ class DecideProcessor:
             stats.waiting += len(waiting)
         return out, stats
 
-    def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> bool:
-        """Decide one document if it can be; its records appended to ``out``."""
+    def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> str:
+        """Decide one document if it can be (its records appended to ``out``): "decided",
+        "incomplete" (its record or a finding has not come), or "blocked" (a candidate
+        it accepted has no cluster yet)."""
         if w.record is None:
-            return False
+            return "incomplete"
         key, value, headers = w.record
         shards = int(_header(headers, SHARDS_HEADER) or b"0")
         if len(w.findings) < shards:
-            return False
+            return "incomplete"
         seq = order_seq(order)
         topic = (_header(headers, TOPIC_HEADER) or b"").decode("utf-8")
         carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
@@ -295,8 +341,10 @@ class DecideProcessor:
             kind, _, reason = error.decode("utf-8").partition(": ")
             _, partition, offset = ORDER.unpack(order)
             outcome = Outcome.of_error(kind, reason, topic, partition, offset)
-            stats.dead_letter += 1
-            target = f"{topic}.dlq"
+            dropped = _header(headers, VALUE_BYTES_HEADER)
+            if dropped is not None:  # too large for the findings topic: sent without its value
+                outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, dropped)],
+                                  outcome.error_kind, "no_value")
         else:
             names: dict[int, str] = {seq: (_header(headers, ID_HEADER) or b"").decode("utf-8")}
             findings = []
@@ -308,26 +356,35 @@ class DecideProcessor:
                     items.append(Checked(c, jac, con, sim))
                 findings.append(Finding(seq, tuple(items)))
             if waiting_for(findings, self.clusters, self.threshold):
-                return False
+                return "blocked"
             verdict, cluster = decide(seq, findings, self.clusters, self.threshold,
                                       lambda s: names.get(s) or self.names[s])
             self.clusters[seq] = cluster
             self.names.setdefault(cluster, names.get(cluster) or self.names.get(cluster, ""))
             outcome = Outcome.of_verdict(verdict)
-            if verdict.is_duplicate:
-                stats.duplicate += 1
-                target = f"{topic}.duplicates"
-            else:
-                stats.unique += 1
-                target = f"{topic}.unique"
             out.append((self.topology.decisions, 0, order,
                         orjson.dumps({"cluster": list(ORDER.unpack(seq_order(cluster))),
                                       "cluster_id": self.names[cluster]}), []))
         self._create_outputs(topic)
-        out.append((target, None, key, value, carried + outcome.headers))
+        # a record too large for its topic goes to the dead-letter topic, with less of the
+        # message if need be (as in ``neardup run``: ``neardup.io.messages.fit``)
+        topics = {"unique": f"{topic}.unique", "duplicate": f"{topic}.duplicates", "dlq": f"{topic}.dlq"}
+        _, partition, offset = ORDER.unpack(order)
+        outcome = fit(outcome, key, value, carried, {t: (n, self._limits.get(n)) for t, n in topics.items()},
+                      (topic, partition, offset))
+        content = outcome.content
+        if outcome.target == "unique":
+            stats.unique += 1
+        elif outcome.target == "duplicate":
+            stats.duplicate += 1
+        else:
+            stats.dead_letter += 1
+        out.append((topics[outcome.target], None, key if content != "headers_only" else None,
+                    value if content == "whole" else None,
+                    carried + outcome.headers if content != "headers_only" else outcome.headers))
         for logged in w.logged:
             out.append((self.topology.decide_changelog, q, logged, None, []))
-        return True
+        return "decided"
 
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there

@@ -30,18 +30,22 @@ from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
-from neardup.io.messages import MessageError, carried_headers, to_document
+from neardup.io.limits import TopicLimits
+from neardup.io.messages import MessageError, carried_headers, record_size, to_document
 from neardup.io.stage import TP, StageRuntime, next_offsets
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
+    ENGINE_HEADER,
     ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
     ORDER_HEADER,
     SHARDS_HEADER,
     TOPIC_HEADER,
+    VALUE_BYTES_HEADER,
     BandRecord,
     decide_partition,
+    engine_digest,
     order_key,
 )
 from neardup.sharded.routing import owned_bands
@@ -85,7 +89,9 @@ class PrepareProcessor:
         self.settings = settings
         self.topology = topology
         self.preparer = Preparer(settings.engine())
+        self.digest = engine_digest(settings.engine())
         self._ensured = False
+        self._limit: int | None = None
 
     def open(self) -> None:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
@@ -149,26 +155,44 @@ class PrepareProcessor:
             if reason is not None:
                 batch.errors[i] = f"empty_text: {reason}"
                 continue
+            size = record_size(m.key(), m.value(), m.headers() or [])
+            if size > self._findings_limit():
+                batch.errors[i] = (f"too_large: a record of {size} bytes does not fit max.message.bytes "
+                                   f"{self._findings_limit()} of topic {t.findings}")
+                next(valid)
+                continue
             v = next(valid)
             key = self._order(m)
             fp = p.fingerprints[offsets[v]:offsets[v + 1]]
             bands = [(q, b) for q, b in enumerate(owned_bands(buckets[v], t.shards)) if len(b)]
-            records = [(t.bands, q, key, BandRecord(key, doc.id, buckets[v][b], fp).value(), [])
-                       for q, b in bands]
+            records = [(t.bands, q, key, BandRecord(key, doc.id, buckets[v][b], fp).value(),
+                        [(ENGINE_HEADER, self.digest)]) for q, b in bands]
             by_message[i] = (doc.id, records)
         out: list[Record] = []
         for i, m in enumerate(batch.messages):
             key = self._order(m)
             headers = carried_headers(m.headers()) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
-                                                      (TOPIC_HEADER, m.topic().encode("utf-8"))]
+                                                      (TOPIC_HEADER, m.topic().encode("utf-8")),
+                                                      (ENGINE_HEADER, self.digest)]
             if i in by_message:
                 doc_id, records = by_message[i]
                 out += records
                 headers += [(SHARDS_HEADER, str(len(records)).encode()), (ID_HEADER, doc_id.encode("utf-8"))]
             else:
                 headers += [(SHARDS_HEADER, b"0"), (ERROR_HEADER, batch.errors[i].encode("utf-8"))]
-            out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), m.value(), headers))
+            value = m.value()
+            if record_size(m.key(), value, headers) > self._findings_limit():  # its dead letter goes without it
+                headers.append((VALUE_BYTES_HEADER, str(len(value or b"")).encode()))
+                value = None
+            out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), value, headers))
         return batch, out
+
+    @staticmethod
+    def _findings_limit(self) -> int:
+        """The largest record the findings topic takes, bytes (read once)."""
+        if self._limit is None:
+            self._limit = TopicLimits(admin_config(self.settings)).get(self.topology.findings)
+        return self._limit
 
     @staticmethod
     def _order(m: Message) -> bytes:

@@ -45,7 +45,9 @@ from neardup.sharded.records import (
     KIND_HEADER,
     ORDER,
     BandRecord,
+    check_engine,
     decide_partition,
+    engine_digest,
     order_seq,
     order_time,
     seq_order,
@@ -105,6 +107,7 @@ class ShardProcessor:
     def __init__(self, settings: Settings, topology: Topology, reorder_window_ms: int) -> None:
         self.settings = settings
         self.engine: EngineSettings = settings.engine()
+        self.digest = engine_digest(self.engine)
         self.topology = topology
         self.window_ms = reorder_window_ms
         self.shards: dict[int, _Shard] = {}
@@ -213,6 +216,7 @@ class ShardProcessor:
             shard = self.shards[p]
             touched.add(p)
             shard.arrived = now
+            check_engine(m.headers(), self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
             try:
                 rec = BandRecord.parse(m.key(), m.value())
             except (ValueError, struct.error, UnicodeDecodeError) as exc:

@@ -11,6 +11,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 log = logging.getLogger(__name__)
 
+#: ``max.message.bytes`` of the internal topics when they are created, bytes.
+INTERNAL_MAX_BYTES = 64 << 20
+
 
 class TopologyMismatchError(ValueError):
     """An existing topic of the topology has another partition count than asked: the
@@ -59,8 +62,11 @@ class Topology:
 
     def topics(self) -> dict[str, tuple[int, dict[str, str]]]:
         """Every internal topic: (partitions, topic config)."""
-        deleted = {"cleanup.policy": "delete"}
-        compacted = {"cleanup.policy": "compact"}
+        # A band record and a member's changelog record hold a shingle set (about 4 bytes a
+        # character of text); a document record and a waiting document hold the input value.
+        large = {"max.message.bytes": str(INTERNAL_MAX_BYTES)}
+        deleted = {"cleanup.policy": "delete", **large}
+        compacted = {"cleanup.policy": "compact", **large}
         return {
             self.bands: (self.shards, deleted),
             self.findings: (self.decide_partitions, deleted),

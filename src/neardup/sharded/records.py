@@ -14,8 +14,10 @@ Band record (prepare -> shard; key: the order key; partition: the shard's):
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
 (the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
-``ID_HEADER`` (the document id, UTF-8) and, for a record that is no document,
-``ERROR_HEADER`` (``kind: reason``).
+``ID_HEADER`` (the document id, UTF-8), ``ENGINE_HEADER`` (``engine_digest``; band
+records carry it too) and, for a record that is no document,
+``ERROR_HEADER`` (``kind: reason``); one too large for the findings topic goes without
+its value, its size in ``VALUE_BYTES_HEADER``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ ID_HEADER = "neardup-sharded-id"
 ERROR_HEADER = "neardup-sharded-error"
 KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"finding"
 TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
+ENGINE_HEADER = "neardup-sharded-engine"  # the engine settings' digest (``engine_digest``)
+VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent without its value
 SHARDED_PREFIX = "neardup-sharded-"
 _LEN = struct.Struct(">I")
 _NONE = 0xFFFFFFFF
@@ -48,6 +52,27 @@ def order_seq(key: bytes) -> int:
     """The order key as one integer, ordered like the keys (timestamp, partition, offset)."""
     ts, partition, offset = ORDER.unpack(key)
     return (ts << 96) | (partition << 64) | offset
+
+
+class EngineMismatchError(ValueError):
+    """A record prepared with other engine settings than this stage's."""
+
+
+def engine_digest(settings: object) -> bytes:
+    """The digest (xxh64, hex) of the engine settings' ``repr``: every stage of one
+    deduplication must run with the same settings (a band cut with other rows, or a
+    threshold of another value, would give wrong verdicts silently)."""
+    return xxhash.xxh64_hexdigest(repr(settings)).encode("ascii")
+
+
+def check_engine(headers: list[tuple[str, bytes]] | None, digest: bytes, where: str) -> None:
+    """Raises: EngineMismatchError: the record has an ``ENGINE_HEADER`` other than
+    ``digest`` (a record without one was not written by prepare: not checked here)."""
+    got = next((v for k, v in headers or () if k == ENGINE_HEADER), None)
+    if got is not None and got != digest:
+        raise EngineMismatchError(
+            f"{where} was prepared with other engine settings (digest {got.decode()}, "
+            f"this stage's {digest.decode()}): every stage of one deduplication needs the same engine settings")
 
 
 def decide_partition(key: bytes, partitions: int) -> int:
