@@ -187,7 +187,6 @@ class PrepareProcessor:
             out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), value, headers))
         return batch, out
 
-    @staticmethod
     def _findings_limit(self) -> int:
         """The largest record the findings topic takes, bytes (read once)."""
         if self._limit is None:

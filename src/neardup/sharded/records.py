@@ -62,7 +62,7 @@ def engine_digest(settings: object) -> bytes:
     """The digest (xxh64, hex) of the engine settings' ``repr``: every stage of one
     deduplication must run with the same settings (a band cut with other rows, or a
     threshold of another value, would give wrong verdicts silently)."""
-    return xxhash.xxh64_hexdigest(repr(settings)).encode("ascii")
+    return xxhash.xxh64_hexdigest(repr(settings).encode("utf-8")).encode("ascii")
 
 
 def check_engine(headers: list[tuple[str, bytes]] | None, digest: bytes, where: str) -> None:
