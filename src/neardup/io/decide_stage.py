@@ -43,7 +43,7 @@ from neardup.io.limits import TopicLimits
 from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.io.partition_log import read_to_end
 from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.stage import TP, StageRuntime, next_offsets
+from neardup.io.stage import TP, StageRuntime, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
@@ -153,11 +153,7 @@ class DecideProcessor:
 
     def _ensure(self) -> None:
         if not self._ensured:
-            admin = AdminClient(admin_config(self.settings))
-            try:
-                self.topology.ensure(admin)
-            finally:
-                discard(admin)
+            self.topology.ensure_with(self.settings)
             self._ensured = True
 
     def is_output(self, topic: str) -> bool:
@@ -416,13 +412,7 @@ class DecideProcessor:
         """
         records, stats = work
         for topic, partition, key, value, headers in records:
-            extra = {} if partition is None else {"partition": partition}
-            while True:
-                try:
-                    producer.produce(topic, value=value, key=key, headers=headers, **extra)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            produce(producer, topic, key, value, headers, partition)
         return stats
 
     def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:

@@ -23,16 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
 from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
-from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.messages import MessageError, carried_headers, record_size, to_document
-from neardup.io.stage import TP, StageRuntime, next_offsets
+from neardup.io.stage import TP, StageRuntime, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
@@ -109,14 +107,9 @@ class PrepareProcessor:
         Raises:
             TopologyMismatchError: an existing topic has another partition count.
         """
-        if self._ensured:
-            return
-        admin = AdminClient(admin_config(self.settings))
-        try:
-            self.topology.ensure(admin)
-        finally:
-            discard(admin)
-        self._ensured = True
+        if not self._ensured:
+            self.topology.ensure_with(self.settings)
+            self._ensured = True
 
     def revoked(self, partitions: set[TP]) -> None:
         pass
@@ -207,12 +200,7 @@ class PrepareProcessor:
         batch, records = work
         band_records = band_bytes = document_bytes = 0
         for topic, partition, key, value, headers in records:
-            while True:
-                try:
-                    producer.produce(topic, value=value, key=key, partition=partition, headers=headers)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            produce(producer, topic, key, value, headers, partition)
             size = len(value or b"") + len(key or b"")
             if topic == self.topology.bands:
                 band_records += 1

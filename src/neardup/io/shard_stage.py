@@ -32,14 +32,11 @@ from dataclasses import dataclass, field
 
 import orjson
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.io.bounded import discard
-from neardup.io.clients import admin_config
 from neardup.io.partition_log import read_to_end
-from neardup.io.stage import TP, StageRuntime, next_offsets
+from neardup.io.stage import TP, StageRuntime, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     KIND_HEADER,
@@ -135,11 +132,7 @@ class ShardProcessor:
             KafkaException: the changelog could not be read.
         """
         if not self._ensured:
-            admin = AdminClient(admin_config(self.settings))
-            try:
-                self.topology.ensure(admin)
-            finally:
-                discard(admin)
+            self.topology.ensure_with(self.settings)
             self._ensured = True
         for _, p in partitions:
             self.shards[p] = self._restore(p)
@@ -295,12 +288,7 @@ class ShardProcessor:
         """
         records, stats = work
         for topic, partition, key, value, headers in records:
-            while True:
-                try:
-                    producer.produce(topic, value=value, key=key, partition=partition, headers=headers)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            produce(producer, topic, key, value, headers, partition)
             size = len(key or b"") + len(value or b"")
             if topic == self.topology.findings:
                 stats.finding_bytes += size

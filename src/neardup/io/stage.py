@@ -233,6 +233,23 @@ def next_offsets(messages: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o) for (t, p), o in ends.items()]
 
 
+def produce(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
+            headers: list[tuple[str, bytes]], partition: int | None = None) -> None:
+    """``producer.produce`` of one record (to ``partition``, or the partitioner's),
+    serving delivery reports while the producer's queue is full.
+
+    Raises:
+        KafkaException: the record is refused.
+    """
+    extra = {} if partition is None else {"partition": partition}
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=headers, **extra)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
 def _consumer_fatal(err: KafkaError | None) -> bool:
     """A consume error after which the consumer is unusable (librdkafka reports it as
     ``_FATAL``, its ``fatal()`` flag unset)."""

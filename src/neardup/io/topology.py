@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from neardup.config import Settings
+from neardup.io.bounded import discard
+from neardup.io.clients import admin_config
+
 log = logging.getLogger(__name__)
 
 #: ``max.message.bytes`` of the internal topics when they are created, bytes.
@@ -108,3 +112,15 @@ class Topology:
             if len(created) < len(missing):  # created meanwhile by another process: check it
                 return created + self.ensure(admin, timeout_s)
         return created
+
+    def ensure_with(self, settings: Settings) -> list[str]:
+        """``ensure`` with an admin client of ``settings`` (closed after).
+
+        Raises:
+            TopologyMismatchError, KafkaException: as ``ensure``.
+        """
+        admin = AdminClient(admin_config(settings))
+        try:
+            return self.ensure(admin)
+        finally:
+            discard(admin)
