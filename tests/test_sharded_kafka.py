@@ -194,6 +194,11 @@ def test_prepare_killed_mid_stream_writes_every_document_once(kafka_bootstrap, k
     proc = start("a")
     try:
         _wait_committed(kafka_bootstrap, group, topic, ends, lambda: proc.poll() is None)
+        # the offsets may all be the killed process's: SIGTERM once this one runs its loop
+        deadline = time.monotonic() + 120
+        while (tmp_path / "stage.log").read_text().count("subscribed to") < kills + 1:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -254,9 +259,11 @@ def _in_order(bootstrap: str, topic: str) -> list[tuple[tuple[int, int, int], by
 class _Stages:
     """The three stages as real processes (``stage_run.py``)."""
 
-    def __init__(self, bootstrap: str, topic: str, topology: Topology, log: Path, reorder_ms: int = 1000) -> None:
+    def __init__(self, bootstrap: str, topic: str, topology: Topology, log: Path, reorder_ms: int = 1000,
+                 extra: tuple[str, ...] = ()) -> None:
         self.args = [bootstrap, topic, topology.app, str(topology.shards), str(topology.decide_partitions)]
         self.reorder_ms = str(reorder_ms)
+        self.extra = list(extra)
         self.log = open(log, "ab")
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
 
@@ -267,7 +274,7 @@ class _Stages:
              "--input-topic", topic, "--app", app, "--shards", shards, "--decide-partitions", decide,
              "--instance", instance, "--reorder-window-ms", self.reorder_ms, "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", "50",
-             "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500"],
+             "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500", *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def kill(self, role: str, instance: str = "a") -> None:
@@ -298,7 +305,8 @@ def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive)
         assert alive(), "a stage stopped"
 
 
-def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list) -> None:
+def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list,
+                    dead_letters: set[bytes] = frozenset({b"bad", b"empty"})) -> None:
     """Every input message once in the outputs, with the verdicts of the sharded rules
     run in one process in order-key order."""
     from neardup.sharded.reference import ShardedReference
@@ -323,7 +331,7 @@ def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list) -
                   got[k].headers["neardup-cluster"].decode()) != (v.verdict, v.match, v.cluster)]
     assert not differ, differ[:5]
     dead = {o.key: o.headers["neardup-error"] for o in out if o.topic == f"{topic}.dlq"}
-    assert set(dead) == {b"bad", b"empty"}
+    assert set(dead) == set(dead_letters)
     assert sum(v.is_duplicate for v in reference.values()) >= 100  # the copies the test is about
 
 
@@ -334,7 +342,9 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     messages.insert(20, (b"empty", json.dumps({"id": "empty", "text": "  "}).encode()))
     produce(kafka_bootstrap, topic, messages)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
-    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    # a window longer than a pause of prepare between two batches on a loaded machine
+    # (a shard that hears nothing for the window's length releases what it holds)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=5000)
     try:
         for role in ("prepare", "shard", "decide"):
             stages.start(role)
@@ -499,3 +509,43 @@ def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap,
     assert last.startswith(f"neardup: error: band record {topology.bands}[") and last.endswith(
         "every stage of one deduplication needs the same engine settings")
     assert "Traceback" not in shard.stderr
+
+
+def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    # the broker frozen (SIGSTOP) for longer than the transaction and session timeouts
+    # while the input arrives: every stage retries, and every message comes out once,
+    # with the verdicts of the rules run in one process
+    import threading
+
+    from test_kafka_outage import frozen_broker
+
+    topic = kafka_topic_factory("sharded-outage", partitions=2)
+    messages = _stories_and_copies(200)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    # a window longer than the outage, so that no shard releases early while it lasts
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=30_000,
+                     extra=("-X", "transaction.timeout.ms=8000"))
+
+    def feed() -> None:
+        for i in range(0, len(messages), 20):
+            produce(kafka_bootstrap, topic, messages[i:i + 20])
+            time.sleep(0.5)
+
+    try:
+        for role in ("prepare", "shard", "decide"):
+            stages.start(role)
+        time.sleep(5)
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        time.sleep(4)
+        with frozen_broker():
+            time.sleep(15)
+            assert stages.alive(), "a stage must survive an outage"
+        feeder.join()
+        out = _outputs(kafka_bootstrap, topic, len(messages), 300, stages.alive)
+    finally:
+        stages.stop()
+    log = (tmp_path / "stages.log").read_text()
+    assert len(out) == len(messages), log[-4000:]
+    assert "Traceback" not in log
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set())

@@ -41,7 +41,7 @@ from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
-from neardup.io.partition_log import read_to_end
+from neardup.io.partition_log import read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import TP, StageRuntime, next_offsets, produce
 from neardup.io.topology import Topology
@@ -142,9 +142,14 @@ class DecideProcessor:
                 "auto.offset.reset": "earliest"})
             self._ensure()
             self._table.assign([TopicPartition(self.topology.decisions, 0, -2)])
-            for chunk in read_to_end(self.settings, self.topology.decisions, 0):
-                self._apply_decisions(chunk)
+            with_retries("reading the decisions table", self._read_table)
             log.info("decisions table read: %d documents", len(self.clusters))
+
+    def _read_table(self) -> None:
+        self.clusters.clear()
+        self.names.clear()
+        for chunk in read_to_end(self.settings, self.topology.decisions, 0):
+            self._apply_decisions(chunk)
 
     def close(self) -> None:
         if self._table is not None:
@@ -166,7 +171,7 @@ class DecideProcessor:
             KafkaException: the changelog could not be read.
         """
         for _, q in partitions:
-            self.partitions[q] = self._restore(q)
+            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
             self._blocked.pop(q, None)
         self._retry_all = True
 
@@ -177,7 +182,7 @@ class DecideProcessor:
 
     def aborted(self) -> None:
         for q in list(self.partitions):
-            self.partitions[q] = self._restore(q)
+            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
         self._blocked.clear()
         self._retry_all = True
 

@@ -3,15 +3,39 @@ restore of a stage's state from its changelog partition (Kafka Streams' model)."
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
 from neardup.io.rdkafka_log import rdkafka_logger
 
+log = logging.getLogger(__name__)
 CHUNK = 10_000
+T = TypeVar("T")
+
+
+def with_retries(what: str, restore: Callable[[], T]) -> T:
+    """``restore()``, started again from scratch after an error of the broker or the
+    client that is not fatal (a broker restarting answers "unknown partition" or times
+    out for a while), with exponential backoff up to 10 s, for as long as it takes: a
+    restore builds its state anew, so a second attempt is exact.
+
+    Raises:
+        KafkaException: a fatal error.
+    """
+    for attempt in Retrying(
+        retry=retry_if_exception(lambda e: isinstance(e, KafkaException) and not e.args[0].fatal()),
+        wait=wait_exponential(multiplier=0.5, max=10), stop=stop_never, reraise=True,
+        before_sleep=lambda rs: log.warning("%s: %s; retrying", what, rs.outcome.exception()),
+    ):
+        with attempt:
+            return restore()
+    raise AssertionError("unreachable")
 
 
 def read_to_end(settings: Settings, topic: str, partition: int) -> Iterator[list[Message]]:

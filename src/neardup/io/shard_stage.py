@@ -35,7 +35,7 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.io.partition_log import read_to_end
+from neardup.io.partition_log import read_to_end, with_retries
 from neardup.io.stage import TP, StageRuntime, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
@@ -135,7 +135,7 @@ class ShardProcessor:
             self.topology.ensure_with(self.settings)
             self._ensured = True
         for _, p in partitions:
-            self.shards[p] = self._restore(p)
+            self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
     def revoked(self, partitions: set[TP]) -> None:
         for _, p in partitions:
@@ -144,7 +144,7 @@ class ShardProcessor:
     def aborted(self) -> None:
         """Drop what memory holds and restore every shard from its changelog."""
         for p in list(self.shards):
-            self.shards[p] = self._restore(p)
+            self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
     def _restore(self, p: int) -> _Shard:
         shard = _Shard(ShardIndex(self.engine))
