@@ -43,7 +43,7 @@ from neardup.io.limits import TopicLimits
 from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.io.partition_log import read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.stage import TP, StageRuntime, next_offsets, produce
+from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
@@ -82,12 +82,6 @@ class _Waiting:
 
 
 @dataclass
-class DecideBatch:
-    messages: list[Message]
-    full: bool
-
-
-@dataclass
 class DecideWritten:
     offsets: list[TopicPartition]
     messages: int = 0
@@ -102,15 +96,13 @@ def _header(headers: list[tuple[str, bytes]], name: str) -> bytes | None:
     return next((v for k, v in headers if k == name), None)
 
 
-class DecideProcessor:
+class DecideProcessor(StageHooks):
     """The decide stage's ``Processor``.
 
     Args:
         settings: Kafka and batch settings; ``settings.engine()`` gives the threshold.
         topology: the sharded topics.
     """
-
-    reads_ahead = False
 
     def __init__(self, settings: Settings, topology: Topology) -> None:
         self.settings = settings
@@ -129,8 +121,6 @@ class DecideProcessor:
         self._ensured = False
 
     # --- lifecycle ------------------------------------------------------------------
-    def open(self) -> None:
-        pass
 
     def start(self, producer: Producer) -> None:
         """Read the decisions table to its end."""
@@ -240,23 +230,15 @@ class DecideProcessor:
             n += self._apply_decisions(got)
 
     # --- a batch --------------------------------------------------------------------
-    def read(self, messages: list[Message], full: bool) -> DecideBatch:
-        return DecideBatch(messages, full)
 
-    def ahead(self, batch: DecideBatch) -> None:
-        pass
 
-    def take(self, batch: DecideBatch) -> None:
-        pass
 
-    def idle(self) -> None:
-        pass
 
     def due(self) -> bool:
         """Whether decisions read from the table may let a waiting document go."""
         return self._poll_table() > 0 and any(self.partitions.values())
 
-    def compute(self, batch: DecideBatch) -> tuple[list[Record], DecideWritten]:
+    def compute(self, batch: MessageBatch) -> tuple[list[Record], DecideWritten]:
         t = self.topology
         out: list[Record] = []
         stats = DecideWritten(next_offsets(batch.messages), messages=len(batch.messages))
@@ -420,9 +402,6 @@ class DecideProcessor:
             produce(producer, topic, key, value, headers, partition)
         return stats
 
-    def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:
-        written.seconds = seconds
-        return written
 
 
 class DecideStage(StageRuntime):

@@ -30,7 +30,7 @@ from neardup.detector import Preparer, warm_up
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.messages import MessageError, carried_headers, record_size, to_document
-from neardup.io.stage import TP, StageRuntime, next_offsets, produce
+from neardup.io.stage import StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
@@ -73,15 +73,13 @@ class PrepareWritten:
     seconds: float = 0.0
 
 
-class PrepareProcessor:
+class PrepareProcessor(StageHooks):
     """The prepare stage's ``Processor``.
 
     Args:
         settings: record and engine settings (``text_field``, ``id_field``, ...).
         topology: the sharded topics.
     """
-
-    reads_ahead = False
 
     def __init__(self, settings: Settings, topology: Topology) -> None:
         self.settings = settings
@@ -95,8 +93,6 @@ class PrepareProcessor:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
                          daemon=True).start()
 
-    def start(self, producer: Producer) -> None:
-        pass
 
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.bands, self.topology.findings)
@@ -111,8 +107,6 @@ class PrepareProcessor:
             self.topology.ensure_with(self.settings)
             self._ensured = True
 
-    def revoked(self, partitions: set[TP]) -> None:
-        pass
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings
@@ -128,11 +122,7 @@ class PrepareProcessor:
             batch.decoded.append(m)
         return batch
 
-    def ahead(self, batch: PrepareBatch) -> None:
-        pass
 
-    def take(self, batch: PrepareBatch) -> None:
-        pass
 
     def compute(self, batch: PrepareBatch) -> tuple[PrepareBatch, list[Record]]:
         """Every record of the batch, in input order (nothing produced)."""
@@ -210,21 +200,10 @@ class PrepareProcessor:
         return PrepareWritten(next_offsets(batch.messages), len(batch.messages), band_records, band_bytes,
                               document_bytes)
 
-    def committed(self, written: PrepareWritten, seconds: float) -> PrepareWritten:
-        written.seconds = seconds
-        return written
 
-    def idle(self) -> None:
-        pass
 
-    def due(self) -> bool:
-        return False
 
-    def aborted(self) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
 
 
 class PrepareStage(StageRuntime):

@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
 from neardup.io.partition_log import read_to_end, with_retries
-from neardup.io.stage import TP, StageRuntime, next_offsets, produce
+from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     KIND_HEADER,
@@ -71,12 +71,6 @@ class _Shard:
 
 
 @dataclass
-class ShardBatch:
-    messages: list[Message]
-    full: bool
-
-
-@dataclass
 class ShardWritten:
     offsets: list[TopicPartition]
     messages: int = 0
@@ -89,7 +83,7 @@ class ShardWritten:
     seconds: float = 0.0
 
 
-class ShardProcessor:
+class ShardProcessor(StageHooks):
     """The shard stage's ``Processor``.
 
     Args:
@@ -98,8 +92,6 @@ class ShardProcessor:
         reorder_window_ms: how long (record time, and wall time when idle) a band record
             is held before it is processed in order-key order.
     """
-
-    reads_ahead = False
 
     def __init__(self, settings: Settings, topology: Topology, reorder_window_ms: int) -> None:
         self.settings = settings
@@ -112,14 +104,8 @@ class ShardProcessor:
         self._flush: set[int] = set()
 
     # --- lifecycle ------------------------------------------------------------------
-    def open(self) -> None:
-        pass
 
-    def start(self, producer: Producer) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
 
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.findings, self.topology.shard_changelog)
@@ -175,17 +161,9 @@ class ShardProcessor:
         return shard
 
     # --- a batch --------------------------------------------------------------------
-    def read(self, messages: list[Message], full: bool) -> ShardBatch:
-        return ShardBatch(messages, full)
 
-    def ahead(self, batch: ShardBatch) -> None:
-        pass
 
-    def take(self, batch: ShardBatch) -> None:
-        pass
 
-    def idle(self) -> None:
-        pass
 
     def due(self) -> bool:
         """Whether a shard has held records and no arrival for the window's length."""
@@ -194,7 +172,7 @@ class ShardProcessor:
                        if s.held and now - s.arrived >= self.window_ms / 1000}
         return bool(self._flush)
 
-    def compute(self, batch: ShardBatch) -> tuple[list[Record], ShardWritten]:
+    def compute(self, batch: MessageBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
         stats = ShardWritten(next_offsets(batch.messages), messages=len(batch.messages))
@@ -296,9 +274,6 @@ class ShardProcessor:
                 stats.changelog_bytes += size
         return stats
 
-    def committed(self, written: ShardWritten, seconds: float) -> ShardWritten:
-        written.seconds = seconds
-        return written
 
 
 class ShardStage(StageRuntime):

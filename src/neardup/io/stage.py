@@ -224,6 +224,55 @@ class Processor(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class MessageBatch:
+    """A batch as consumed, with nothing read from it yet (``Batch``)."""
+
+    messages: list[Message]
+    full: bool
+
+
+class StageHooks:
+    """What a ``Processor`` does when it has nothing to do at a step: a base for the
+    processors that need only some of the steps (the sharded stages)."""
+
+    reads_ahead = False
+
+    def open(self) -> None:
+        pass
+
+    def start(self, producer: Producer) -> None:
+        pass
+
+    def revoked(self, partitions: set[TP]) -> None:
+        pass
+
+    def read(self, messages: list[Message], full: bool) -> Any:
+        return MessageBatch(messages, full)
+
+    def ahead(self, batch: Any) -> None:
+        pass
+
+    def take(self, batch: Any) -> None:
+        pass
+
+    def committed(self, written: Any, seconds: float) -> Any:
+        written.seconds = seconds
+        return written
+
+    def idle(self) -> None:
+        pass
+
+    def due(self) -> bool:
+        return False
+
+    def aborted(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def next_offsets(messages: list[Message]) -> list[TopicPartition]:
     """The offsets to commit after ``messages``: per partition, its last offset + 1."""
     ends: dict[TP, int] = {}
