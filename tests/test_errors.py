@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import os
 import socket
 import subprocess
 from collections.abc import Iterator

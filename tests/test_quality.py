@@ -24,6 +24,7 @@ from neardup.evaluate import evaluate
 from neardup.groundtruth import all_pairs
 from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
+from neardup.state.errors import SettingsMismatchError
 
 EXCERPT = Path(__file__).parent / "data" / "reuters_excerpt.jsonl.gz"
 
@@ -229,25 +230,46 @@ def test_multiset_counts_repeats():
 
 
 def test_estimate_mode_recall_and_precision():
-    """The estimate's banding is tuned below the threshold: pairs just above it are
-    candidates, and recall is lost only to the estimate's own error."""
+    """The estimate's banding has exact mode's margin below the threshold: pairs just
+    above it are candidates, and recall is lost only to the estimate's own error."""
     docs = _excerpt()
     report = evaluate(docs, EngineSettings(verify="estimate"))
-    assert report["settings"]["banding_threshold"] == pytest.approx(0.7)
+    assert report["settings"]["banding_threshold"] == pytest.approx(0.55)
     assert report["document_recall"] >= 0.99 and report["document_precision"] >= 0.98
 
 
-def test_estimate_mode_keeps_no_fingerprints(tmp_path):
+def test_estimate_mode_keeps_bottom_k_samples(tmp_path):
+    """Estimate mode stores at most 2 x num_perm fingerprints per document (a bottom-k
+    sample), no signatures; a text with fewer shingles is kept whole, so its pairs are
+    judged exactly."""
     docs = _excerpt()[:300]
-    sizes = {}
-    for verify in ("exact", "estimate"):
-        settings = EngineSettings(verify=verify)
-        store = RocksDBStateStore(tmp_path / verify, settings.state_shape())
-        _run(docs, settings, store)
-        stats = store.stats()
-        sizes[verify] = stats["keys_shingles"]
-        store.close()
-    assert sizes["estimate"] == 0 and sizes["exact"] > 0
+    settings = EngineSettings(verify="estimate", num_perm=32)
+    store = RocksDBStateStore(tmp_path / "estimate", settings.state_shape())
+    verdicts = _run(docs, settings, store)
+    assert store.stats()["keys_signatures"] == 0
+    seqs = [v.seq for v in verdicts]
+    values, offsets = store.get_fingerprints(seqs)
+    kept, sizes = np.diff(offsets), store.get_sizes(seqs)
+    assert kept.max() == 64 and (sizes > 64).any()
+    assert (kept == np.minimum(sizes, 64)).all()
+    exact = RocksDBStateStore(tmp_path / "exact", EngineSettings().state_shape())
+    _run(docs, EngineSettings(), exact)
+    whole, whole_offsets = exact.get_fingerprints(seqs)
+    for i in range(len(seqs)):  # the sample is the smallest of the whole set
+        assert values[offsets[i]:offsets[i + 1]].tolist() == whole[whole_offsets[i]:whole_offsets[i] + kept[i]].tolist()
+    store.close()
+    exact.close()
+
+
+def test_estimate_mode_refuses_a_state_of_signatures(tmp_path):
+    """A state written when estimate mode kept signatures has no samples to compare: its
+    settings differ, so it is refused rather than read as empty sets."""
+    settings = EngineSettings(verify="estimate")
+    shape = settings.state_shape()
+    assert shape.pop("estimate_sample") == "bottom-256"
+    RocksDBStateStore(tmp_path, shape).close()
+    with pytest.raises(SettingsMismatchError, match="estimate_sample"):
+        RocksDBStateStore(tmp_path, settings.state_shape())
 
 
 def test_evaluate_against_labels():

@@ -63,10 +63,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--measure", choices=["jaccard", "containment"], help=f"jaccard, or containment: the share of a document's shingles found in an earlier one ({_d('measure')})")
     g.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help=f"with --measure containment: a new text inside an earlier one, an earlier text inside a new one, or both ({_d('containment_direction')})")
     g.add_argument("--containment-ratio", type=float, help=f"with --measure containment: the largest size ratio of a contained text to its container that the banding is tuned for ({_d('containment_ratio')})")
-    g.add_argument("--verify", choices=["exact", "estimate"], help=f"exact: decide on the exact similarity of stored shingle fingerprints; estimate: on the MinHash estimate (less disk) ({_d('verify')})")
+    g.add_argument("--verify", choices=["exact", "estimate"], help=f"exact: decide on the exact similarity of stored shingle fingerprints; estimate: on the estimate from a bottom-k sample of them, the 2 x num-perm smallest (at most 8 x num-perm bytes per document; exact for shorter texts) ({_d('verify')})")
     g.add_argument("--duplicate-buckets", choices=["new", "all"], help=f"new: a duplicate joins only the LSH buckets holding none of its matches; all: every bucket ({_d('duplicate_buckets')})")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help=f"canonical: join a cluster only if similar to its canonical document; components: classic union-find ({_d('cluster_policy')})")
-    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is tuned for (default: threshold minus {CANDIDATE_MARGIN['exact']:g} for exact Jaccard, {CANDIDATE_MARGIN['estimate']:g} for estimated Jaccard; for containment t / (1 + R - t), R the containment ratio)")
+    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is tuned for (default: threshold minus {CANDIDATE_MARGIN:g} for Jaccard; for containment t / (1 + R - t), R the containment ratio)")
     g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help=f"count repeated shingles (a bag) instead of a set ({_d('multiset')})")
 
 

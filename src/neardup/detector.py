@@ -12,8 +12,8 @@ For each batch:
 3. One compiled pass, document by document in arrival order (``neardup.core.decide``):
    its candidates (those stored members and the earlier documents of the batch in its
    buckets), their verification (the exact Jaccard or containment of the shingle
-   fingerprint sets with ``verify="exact"``, the MinHash estimate from the full
-   signatures with ``verify="estimate"``; a candidate is accepted when its similarity
+   fingerprint sets with ``verify="exact"``, the estimate from bottom-k samples of them
+   with ``verify="estimate"``; a candidate is accepted when its similarity
    reaches the threshold), clustering on a local copy of the union-find nodes
    (``neardup.core.cluster``), and the buckets it joins: with ``duplicate_buckets="new"``
    a duplicate joins only those holding none of its accepted candidates.
@@ -58,9 +58,9 @@ from neardup.core.decide import CopyBuckets, decide_batch
 from neardup.core.lsh import band_hashes, bucket_ids, copy_bucket_ids
 from neardup.core.minhash import make_hasher
 from neardup.core.normalize import normalize
-from neardup.core.overlap import fingerprints
+from neardup.core.overlap import bottom_k, fingerprints
 from neardup.core.retention import until, watermarks
-from neardup.core.settings import EngineSettings
+from neardup.core.settings import SAMPLE_PER_PERM, EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.state.base import StateStore, StateUpdate
@@ -168,8 +168,9 @@ class PreparedBatch:
         valid: int64, shape (n_valid,): indices of the valid documents.
         signatures: uint64, shape (n_valid, num_perm).
         fingerprints, fingerprint_offsets: the valid documents' sorted shingle
-            fingerprints as one array (``fingerprint_sets``).
-        sizes: int64, shape (n_valid,): shingle-set sizes.
+            fingerprints as one array (``fingerprint_sets``); with ``verify="estimate"``
+            only the ``SAMPLE_PER_PERM * num_perm`` smallest of each (a bottom-k sample).
+        sizes: int64, shape (n_valid,): shingle-set sizes (of the whole sets).
         bucket_keys: uint64, shape (n_buckets,): the distinct bucket ids of the batch
             (``neardup.core.lsh.bucket_ids``), ascending.
         bucket_entries: int64, shape (n_valid, bands): each document's bucket in each
@@ -218,6 +219,9 @@ class Preparer:
         valid = np.flatnonzero(counts > 0)
         signatures = self.hasher.signatures(shingles)[valid]
         fingerprints, offsets = fingerprint_sets(shingles, valid)
+        sizes = np.diff(offsets)
+        if s.verify == "estimate":  # a bottom-k sample of each set (neardup.core.overlap)
+            fingerprints, offsets = bottom_k(fingerprints, offsets, SAMPLE_PER_PERM * s.num_perm)
         buckets = bucket_ids(band_hashes(signatures, s.bands))
         keys, entries = np.unique(buckets, return_inverse=True)  # grouped here, off the state's path
         rejected = [
@@ -230,7 +234,7 @@ class Preparer:
             signatures=signatures,
             fingerprints=fingerprints,
             fingerprint_offsets=offsets,
-            sizes=np.diff(offsets),
+            sizes=sizes,
             bucket_keys=keys,
             bucket_entries=entries.ravel().reshape(buckets.shape),
         )
@@ -379,16 +383,15 @@ class Detector:
             next(named) if reason is None else Rejected(doc.id, reason)
             for doc, reason in zip(documents, p.rejected)
         ]
-        exact = s.verify == "exact"
         update = StateUpdate(
             first_seq=first_seq,
             signatures=p.signatures,
-            store_signatures=not exact,
+            store_signatures=False,
             ids=ids,
             times=times,
             sizes=p.sizes,
-            fingerprints=p.fingerprints if exact else None,
-            fingerprint_offsets=p.fingerprint_offsets if exact else None,
+            fingerprints=p.fingerprints,
+            fingerprint_offsets=p.fingerprint_offsets,
             bucket_ids=joined.bucket_ids,
             bucket_seqs=joined.bucket_seqs,
             largest_bucket=joined.largest_bucket,
@@ -397,24 +400,22 @@ class Detector:
         return BatchResult(results=results, update=update, signatures=p.signatures, accepted=links)
 
     def _sets(self, p: PreparedBatch, local: np.ndarray, first: int, needed: np.ndarray) -> Sets:
-        """The sets of the batch's documents (local ids ``first`` on) and of the stored
-        documents ``needed`` (a sorted subset of ``local[:first]``), read in multi-gets;
-        the other stored local ids get empty sets."""
+        """The sets (or bottom-k samples) of the batch's documents (local ids ``first``
+        on) and of the stored documents ``needed`` (a sorted subset of
+        ``local[:first]``), read in multi-gets; the other stored local ids get empty
+        sets."""
         at = np.searchsorted(local[:first], needed)
-        sizes = np.zeros(len(local), dtype=np.int64)
+        values, offsets = self.store.get_fingerprints(needed.tolist())
+        kept = np.zeros(len(local), dtype=np.int64)
+        kept[at] = np.diff(offsets)
+        kept[first:] = np.diff(p.fingerprint_offsets)
+        all_offsets = np.zeros(len(local) + 1, dtype=np.int64)
+        np.cumsum(kept, out=all_offsets[1:])
+        sizes = kept.copy()
         sizes[first:] = p.sizes
-        if self.settings.verify == "exact":
-            values, offsets = self.store.get_fingerprints(needed.tolist())
-            sizes[at] = np.diff(offsets)
-            all_offsets = np.zeros(len(local) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=all_offsets[1:])
-            return Sets(sizes, np.concatenate([values, p.fingerprints]), all_offsets,
-                        np.empty((len(local), 0), dtype=np.uint64))
-        sizes[at] = self.store.get_sizes(needed.tolist())
-        signatures = np.zeros((len(local), self.settings.num_perm), dtype=np.uint64)
-        signatures[at] = self.store.get_signatures(needed.tolist())
-        signatures[first:] = p.signatures
-        return Sets(sizes, np.zeros(0, np.uint32), np.zeros(len(local) + 1, np.int64), signatures)
+        if self.settings.verify == "estimate":  # samples: the whole sets' sizes are stored
+            sizes[at] = self.store.get_sizes(needed.tolist())
+        return Sets(sizes, np.concatenate([values, p.fingerprints]), all_offsets)
 
     def _name(self, decided: Clustering, bounds: np.ndarray, candidates: np.ndarray,
               local: np.ndarray, similarity: np.ndarray, jaccard: np.ndarray,

@@ -15,7 +15,7 @@ Two policies:
 Elements are local ids, ordered like the documents' arrival (so the smallest id is the
 earliest document). A similarity that the candidates did not give (a document against a
 canonical it did not meet in a bucket) is computed here from the documents' sets: exact,
-from sorted fingerprints (``neardup.core.overlap``), or estimated from MinHash signatures.
+from sorted fingerprints, or estimated from their bottom-k samples (``neardup.core.overlap``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from neardup.core.overlap import merge_count
+from neardup.core.overlap import sample_counts
 from neardup.core.unionfind import find, peek_root, union
 
 COMPONENTS, CANONICAL = 0, 1
@@ -41,16 +41,14 @@ class Sets(NamedTuple):
 
     Attributes:
         sizes: int64, shape (n,): shingle-set sizes.
-        values, offsets: the exact sets: uint32 sorted fingerprints, set i being
-            ``values[offsets[i]:offsets[i + 1]]`` (int64 offsets, shape (n + 1,)).
-            Empty when estimating.
-        signatures: uint64, shape (n, num_perm) when estimating; shape (n, 0) for exact.
+        values, offsets: the sets as uint32 sorted fingerprints, set i being
+            ``values[offsets[i]:offsets[i + 1]]`` (int64 offsets, shape (n + 1,)): whole,
+            or, when shorter than ``sizes[i]``, a bottom-k sample of it.
     """
 
     sizes: np.ndarray
     values: np.ndarray
     offsets: np.ndarray
-    signatures: np.ndarray
 
 
 class Clustering(NamedTuple):
@@ -75,37 +73,29 @@ class Clustering(NamedTuple):
 
 @njit(nogil=True, cache=True)
 def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.ndarray,
-          signatures: np.ndarray, measure: int) -> tuple[float, float]:  # pragma: no cover - compiled
+          measure: int) -> tuple[float, float]:  # pragma: no cover - compiled
     """Jaccard of sets a (the later) and b (the earlier), and their containment: of b in
     a with ``CONTAINMENT_OF_EARLIER``, the larger one with ``CONTAINMENT_EITHER``, of a
-    in b otherwise."""
-    size_a, size_b = sizes[a], sizes[b]
-    if signatures.shape[1] == 0:
-        inter = float(merge_count(values, offsets, a, b))
-        jaccard = inter / (size_a + size_b - inter)
-    else:
-        equal = 0
-        for k in range(signatures.shape[1]):
-            equal += signatures[a, k] == signatures[b, k]
-        jaccard = equal / signatures.shape[1]
-        # |A ∩ B| = J (|A| + |B|) / (1 + J) for sets A, B of known sizes
-        inter = jaccard * (size_a + size_b) / (1.0 + jaccard)
+    in b otherwise. Exact for whole sets, estimated from bottom-k samples otherwise."""
+    inter, in_a, in_b = sample_counts(values, offsets, sizes, a, b)
+    union = in_a + in_b - inter
+    jaccard = inter / union if union > 0 else 0.0
+    of_a = inter / in_a if in_a > 0 else 0.0
+    of_b = inter / in_b if in_b > 0 else 0.0
     if measure == CONTAINMENT_OF_EARLIER:
-        whole = size_b
-    elif measure == CONTAINMENT_EITHER:
-        whole = min(size_a, size_b)
-    else:
-        whole = size_a
-    return jaccard, min(inter / whole, 1.0)
+        return jaccard, of_b
+    if measure == CONTAINMENT_EITHER:
+        return jaccard, max(of_a, of_b)
+    return jaccard, of_a
 
 
 @njit(nogil=True, cache=True)
 def _pairs(left: np.ndarray, right: np.ndarray, sizes: np.ndarray, values: np.ndarray,
-           offsets: np.ndarray, signatures: np.ndarray, measure: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+           offsets: np.ndarray, measure: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     jaccard = np.empty(len(left))
     containment = np.empty(len(left))
     for k in range(len(left)):
-        jaccard[k], containment[k] = _pair(left[k], right[k], sizes, values, offsets, signatures, measure)
+        jaccard[k], containment[k] = _pair(left[k], right[k], sizes, values, offsets, measure)
     return jaccard, containment
 
 
@@ -115,9 +105,9 @@ def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray,
     or as ``measure`` says (``CONTAINMENT_OF_EARLIER``: of ``right[k]`` in ``left[k]``;
     ``CONTAINMENT_EITHER``: the larger of the two).
 
-    Exact sets: from the merge of the sorted fingerprints (``neardup.core.overlap``).
-    Signatures: the share of equal slots estimates the Jaccard J, and the containment
-    follows from |A ∩ B| = J (|A| + |B|) / (1 + J) and the stored sizes.
+    Whole sets: exact, from the merge of the sorted fingerprints. Bottom-k samples
+    (``--verify estimate``): the same ratios counted below the samples' common threshold
+    (``neardup.core.overlap.sample_counts``, Broder 1997).
 
     Args:
         sets: the sets, by local id.
@@ -137,14 +127,14 @@ def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray,
     for side in (left, right):
         if len(side) and (side.min() < 0 or side.max() >= len(sets.sizes)):
             raise IndexError(f"set id outside 0..{len(sets.sizes) - 1}")
-    return _pairs(left, right, sets.sizes, sets.values, sets.offsets, sets.signatures, measure)
+    return _pairs(left, right, sets.sizes, sets.values, sets.offsets, measure)
 
 
 @njit(nogil=True, cache=True)
 def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.ndarray,
                  canonical: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
                  threshold: float, policy: int, measure: int, sizes: np.ndarray,
-                 values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray,
+                 values: np.ndarray, offsets: np.ndarray,
                  seen: np.ndarray, match: np.ndarray, accepted: np.ndarray, cluster: np.ndarray,
                  cluster_size: np.ndarray, related: np.ndarray, windowed: bool,
                  local_until: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -192,7 +182,7 @@ def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.
                         s = similarity[k]
                         break
                 if s < 0.0:
-                    jaccard, containment = _pair(x, c, sizes, values, offsets, signatures, measure)
+                    jaccard, containment = _pair(x, c, sizes, values, offsets, measure)
                     s = jaccard if measure == JACCARD else containment
             if s > target_similarity:
                 target, target_similarity = join, s
@@ -218,13 +208,13 @@ def _outputs(n: int, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
 def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
              bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
              threshold: float, policy: int, measure: int, sizes: np.ndarray,
-             values: np.ndarray, offsets: np.ndarray, signatures: np.ndarray):  # pragma: no cover - compiled
+             values: np.ndarray, offsets: np.ndarray):  # pragma: no cover - compiled
     n = len(bounds) - 1
     match, accepted, cluster, cluster_size, related = _outputs(n, first)
     seen = np.empty(max(len(candidates), 1), dtype=np.int64)
     for i in range(n):
         _cluster_one(i, first + i, bounds[i], bounds[i + 1], parent, size, canonical, candidates,
-                     similarity, threshold, policy, measure, sizes, values, offsets, signatures,
+                     similarity, threshold, policy, measure, sizes, values, offsets,
                      seen, match, accepted, cluster, cluster_size, related, False, bounds[:0])
     return match, accepted, cluster, cluster_size, related
 
@@ -260,4 +250,4 @@ def cluster_batch(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, f
         raise ValueError(f"unknown policy {policy} or measure {measure}")
     return Clustering(*_cluster(parent, size, canonical, first, bounds, candidates, similarity,
                                 float(threshold), policy, measure, sets.sizes, sets.values,
-                                sets.offsets, sets.signatures))
+                                sets.offsets))

@@ -187,7 +187,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             stored_local: np.ndarray, parent: np.ndarray,
             size: np.ndarray, canonical: np.ndarray, threshold: float, policy: int,
             measure: int, only_new: bool, sizes: np.ndarray, values: np.ndarray,
-            offsets: np.ndarray, signatures: np.ndarray, windowed: bool,
+            offsets: np.ndarray, windowed: bool,
             member_until: np.ndarray, batch_until: np.ndarray, local_until: np.ndarray,
             max_bucket_size: int, copy_bucket: np.ndarray,
             loaded: np.ndarray, weights: np.ndarray):  # pragma: no cover - compiled
@@ -236,7 +236,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 continue
             y = _local_id(c, first_seq, first, stored_local)
             seqs[filled], local[filled] = c, y
-            jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, signatures, measure)
+            jaccard[filled], containment[filled] = _pair(x, y, sizes, values, offsets, measure)
             best = max(best, similarity[filled])
             filled += 1
             # a near miss, none accepted: the copies it stands in for in its buckets. A copy
@@ -257,15 +257,14 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                         missing[ym] = True
                         continue
                     seqs[filled], local[filled] = m, ym
-                    jaccard[filled], containment[filled] = _pair(x, ym, sizes, values, offsets,
-                                                                 signatures, measure)
+                    jaccard[filled], containment[filled] = _pair(x, ym, sizes, values, offsets, measure)
                     best = max(best, similarity[filled])
                     filled += 1
                     expanded = True
         _by_seq(lo, filled, seqs, local, jaccard, containment)
         bounds[d + 1] = filled
         _cluster_one(d, x, lo, filled, parent, size, canonical, local, similarity, threshold,
-                     policy, measure, sizes, values, offsets, signatures, seen, match, accepted,
+                     policy, measure, sizes, values, offsets, seen, match, accepted,
                      cluster, cluster_size, related, windowed, local_until)
         skip_covered = only_new and match[d] >= 0
         for e in range(d * bands, (d + 1) * bands):
@@ -423,7 +422,7 @@ def decide_batch(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray
                   first_seq, max_candidates, extra_candidates, float(near),
                   np.asarray(stored_local, dtype=np.uint64), parent, size,
                   canonical, float(threshold), policy, measure, bool(only_new), sets.sizes,
-                  sets.values, sets.offsets, sets.signatures, windowed, member_until, batch_until,
+                  sets.values, sets.offsets, windowed, member_until, batch_until,
                   local_until, int(max_bucket_size),
                   *((np.zeros(0, np.int64), np.ones(len(parent), np.bool_)) if copies is None else
                     (np.asarray(copies.bucket, dtype=np.int64), np.asarray(copies.loaded, dtype=np.bool_))),

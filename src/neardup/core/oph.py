@@ -103,7 +103,7 @@ class OnePermutationHasher:
             uint64, shape (n_docs, num_perm), values below 2^63; a document with no
             shingle gets ``EMPTY`` in every slot.
         """
-        k, n_docs = self.num_perm, len(batch)
+        k = self.num_perm
         h = mix64(batch.hashes ^ self._salt) >> np.uint64(1)
         bins = ((h >> np.uint64(31)) * np.uint64(k)) >> np.uint64(32)  # Lemire's range map
         raw = _bin_minima(h, bins.astype(np.int64), batch.offsets, k)
