@@ -125,15 +125,18 @@ def start_run(bootstrap: str, topic: str, group: str, state_dir: Path, *extra: s
 
 
 def wait_committed(bootstrap: str, group: str, topic: str, target: int, proc: subprocess.Popen,
-                   timeout_s: float = 300.0) -> None:
-    """Wait until the group has committed ``target`` on partition 0 of ``topic``."""
+                   timeout_s: float = 300.0, log: Path | None = None) -> None:
+    """Wait until the group has committed ``target`` on partition 0 of ``topic``; the
+    error raised (the process gone, or the time out) ends with the tail of ``log``."""
     deadline = time.monotonic() + timeout_s
+    tail = (lambda: "\n" + log.read_text(errors="replace")[-4000:]) if log else (lambda: "")
     while time.monotonic() < deadline:
         if committed_offset(bootstrap, group, topic) >= target:
             return
-        assert proc.poll() is None, f"neardup run exited early with {proc.returncode}"
+        assert proc.poll() is None, f"neardup run exited early with {proc.returncode}{tail()}"
         time.sleep(0.2)
-    raise TimeoutError(f"{group} did not reach offset {target} of {topic}")
+    raise TimeoutError(f"{group} did not reach offset {target} of {topic} "
+                       f"(at {committed_offset(bootstrap, group, topic)}){tail()}")
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:

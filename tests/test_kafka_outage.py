@@ -64,12 +64,12 @@ def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
     proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
                      *SHORT_TXN, "--batch-size", "50", log=log)
     try:
-        wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc)
+        wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc, log=log)
         before = committed_offset(kafka_bootstrap, "g-outage", topic)
         with frozen_broker():
             time.sleep(15)  # longer than the transaction and session timeouts
             assert proc.poll() is None, "the consumer must survive an outage"
-        wait_committed(kafka_bootstrap, "g-outage", topic, len(records), proc, timeout_s=240)
+        wait_committed(kafka_bootstrap, "g-outage", topic, len(records), proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
     print("committed offset when the broker froze:", before, "of", len(records))
@@ -89,7 +89,7 @@ def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
         time.sleep(25)
         assert proc.poll() is None, "the consumer must wait for the broker, not exit"
     try:
-        wait_committed(kafka_bootstrap, "g-late", topic, len(records), proc, timeout_s=240)
+        wait_committed(kafka_bootstrap, "g-late", topic, len(records), proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0
     assert committed_offset(kafka_bootstrap, "g-late", topic) == len(records)
@@ -119,7 +119,7 @@ def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_fact
     log = tmp_path / "run.log"
     proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
     try:
-        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240)
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
         silent.close()
