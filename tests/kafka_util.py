@@ -139,7 +139,22 @@ def wait_committed(bootstrap: str, group: str, topic: str, target: int, proc: su
                        f"(at {committed_offset(bootstrap, group, topic)}){tail()}")
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (Linux: SigCgt in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    """Send ``sig`` once the process handles it (not while the interpreter is still
+    starting, where it would die of it), then wait for its exit code."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and not catches(proc.pid, sig) and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.send_signal(sig)
     return proc.wait(timeout=timeout_s)
 

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -549,3 +550,26 @@ def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, 
     assert [str(e.args[0].str()) for e in dedup.aborted] == ["injected"]
     assert dedup.step5 > dedup.batches >= 6  # the failed batch's step 5 ran again
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+@pytest.mark.parametrize("role", ["run", "stage-shard"])
+def test_sigterm_while_starting_exits_0_without_a_traceback(tmp_path, role):
+    """A consumer stopped while it still waits for a broker (none listens on the port):
+    SIGTERM, sent as soon as the process handles it, ends it with 0 and no traceback."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    log = tmp_path / "run.log"
+    if role == "run":
+        proc = start_run(closed, "never", "g-never", tmp_path / "state", *JSON_FIELDS, log=log)
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neardup.cli", "stage", "shard", "--bootstrap-servers", closed,
+             "--input-topic", "never", "--app", "never", "--shards", "2"],
+            stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        assert stop(proc, timeout_s=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()

@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -442,9 +444,32 @@ def cmd_eval(args: argparse.Namespace, settings: Settings, engine: EngineSetting
     return 0
 
 
+class _Terminated(BaseException):
+    """SIGTERM before the consumer loop took the signal over."""
+
+
+def _terminated(*_: Any) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.command in ("run", "stage") and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        # A consumer is stopped with SIGTERM (Kubernetes, systemd, a test): one that is
+        # still starting stops there and exits 0, as it does once its loop runs (the loop
+        # installs its own handler, which finishes and commits the batch in progress).
+        signal.signal(signal.SIGTERM, _terminated)
+        try:
+            return _command(parser, args)
+        finally:
+            if signal.getsignal(signal.SIGTERM) is _terminated:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return _command(parser, args)
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     settings: Settings | None = None
     try:
         if args.command == "params":
@@ -466,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args, settings, engine)
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        log.info("stopped by SIGTERM while starting")
+        return 0
     except BrokenPipeError:  # output piped into a reader that stopped (e.g. head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
