@@ -124,9 +124,10 @@ TRANSACTION_RETRY_S = 60.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
 #: (``neardup.io.bounded``), this is a backstop above their sum.
 STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
-#: Seconds a subscribed consumer may go without any assignment (an empty one counts)
-#: while it sees a broker up, before it is replaced: one subscribed during a broker
-#: outage was once seen never to be assigned after the broker came back.
+#: Seconds a consumer may go without any assignment (an empty one counts), after it
+#: subscribed or lost all its partitions, while it sees a broker up, before it is
+#: replaced: one subscribed during a broker outage was once seen never to be assigned
+#: after the broker came back.
 ASSIGN_WAIT_S = 60.0
 #: Seconds for which the consumer's last statistics showing a broker up count as recent.
 BROKER_UP_RECENT_S = 15.0
@@ -372,7 +373,7 @@ class StageRuntime:
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
         self._backoff, self._resets = 0.5, 0
-        self._subscribed_at, self._ever_assigned = 0.0, False  # the assignment watchdog's
+        self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
 
     # --- lifecycle ------------------------------------------------------------------
@@ -449,7 +450,7 @@ class StageRuntime:
         self.consumer.subscribe(
             topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked
         )
-        self._subscribed_at, self._ever_assigned = time.monotonic(), False
+        self._unassigned_since = time.monotonic()
         log.info("subscribed to %s as group %s", ", ".join(topics), self.settings.group_id)
 
     def _new_consumer(self, error: KafkaError) -> None:
@@ -467,14 +468,15 @@ class StageRuntime:
 
     def _check_assigned(self) -> None:
         """Replace the consumer if it has had no assignment (not even an empty one) for
-        ``ASSIGN_WAIT_S`` since it subscribed, though it sees a broker up. Not counted
-        as a reset: the group may be slow, nothing implies a second instance."""
+        ``ASSIGN_WAIT_S`` since it subscribed, or since it lost all its partitions (a
+        revocation, or a session expired in an outage), though it sees a broker up. Not
+        counted as a reset: the group may be slow, nothing implies a second instance."""
         now = time.monotonic()
-        if (self._ever_assigned or now - self._subscribed_at < ASSIGN_WAIT_S
+        if (self._unassigned_since is None or now - self._unassigned_since < ASSIGN_WAIT_S
                 or now - self._broker_up_at > BROKER_UP_RECENT_S):
             return
-        log.warning("no partitions assigned %.0f s after subscribing, though the broker is up; "
-                    "starting a new consumer", now - self._subscribed_at)
+        log.warning("no partitions assigned %.0f s after subscribing or losing them, though the broker is up; "
+                    "starting a new consumer", now - self._unassigned_since)
         self._replace_consumer()
 
     def _replace_consumer(self) -> None:
@@ -517,7 +519,7 @@ class StageRuntime:
             discard(producer)
 
     def _assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._ever_assigned = True
+        self._unassigned_since = None
         held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
         self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
         self._unchecked += [(p.topic, p.partition) for p in partitions]
@@ -535,6 +537,8 @@ class StageRuntime:
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         self._unchecked = [tp for tp in self._unchecked if tp not in gone]
         self.processor.revoked(gone)
+        if not self.assignment and self._unassigned_since is None:
+            self._unassigned_since = time.monotonic()  # until the next assignment, even an empty one
         if self._revoked_while_reading is not None:
             self._revoked_while_reading |= gone
         log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(gone)) or "nothing")
