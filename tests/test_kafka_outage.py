@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,31 +99,46 @@ def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
     assert "retrying" in log.read_text()
 
 
+SILENT_MEMBER = """
+import sys, time
+from confluent_kafka import Consumer
+bootstrap, group, topic = sys.argv[1:4]
+c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "max.poll.interval.ms": 90000,
+              "session.timeout.ms": 45000, "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+c.subscribe([topic])
+deadline = time.monotonic() + 60
+while not c.assignment() and time.monotonic() < deadline:
+    c.poll(0.5)
+print("assigned" if c.assignment() else "not assigned", flush=True)
+time.sleep(3600)  # never polls again
+"""
+
+
 def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_factory, tmp_path):
     """A group that holds the rebalance for longer than the assignment watchdog's 60 s
     (another member stops polling; the coordinator waits for it to rejoin up to its
     max.poll.interval.ms, 90 s): the consumer, subscribed and never assigned while the
     broker answers, is replaced, and once the group settles every message comes out once."""
-    from confluent_kafka import Consumer
-
     records = excerpt(300)
     topic = kafka_topic_factory("unassigned")
     produce(kafka_bootstrap, topic, _messages(records))
     group = "g-unassigned"
-    silent = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group,
-                       "max.poll.interval.ms": 90_000, "session.timeout.ms": 45_000,
-                       "enable.auto.commit": False, "auto.offset.reset": "earliest"})
-    silent.subscribe([topic])
-    deadline = time.monotonic() + 60
-    while not silent.assignment() and time.monotonic() < deadline:
-        silent.poll(0.5)
-    assert silent.assignment(), "the other member was assigned the partition"
-    log = tmp_path / "run.log"
-    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
+    # The other member is a process of its own, killed at the end: a consumer that stopped
+    # polling in the middle of a rebalance can hang in close() (librdkafka's assign, called
+    # from the rebalance callback close serves), which would hang the test.
+    silent = subprocess.Popen([sys.executable, "-c", SILENT_MEMBER, kafka_bootstrap, group, topic],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240, log=log)
+        assert silent.stdout is not None and silent.stdout.readline().strip() == "assigned", \
+            "the other member was assigned the partition"
+        log = tmp_path / "run.log"
+        proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
+        try:
+            wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240, log=log)
+        finally:
+            assert stop(proc) == 0, log.read_text()[-3000:]
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-        silent.close()
+        silent.kill()
+        silent.wait(30)
     assert "no partitions assigned" in log.read_text(), "the watchdog replaced the consumer"
     _check_exactly_once(kafka_bootstrap, topic, records)

@@ -103,3 +103,27 @@ def test_a_stage_refuses_what_the_sharded_rules_do_not_implement(flag, value, li
 
     assert main(["stage", "shard", "--bootstrap-servers", "127.0.0.1:9", "--input-topic", "t", flag, value]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"neardup: error: {line}"
+
+
+def test_a_document_processed_late_meets_only_earlier_members():
+    """The reorder window let a document through after a later near-duplicate: it meets the
+    earlier members only (so it never waits for the later one's decision, which may wait
+    for its own), and still joins its buckets for the documents after both."""
+    from neardup.detector import Preparer
+    from neardup.sharded.shard import ShardIndex
+
+    settings = EngineSettings()
+    text = _excerpt()[0].text
+    words = text.split()
+    docs = [Document(str(i), " ".join(words[:-i] if i else words)) for i in range(4)]
+    p = Preparer(settings)(docs)
+    fingerprints = [p.fingerprints[p.fingerprint_offsets[i]:p.fingerprint_offsets[i + 1]] for i in range(4)]
+    index = ShardIndex(settings)
+    seqs = {"0": 10, "1": 30, "2": 20, "3": 40}  # "2" comes after "1", though it is earlier
+    found = {}
+    for i, d in enumerate(docs):
+        finding, _ = index.add(seqs[d.id], p.buckets[i], fingerprints[i], d.id)
+        found[d.id] = {c.seq for c in finding.checked}
+    assert found["0"] == set() and found["1"] == {10}
+    assert found["2"] == {10}, "the late document met a later one"
+    assert found["3"] == {10, 20, 30}, "the late document did not join its buckets"

@@ -335,6 +335,8 @@ class DecideProcessor(StageHooks):
                 items = []
                 for ts, p, o, cid, jac, con, sim in checked:
                     c = order_seq(ORDER.pack(ts, p, o))
+                    if c >= seq:  # a later document (a shard of another rule): never waited for
+                        continue
                     names[c] = cid
                     items.append(Checked(c, jac, con, sim))
                 findings.append(Finding(seq, tuple(items)))

@@ -12,8 +12,10 @@ failed batch (``aborted``: what ``compute`` changed in memory is dropped and rea
 The reorder window: a band record is held until the partition's watermark (the largest
 record timestamp it has seen) is ``reorder_window_ms`` past its own, then processed with
 the others released, in order-key order; when the partition has had no record for that
-long of wall time, everything held is released (``due``). A record arriving after a later
-one was released is processed at once and counted as late.
+long of wall time, everything held is released (``due``), the time counted from the last
+full batch (while batches are full the process is behind: a partition without a record
+then has records still to be read, and releasing it would make them late). A record
+arriving after a later one was released is processed at once and counted as late.
 
 Changelog records (key -> value; a null value deletes):
 
@@ -177,9 +179,15 @@ class ShardProcessor(StageHooks):
         out: list[Record] = []
         stats = ShardWritten(next_offsets(batch.messages), messages=len(batch.messages))
         now = time.monotonic()
-        # shards of this process without an arrival for the window's length are flushed,
-        # even while others are busy
-        self._flush |= {p for p, s in self.shards.items() if s.held and now - s.arrived >= self.window_ms / 1000}
+        if batch.full:
+            # More are waiting: this process is behind, so none of its shards is quiet
+            # (a shard without an arrival in a backlog has records still to be read).
+            for s in self.shards.values():
+                s.arrived = now
+        else:
+            # shards of this process without an arrival for the window's length are
+            # flushed, even while others are busy
+            self._flush |= {p for p, s in self.shards.items() if s.held and now - s.arrived >= self.window_ms / 1000}
         touched: set[int] = set(self._flush)
         behind = 0
         for m in batch.messages:

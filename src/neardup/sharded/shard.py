@@ -100,13 +100,19 @@ class ShardIndex:
         self.sets: dict[int, np.ndarray] = {}
         self.copies: dict[int, list[int]] = {}
         self.ids: dict[int, str] = {}
+        self.last = -1  # the highest seq added
         self._copies_on = settings.duplicate_buckets == "new" and settings.measure == "jaccard"
 
     def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray, doc_id: str = "") -> tuple[Finding, Joins]:
         """Meet, verify and join: one document, after every earlier one.
 
+        Only members that come before it (a lower seq) are candidates: one the reorder
+        window let through late meets none of the later documents already added, so a
+        document never waits for the decision of a later one (which may wait for it).
+
         Args:
-            seq: the document's seq, above every seq added before.
+            seq: the document's seq, above every seq added before (below some of them
+                only for a record processed late).
             buckets: uint64, shape (k,): its bucket ids in the bands this shard owns.
             fingerprints: uint32, sorted distinct: its shingle set.
             doc_id: its external id (kept with its set, ``ids``).
@@ -118,6 +124,9 @@ class ShardIndex:
         shared: Counter[int] = Counter()
         for b in buckets.tolist():
             shared.update(self.buckets.get(b, ()))
+        if seq < self.last:  # processed late: the later members are no candidates
+            shared = Counter({m: n for m, n in shared.items() if m < seq})
+        self.last = max(self.last, seq)
         ranked = sorted(shared, key=lambda m: (-shared[m], m))
         limit = s.max_candidates + s.extra_candidates
         copies = self._copies_on
@@ -139,7 +148,7 @@ class ShardIndex:
                 for m in self.copies.get(c, ()):
                     if len(checked) >= limit or best >= s.threshold:
                         break
-                    if m not in checked:
+                    if m not in checked and m < seq:
                         best = max(best, self._check(m, fingerprints, checked))
         accepted = {c for c, x in checked.items() if x.similarity >= s.threshold}
         only_new = s.duplicate_buckets == "new" and accepted
@@ -167,6 +176,7 @@ class ShardIndex:
 
     def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
         """Add again what ``add`` added for a document (a restore, in the same order)."""
+        self.last = max(self.last, seq)
         for b in joins.buckets.tolist():
             self.buckets.setdefault(b, []).append(seq)
         for c in joins.copies:
