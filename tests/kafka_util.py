@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -207,3 +208,48 @@ def run_until_committed(settings, state_dir: Path, target: int, timeout_s: float
             runner.join(60)
     assert not runner.is_alive()
     return dedup, aborts
+
+
+class SteadyInput:
+    """Produces JSON messages with ids 0, 1, ... at ``rate`` per second in a thread,
+    through broker outages (librdkafka queues them); ``delivered`` holds the ids whose
+    delivery was confirmed."""
+
+    def __init__(self, bootstrap: str, topic: str, rate: float) -> None:
+        self.topic, self.rate = topic, rate
+        self.records = excerpt()
+        self.delivered: set[str] = set()
+        self.failed: list[str] = []
+        self.sent = 0
+        self._stop = threading.Event()
+        self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                                   "linger.ms": 5, "message.timeout.ms": 600000})
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is None:
+            self.delivered.add(msg.key().decode())
+        else:
+            self.failed.append(str(err))
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.is_set():
+            due = int((time.monotonic() - start) * self.rate)
+            while self.sent < due:
+                r = self.records[self.sent % len(self.records)]
+                key = str(self.sent)
+                value = json.dumps({"id": key, "text": r["text"]}).encode()
+                self._producer.produce(self.topic, key=key.encode(), value=value,
+                                       on_delivery=self._on_delivery)
+                self.sent += 1
+            self._producer.poll(0.02)
+
+    def __enter__(self) -> SteadyInput:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert self._producer.flush(300) == 0, "the test's input was not all delivered"

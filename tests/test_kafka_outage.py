@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from kafka_util import committed_offset, excerpt, produce, read_all, start_run, stop, wait_committed
+from kafka_util import SteadyInput, committed_offset, excerpt, produce, read_all, start_run, stop, wait_committed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
@@ -57,26 +57,38 @@ def _check_exactly_once(bootstrap, topic, records):
 
 
 def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    records = excerpt(3000)
     topic = kafka_topic_factory("outage")
-    produce(kafka_bootstrap, topic, _messages(records))
     log = tmp_path / "run.log"
-    # Batches of 50 (60 transactions) so that the freeze lands while the input is
-    # still being processed, however fast the engine is.
-    proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
-                     *SHORT_TXN, "--batch-size", "50", log=log)
+    # The input arrives at 100 messages/s for 30 s (the producer queues through the
+    # outage), so the freeze lands while it is still being processed, however fast the
+    # engine is; batches of 50 keep transactions under way.
+    with SteadyInput(kafka_bootstrap, topic, rate=100) as steady:
+        proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
+                         *SHORT_TXN, "--batch-size", "50", log=log)
+        try:
+            wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc, log=log)
+            before, arrived = committed_offset(kafka_bootstrap, "g-outage", topic), steady.sent
+            with frozen_broker():
+                time.sleep(15)  # longer than the transaction and session timeouts
+                assert proc.poll() is None, "the consumer must survive an outage"
+            while steady.sent < 3000:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.5)
+        except BaseException:
+            stop(proc)
+            raise
     try:
-        wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc, log=log)
-        before = committed_offset(kafka_bootstrap, "g-outage", topic)
-        with frozen_broker():
-            time.sleep(15)  # longer than the transaction and session timeouts
-            assert proc.poll() is None, "the consumer must survive an outage"
-        wait_committed(kafka_bootstrap, "g-outage", topic, len(records), proc, timeout_s=240, log=log)
+        wait_committed(kafka_bootstrap, "g-outage", topic, steady.sent, proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
-    print("committed offset when the broker froze:", before, "of", len(records))
-    assert before < len(records), "the broker froze after the whole input was processed"
-    _check_exactly_once(kafka_bootstrap, topic, records)
+    print("committed offset when the broker froze:", before, "of", arrived, "arrived, of", steady.sent)
+    assert arrived < 3000, "the broker froze after the whole input arrived"
+    assert not steady.failed
+    outs = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                    expected=len(steady.delivered))
+    keys = [o.key.decode() for o in outs]
+    assert len(keys) == len(set(keys)), "a message was produced twice"
+    assert set(keys) == steady.delivered, "a message is missing"
 
 
 def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,10 +19,10 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaException
 
 from conftest import create_topics
-from kafka_util import committed_offset, excerpt, read_all, start_run, stop, wait_committed
+from kafka_util import SteadyInput, committed_offset, excerpt, read_all, start_run, stop, wait_committed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KAFKA_SH = REPO_ROOT / "deploy" / "local" / "kafka.sh"
@@ -72,51 +71,6 @@ def own_broker(tmp_path_factory) -> Iterator[OwnBroker]:
         yield broker
     finally:
         broker.stop()
-
-
-class SteadyInput:
-    """Produces JSON messages with ids 0, 1, ... at ``rate`` per second in a thread,
-    through broker outages (librdkafka queues them); ``delivered`` holds the ids whose
-    delivery was confirmed."""
-
-    def __init__(self, bootstrap: str, topic: str, rate: float) -> None:
-        self.topic, self.rate = topic, rate
-        self.records = excerpt()
-        self.delivered: set[str] = set()
-        self.failed: list[str] = []
-        self.sent = 0
-        self._stop = threading.Event()
-        self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                                   "linger.ms": 5, "message.timeout.ms": 600000})
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _on_delivery(self, err, msg) -> None:
-        if err is None:
-            self.delivered.add(msg.key().decode())
-        else:
-            self.failed.append(str(err))
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        while not self._stop.is_set():
-            due = int((time.monotonic() - start) * self.rate)
-            while self.sent < due:
-                r = self.records[self.sent % len(self.records)]
-                key = str(self.sent)
-                value = json.dumps({"id": key, "text": r["text"]}).encode()
-                self._producer.produce(self.topic, key=key.encode(), value=value,
-                                       on_delivery=self._on_delivery)
-                self.sent += 1
-            self._producer.poll(0.02)
-
-    def __enter__(self) -> SteadyInput:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        assert self._producer.flush(300) == 0, "the test's input was not all delivered"
 
 
 def _committed(bootstrap: str, group: str, topic: str) -> int:
