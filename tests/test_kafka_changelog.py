@@ -37,7 +37,13 @@ def _changelog_records(bootstrap: str, topic: str) -> int:
 def _run_to_end(bootstrap, topic, group, state, log, total, *extra) -> str:
     proc = start_run(bootstrap, topic, group, state, *JSON_FIELDS, *BATCHES, *extra, log=log)
     try:
-        wait_committed(bootstrap, group, topic, total, proc, timeout_s=300)
+        wait_committed(bootstrap, group, topic, total, proc, timeout_s=300, log=log)
+        # past its start-up (a restore comes before the subscription), even when the
+        # input was all committed before it started
+        deadline = time.monotonic() + 120
+        while "subscribed to" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
     return log.read_text()
@@ -58,8 +64,9 @@ def test_a_state_directory_deleted_mid_stream_is_restored(kafka_bootstrap, kafka
     records = _edited_copies(excerpt(600), rounds=3)  # 1,800 messages
     topic = kafka_topic_factory("cl-deleted")
     group, state = "g-cl-deleted", tmp_path / "state"
-    produce(kafka_bootstrap, topic, _json_messages(records))
+    produce(kafka_bootstrap, topic, _json_messages(records[:1000]))  # the rest after the kill: it lands mid-stream
     _first_part(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 700, signal.SIGKILL)
+    produce(kafka_bootstrap, topic, _json_messages(records[1000:]))
     shutil.rmtree(state)
     out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "second.log", len(records))
     assert "restored" in out and "from changelog" in out, out[-3000:]
@@ -71,8 +78,9 @@ def test_a_fresh_directory_is_restored(kafka_bootstrap, kafka_topic_factory, tmp
     records = _edited_copies(excerpt(600), rounds=3)
     topic = kafka_topic_factory("cl-fresh")
     group = "g-cl-fresh"
-    produce(kafka_bootstrap, topic, _json_messages(records))
+    produce(kafka_bootstrap, topic, _json_messages(records[:1200]))  # the rest after the first part
     _first_part(kafka_bootstrap, topic, group, tmp_path / "a", tmp_path / "first.log", 900, signal.SIGTERM)
+    produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
     out = _run_to_end(kafka_bootstrap, topic, group, tmp_path / "b", tmp_path / "second.log", len(records))
     assert "restored" in out, out[-3000:]
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
@@ -120,8 +128,9 @@ def test_a_compacted_changelog_restores_the_same_state(kafka_bootstrap, kafka_to
     create_topic(kafka_bootstrap, changelog, config={
         "cleanup.policy": "compact", "segment.ms": "100", "min.cleanable.dirty.ratio": "0.001",
         "delete.retention.ms": "0", "min.compaction.lag.ms": "0"})
-    produce(kafka_bootstrap, topic, _json_messages(records))
+    produce(kafka_bootstrap, topic, _json_messages(records[:1200]))  # the rest after the first part
     _first_part(kafka_bootstrap, topic, group, tmp_path / "a", tmp_path / "first.log", 900, signal.SIGTERM)
+    produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
     before = _changelog_records(kafka_bootstrap, changelog)
     deadline = time.monotonic() + 120
     while (after := _changelog_records(kafka_bootstrap, changelog)) >= before:
