@@ -353,3 +353,77 @@ def test_k8s_statefulset_keeps_state_on_a_claim_and_probes_health(tmp_path):
     assert int(annotations["prometheus.io/port"]) == port
     assert annotations["prometheus.io/path"] == "/metrics"
     assert service["spec"]["ports"][0]["port"] == port
+
+
+# --- deploy/k8s/sharded and the sharded dashboard -----------------------------------------------
+SHARDED = K8S / "sharded"
+SHARDED_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "neardup-sharded.json"
+
+
+def _sharded_documents() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((SHARDED / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in SHARDED.glob("*.yaml")
+                                                         if p.name != "kustomization.yaml")
+    return [d for r in kustomization["resources"] for d in yaml.safe_load_all((SHARDED / r).read_text()) if d]
+
+
+def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
+    docs = _sharded_documents()
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    workloads = {d["spec"]["template"]["spec"]["containers"][0]["args"][1]: d
+                 for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert sorted(workloads) == ["decide", "prepare", "shard"]
+    assert workloads["prepare"]["kind"] == "Deployment"
+    config_text = configmap["data"]["neardup.toml"]
+    config = tomllib.loads(config_text)
+    local = tmp_path / "neardup.toml"
+    local.write_text(config_text)
+    for role, w in workloads.items():
+        pod = w["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        argv = container["args"]
+        assert argv[:2] == ["stage", role]
+        mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        config_path = Path(str(_option(argv, "config")))
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mounted[str(config_path.parent)]]
+        assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+        args = build_parser().parse_args([a if a != str(config_path) else str(local) for a in argv])
+        settings = _settings(args)
+        settings.engine()
+        assert settings.bootstrap_servers and settings.input_topics and settings.app
+        assert w["spec"]["replicas"] <= {"prepare": 10**6, "shard": settings.shards,
+                                         "decide": settings.decide_partitions}[role]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == config["metrics_port"] == settings.metrics_port
+        annotations = w["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == settings.metrics_port
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        assert pod["terminationGracePeriodSeconds"] >= 30
+        if w["kind"] == "StatefulSet":  # a stable pod name: the instance, hence the transactional id
+            service = services[w["spec"]["serviceName"]]
+            labels = w["spec"]["template"]["metadata"]["labels"]
+            assert service["spec"]["selector"].items() <= labels.items()
+            assert service["spec"]["clusterIP"] == "None"
+
+
+def test_the_sharded_dashboard_queries_only_stage_metrics():
+    from neardup.metrics import StageMetrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",), "info": ("_info",)}
+    declared = {family.name + suffix for role in ("prepare", "shard", "decide")
+                for family in StageMetrics(role).registry.collect() for suffix in suffixes[family.type]}
+    dashboard = json.loads(SHARDED_DASHBOARD.read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bneardup_[a-z0-9_]+", target["expr"])}
+    assert len(queried) >= 10
+    assert not queried - declared, f"queried but never exposed: {sorted(queried - declared)}"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for wanted in ("throughput", "lag", "late", "waiting"):
+        assert wanted in titles
+    datasources = [d for path in sorted((GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
+                   for d in yaml.safe_load(path.read_text())["datasources"]]
+    uids = {d["uid"] for d in datasources if d["type"] == "prometheus"}
+    assert {p["datasource"]["uid"] for p in dashboard["panels"]} <= uids

@@ -91,7 +91,7 @@ def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
 
 def _metrics_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
-    g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}, dedup default off; 0 turns it off)")
+    g.add_argument("--metrics-port", type=int, help=f"serve Prometheus /metrics, /healthz and /readyz on this port (run default {DEFAULT_METRICS_PORT}, dedup and stage default off; 0 turns it off)")
     g.add_argument("--metrics-host", help=f"address to serve metrics on ({_d('metrics_host')})")
 
 
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, help=f"messages per batch ({_d('batch_size')})")
     _engine_flags(stage)
     _common_flags(stage)
+    _metrics_flags(stage)
 
     produce = sub.add_parser("produce", help="replay JSONL files into a Kafka topic, one message per line")
     produce.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
@@ -387,20 +388,47 @@ def cmd_stage(role: str, settings: Settings) -> int:
     topology = Topology(app, settings.shards, settings.decide_partitions)
     instance = settings.instance or socket.gethostname()
     stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
-    if role == "prepare":
-        from neardup.io.prepare_stage import PrepareStage
-
-        PrepareStage(stage_settings, topology, instance).run()
-    elif role == "shard":
-        from neardup.io.shard_stage import ShardStage
-
+    if role != "prepare":
         stage_settings = stage_settings.model_copy(update={"from_beginning": True})
-        ShardStage(stage_settings, topology, instance, settings.reorder_window_ms).run()
-    else:
-        from neardup.io.decide_stage import DecideStage
+    from neardup.metrics import StageMetrics
+    from neardup.server import MetricsServer, Readiness
 
-        stage_settings = stage_settings.model_copy(update={"from_beginning": True})
-        DecideStage(stage_settings, topology, instance).run()
+    metrics, readiness = StageMetrics(role), Readiness()
+    metrics.set_build_info(engine)
+    port = settings.metrics_port or 0  # off by default: several stage processes often share a host
+    server = MetricsServer(metrics, settings.metrics_host, port, readiness.check).start() if port else None
+
+    def on_batch(written: Any) -> None:  # counters last: they tell a scrape the batch is in
+        metrics.set_lag(runtime.lag())
+        metrics.observe(written)
+
+    def on_assignment(partitions: list[Any]) -> None:
+        readiness.set_assignment(partitions)
+        metrics.set_assignment(partitions)
+
+    def on_broker() -> None:  # also every statistics interval when idle
+        readiness.broker_answered()
+        metrics.set_lag(runtime.lag())
+
+    callbacks = {"on_batch": on_batch, "on_assignment": on_assignment, "on_broker": on_broker,
+                 "on_abort": metrics.transaction_aborted}
+    try:
+        if role == "prepare":
+            from neardup.io.prepare_stage import PrepareStage
+
+            runtime = PrepareStage(stage_settings, topology, instance, **callbacks)
+        elif role == "shard":
+            from neardup.io.shard_stage import ShardStage
+
+            runtime = ShardStage(stage_settings, topology, instance, settings.reorder_window_ms, **callbacks)
+        else:
+            from neardup.io.decide_stage import DecideStage
+
+            runtime = DecideStage(stage_settings, topology, instance, **callbacks)
+        runtime.run()
+    finally:
+        if server:
+            server.close()
     return 0
 
 

@@ -250,3 +250,124 @@ class Metrics:
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (what /metrics serves)."""
         return generate_latest(self.registry)
+
+
+#: Lateness of a band record behind the last one its shard released, seconds of record time.
+LATENESS_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+STAGE_OUTCOMES = ("unique", "duplicate", "dead_letter")
+
+
+class StageMetrics:
+    """The metrics of one process of a sharded stage (``neardup stage``), every series
+    labelled with its ``stage`` (prepare|shard|decide) so that one dashboard shows them
+    side by side. Fed with ``observe`` after every committed batch (the stage's
+    ``on_batch``: a ``PrepareWritten``, ``ShardWritten`` or ``DecideWritten``),
+    ``set_lag``, ``set_assignment`` and ``transaction_aborted``.
+
+    Args:
+        stage: prepare, shard or decide.
+    """
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._lag_labels: set[tuple[str, str]] = set()
+        self.consumed = Counter(
+            "neardup_stage_records_consumed", "Records consumed and committed by the stage (input, band or findings records).",
+            ["stage"], registry=r)
+        self.produced_bytes = Counter(
+            "neardup_stage_produced_bytes",
+            "Bytes (key + value) the stage produced, by kind (bands|documents: prepare; findings|changelog: shard).",
+            ["stage", "kind"], registry=r)
+        self.batch_seconds = Histogram(
+            "neardup_stage_batch_seconds", "Time to process and commit one batch, seconds.",
+            ["stage"], buckets=BATCH_BUCKETS, registry=r)
+        self.transactions = Counter(
+            "neardup_stage_transactions", "Kafka transactions, by outcome (committed|aborted).",
+            ["stage", "outcome"], registry=r)
+        self.consumer_lag = Gauge(
+            "neardup_stage_consumer_lag", "Records behind: high watermark minus consumer position, after the last batch.",
+            ["stage", "topic", "partition"], registry=r)
+        self.assigned_partitions = Gauge(
+            "neardup_stage_assigned_partitions", "Partitions assigned to this process.", ["stage"], registry=r)
+        self.late = Counter(
+            "neardup_reorder_late_records",
+            "Band records that came after a later one of their shard was released (past the reorder window), processed at once.",
+            ["stage"], registry=r)
+        self.lateness = Histogram(
+            "neardup_reorder_lateness_seconds",
+            "How far a late band record was behind the last one its shard released, seconds of record time.",
+            ["stage"], buckets=LATENESS_BUCKETS, registry=r)
+        self.held = Gauge(
+            "neardup_reorder_held_records", "Band records held in the reorder window after the last batch.",
+            ["stage"], registry=r)
+        self.outcomes = Counter(
+            "neardup_stage_documents", "Documents given their output by decide, by outcome (unique|duplicate|dead_letter).",
+            ["stage", "outcome"], registry=r)
+        self.waiting = Gauge(
+            "neardup_decide_waiting_documents",
+            "Documents decide holds after the last batch: waiting for a shard's finding or an earlier document's cluster.",
+            ["stage"], registry=r)
+        self.build = Info("neardup_build", "Version and engine settings of this process.", registry=r)
+        self.consumed.labels(stage)
+        for outcome in TRANSACTION_OUTCOMES:
+            self.transactions.labels(stage, outcome)
+        if stage == "shard":
+            self.late.labels(stage)
+            self.lateness.labels(stage)
+            self.held.labels(stage).set(0)
+        if stage == "decide":
+            for outcome in STAGE_OUTCOMES:
+                self.outcomes.labels(stage, outcome)
+            self.waiting.labels(stage).set(0)
+
+    def set_build_info(self, engine: EngineSettings) -> None:
+        """Publish the version, the stage and the engine settings as ``neardup_build_info``."""
+        self.build.info({"version": __version__, "stage": self.stage, "num_perm": str(engine.num_perm),
+                         "bands": str(engine.bands.bands), "rows": str(engine.bands.rows),
+                         "threshold": str(engine.threshold), "shingling": str(engine.shingling)})
+
+    def observe(self, written: Any) -> None:
+        """One committed batch of the stage (its ``on_batch`` argument)."""
+        s = self.stage
+        self.consumed.labels(s).inc(written.messages)
+        self.batch_seconds.labels(s).observe(written.seconds)
+        self.transactions.labels(s, "committed").inc()
+        if s == "prepare":
+            self.produced_bytes.labels(s, "bands").inc(written.band_bytes)
+            self.produced_bytes.labels(s, "documents").inc(written.document_bytes)
+        elif s == "shard":
+            self.produced_bytes.labels(s, "findings").inc(written.finding_bytes)
+            self.produced_bytes.labels(s, "changelog").inc(written.changelog_bytes)
+            self.late.labels(s).inc(written.late)
+            for ms in written.lateness_ms:
+                self.lateness.labels(s).observe(ms / 1000)
+            self.held.labels(s).set(written.held)
+        else:
+            self.outcomes.labels(s, "unique").inc(written.unique)
+            self.outcomes.labels(s, "duplicate").inc(written.duplicate)
+            self.outcomes.labels(s, "dead_letter").inc(written.dead_letter)
+            self.waiting.labels(s).set(written.waiting)
+
+    def transaction_aborted(self, *_: Any) -> None:
+        """A batch's transaction was aborted (the stage's ``on_abort``)."""
+        self.transactions.labels(self.stage, "aborted").inc()
+
+    def set_assignment(self, partitions: Sequence[Any]) -> None:
+        """The assigned partitions (objects with ``topic`` and ``partition``)."""
+        self.assigned_partitions.labels(self.stage).set(len(partitions))
+        keep = {(p.topic, str(p.partition)) for p in partitions}
+        for topic, partition in self._lag_labels - keep:
+            self.consumer_lag.remove(self.stage, topic, partition)
+        self._lag_labels &= keep
+
+    def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
+        """Records behind per (topic, partition)."""
+        for (topic, partition), value in lag.items():
+            self.consumer_lag.labels(self.stage, topic, str(partition)).set(value)
+            self._lag_labels.add((topic, str(partition)))
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (what /metrics serves)."""
+        return generate_latest(self.registry)

@@ -78,6 +78,7 @@ class ShardWritten:
     messages: int = 0
     released: int = 0
     late: int = 0
+    lateness_ms: list[int] = field(default_factory=list)  # per late record: ms behind the last released
     malformed: int = 0
     held: int = 0
     finding_bytes: int = 0
@@ -204,7 +205,8 @@ class ShardProcessor(StageHooks):
             shard.watermark = max(shard.watermark, order_time(rec.order))
             if shard.last and rec.order <= shard.last:
                 stats.late += 1
-                behind = max(behind, order_time(shard.last) - order_time(rec.order))
+                stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
+                behind = max(behind, stats.lateness_ms[-1])
                 self._release(p, shard, [rec], out, stats)
             else:
                 shard.held[rec.order] = rec
