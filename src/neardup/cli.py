@@ -315,6 +315,29 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings, engine: EngineSettin
     return 0
 
 
+def _observed(metrics: Any, readiness: Any, lag: Any, observe: Any, refresh: Any = lambda: None) -> dict[str, Any]:
+    """The callbacks of a consumer (``neardup run``'s, a stage's) that feed ``metrics`` and
+    ``readiness``: ``lag()`` gives the consumer's lag, ``observe(result)`` takes a
+    committed batch's result, ``refresh()`` reads what else changes (the state's size)."""
+
+    def on_batch(result: Any) -> None:  # counters last: they tell a scrape the batch is in
+        metrics.set_lag(lag())
+        refresh()
+        observe(result)
+
+    def on_assignment(partitions: list[Any]) -> None:
+        readiness.set_assignment(partitions)
+        metrics.set_assignment(partitions)
+
+    def on_broker() -> None:  # also every statistics interval when idle
+        readiness.broker_answered()
+        metrics.set_lag(lag())
+        refresh()
+
+    return {"on_batch": on_batch, "on_assignment": on_assignment, "on_broker": on_broker,
+            "on_abort": metrics.transaction_aborted}
+
+
 def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.detector import Detector
     from neardup.io.changelog import ChangelogWriter
@@ -340,24 +363,10 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
         with RocksDBStateStore(state_dir, engine.state_shape(), retention=retention_changes(settings),
                                log=changelog) as store:
             metrics.refresh_state(store, force=True)
-
-            def on_batch(stats: Any) -> None:  # counters last: they tell a scrape the batch is in
-                metrics.set_lag(consumer.lag())
-                metrics.refresh_state(store)
-                metrics.observe_batch(stats)
-
-            def on_assignment(partitions: list[Any]) -> None:
-                readiness.set_assignment(partitions)
-                metrics.set_assignment(partitions)
-
-            def on_broker() -> None:  # also every statistics interval when idle
-                readiness.broker_answered()
-                metrics.set_lag(consumer.lag())
-                metrics.refresh_state(store)
-
             consumer = KafkaDeduplicator(
-                settings, Detector(engine, store), on_batch=on_batch, on_assignment=on_assignment,
-                on_abort=metrics.transaction_aborted, on_broker=on_broker,
+                settings, Detector(engine, store),
+                **_observed(metrics, readiness, lambda: consumer.lag(), metrics.observe_batch,
+                            lambda: metrics.refresh_state(store)),
             )
             consumer.run()
     finally:
@@ -398,20 +407,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
     port = settings.metrics_port or 0  # off by default: several stage processes often share a host
     server = MetricsServer(metrics, settings.metrics_host, port, readiness.check).start() if port else None
 
-    def on_batch(written: Any) -> None:  # counters last: they tell a scrape the batch is in
-        metrics.set_lag(runtime.lag())
-        metrics.observe(written)
-
-    def on_assignment(partitions: list[Any]) -> None:
-        readiness.set_assignment(partitions)
-        metrics.set_assignment(partitions)
-
-    def on_broker() -> None:  # also every statistics interval when idle
-        readiness.broker_answered()
-        metrics.set_lag(runtime.lag())
-
-    callbacks = {"on_batch": on_batch, "on_assignment": on_assignment, "on_broker": on_broker,
-                 "on_abort": metrics.transaction_aborted}
+    callbacks = _observed(metrics, readiness, lambda: runtime.lag(), metrics.observe)
     try:
         if role == "prepare":
             from neardup.io.prepare_stage import PrepareStage
