@@ -180,11 +180,14 @@ def test_prepare_killed_mid_stream_writes_every_document_once(kafka_bootstrap, k
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     kills = 0
-    for target in (200, 500):  # SIGKILL once a part of partition 0 (of ~750) is committed, twice
+    for _ in range(2):  # SIGKILL twice, each run past its start-up and 150 more of partition 0 (of ~750)
+        # relative to where the run starts: the kill of the one before may land late
+        target = min(max(committed_offset(kafka_bootstrap, group, topic, 0), 0) + 150, ends[0])
         proc = start("a")
         try:
             deadline = time.monotonic() + 120
-            while committed_offset(kafka_bootstrap, group, topic, 0) < target:
+            while ((tmp_path / "stage.log").read_text().count("subscribed to") < kills + 1
+                   or committed_offset(kafka_bootstrap, group, topic, 0) < target):
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stage.log").read_text()[-3000:]
                 time.sleep(0.05)
         finally:

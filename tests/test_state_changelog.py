@@ -5,6 +5,7 @@ across a reopen, an interrupted restore is seen, and the typed open errors."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from neardup.detector import Detector
 from neardup.state import StateCorruptedError, StateError, StateLockedError, codec
 from neardup.state.kv import KeyValueStateStore, Record
 from neardup.state.memory import MemoryStateStore
-from neardup.state.rocksdb import RocksDBStateStore
+from neardup.state.rocksdb import WIPE_MARKER, RocksDBStateStore
 
 SETTINGS = EngineSettings(num_perm=64)
 SHAPE = SETTINGS.state_shape()
@@ -163,6 +164,36 @@ def test_an_interrupted_restore_is_seen_at_reopen_and_can_start_over(tmp_path: P
         assert not store.restoring() and _contents(store) == expected
     with RocksDBStateStore(path, SHAPE) as store:
         assert not store.restoring() and store.next_seq() == len(docs)
+
+
+def test_a_wipe_killed_inside_destroydb_is_finished_at_the_next_open(tmp_path: Path) -> None:
+    """DestroyDB removes CURRENT before the write-ahead logs: a process killed between the
+    two leaves a directory RocksDB will not open ("wal_dir contains existing log file").
+    The marker a wipe leaves until its empty database is open makes the next open finish
+    the wipe, so a restore killed there starts over instead of failing every restart."""
+    path = tmp_path / "state"
+    with RocksDBStateStore(path, SHAPE) as store:
+        _batches(store, _stream(100), 50)
+    assert list(path.glob("*.log"))
+
+    def killed_inside_destroydb(marker: bool) -> None:
+        (path / "CURRENT").unlink()
+        if marker:
+            (path / WIPE_MARKER).touch()
+
+    killed_inside_destroydb(marker=False)  # the state itself, without a wipe under way
+    with pytest.raises(StateCorruptedError, match="existing log file"):
+        RocksDBStateStore(path, SHAPE)
+    shutil.rmtree(path)
+    with RocksDBStateStore(path, SHAPE) as store:
+        _batches(store, _stream(100), 50)
+    killed_inside_destroydb(marker=True)
+    with RocksDBStateStore(path, SHAPE) as store:
+        assert store.is_empty() and not store.restoring()
+        assert not (path / WIPE_MARKER).exists()
+        _batches(store, _stream(100), 50)
+        store.wipe()
+        assert store.restoring() and store.is_empty() and not (path / WIPE_MARKER).exists()
 
 
 def test_a_locked_store_and_a_corrupted_one_raise_typed_errors(tmp_path: Path) -> None:

@@ -36,6 +36,13 @@ DB_WRITE_BUFFER_BYTES = 64 << 20
 MAX_WAL_BYTES = 128 << 20
 
 
+#: A file in the state directory while ``_wipe_all`` runs: RocksDB's DestroyDB removes the
+#: files one by one (CURRENT before the write-ahead logs), so a process killed inside it
+#: leaves a directory RocksDB refuses to open ("wal_dir contains existing log file"). An
+#: open that finds this file finishes the wipe first.
+WIPE_MARKER = "NEARDUP-WIPING"
+
+
 #: Families of hash values, which LZ4 cannot shrink: stored uncompressed, which spares
 #: the attempt at every flush and compaction.
 INCOMPRESSIBLE = ("shingles", "signatures", "buckets")
@@ -116,6 +123,8 @@ class RocksDBStateStore(KeyValueStateStore):
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StateError(f"cannot create the state directory {self.path}: {exc.strerror}") from exc
+        if (self.path / WIPE_MARKER).exists():  # a wipe was interrupted: finish it
+            self._destroy()
         cache = Cache(BLOCK_CACHE_BYTES)
         families = {name: _options(cache, compress=name not in INCOMPRESSIBLE) for name in codec.FAMILIES}
         try:
@@ -144,13 +153,23 @@ class RocksDBStateStore(KeyValueStateStore):
             yield key
 
     def _wipe_all(self) -> None:
-        """Close the database, destroy its directory (``DestroyDB``), reopen it empty."""
+        """Close the database, destroy its directory (``DestroyDB``), reopen it empty.
+        Crash-safe: ``WIPE_MARKER`` stays in the directory until the empty database is
+        open, and an open that finds it destroys the directory again."""
         self.close()
         try:
+            (self.path / WIPE_MARKER).touch()
+        except OSError as exc:
+            raise StateError(f"cannot wipe the state store {self.path}: {exc.strerror}") from exc
+        self._open_db()
+
+    def _destroy(self) -> None:
+        """DestroyDB on the directory, then remove ``WIPE_MARKER``."""
+        try:
             Rdict.destroy(str(self.path), Options(raw_mode=True))
+            (self.path / WIPE_MARKER).unlink(missing_ok=True)
         except Exception as exc:  # rocksdict raises plain Exception
             raise StateError(f"cannot wipe the state store {self.path}: {exc}") from exc
-        self._open_db()
 
     def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
         batch = WriteBatch(raw_mode=True)
