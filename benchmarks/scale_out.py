@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -133,7 +135,7 @@ def one_process(docs: list[Document]) -> dict[str, tuple[str, str | None, str]]:
 
 
 def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[tuple[bytes, bytes]],
-               reference: dict[bytes, tuple[int, int, int]] | None) -> dict[str, object]:
+               reference: dict[bytes, tuple[int, int, int]] | None, shard_state: str = "memory") -> dict[str, object]:
     topic = f"bench-scale-{uuid.uuid4().hex[:8]}"
     app = f"bench-app-{uuid.uuid4().hex[:8]}"
     create(bootstrap, {topic: args.input_partitions, **{f"{topic}.{s}": 1 for s in ("unique", "duplicates", "dlq")}})
@@ -143,16 +145,18 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     load_before = os.getloadavg()
     log = open(args.log, "ab")
     procs: dict[tuple[str, int], subprocess.Popen] = {}
+    state = Path(tempfile.mkdtemp(prefix="neardup-shard-state-")) if shard_state == "disk" else None
     started = time.perf_counter()
     for role in ROLES:
         for i in range(k):
+            extra = ["--state-dir", str(state / str(i))] if role == "shard" and state is not None else []
             procs[(role, i)] = subprocess.Popen(
                 [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
                  "--input-topic", topic, "--app", app, "--shards", str(args.shards),
                  "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
                  "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
                  "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
-                 "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+                 "--log-level", "WARNING", *extra], stdout=log, stderr=subprocess.STDOUT)
     n = len(messages)
     while len(reader.records) < n:
         dead = [key for key, p in procs.items() if p.poll() is not None]
@@ -169,6 +173,9 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     for p in procs.values():
         p.wait(60)
     load_after = os.getloadavg()
+    state_bytes = sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) if state is not None else 0
+    if state is not None:
+        shutil.rmtree(state)
     time.sleep(1)
     reader.stop.set()
     reader.join(10)
@@ -176,7 +183,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
     result: dict[str, object] = {
-        "processes_per_stage": k, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
+        "processes_per_stage": k, "shard_state": shard_state, "shard_state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
         "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
         "cpu_us_per_document": {r: 1e6 * c / n for r, c in cpu.items()},
         "peak_rss_mb_per_process": rss,
@@ -209,6 +216,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--shared-broker", action="store_true")
+    ap.add_argument("--shard-state", nargs="+", choices=["memory", "disk"], default=["memory"],
+                    help="where the shard stage keeps its state: memory, or disk (--state-dir, a RocksDB "
+                         "store per shard partition); each is run")
     ap.add_argument("--log", type=Path, default=Path("scale_out.log"))
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "scale_out.json")
     args = ap.parse_args()
@@ -218,14 +228,16 @@ def main() -> None:
     print(f"{len(messages):,} documents, {args.input_partitions} input partitions, {args.shards} shards, "
           f"{args.decide_partitions} decide partitions; broker {how}; nproc {os.cpu_count()}")
     runs = []
-    for i, k in enumerate(args.processes):
-        r = run_config(args, bootstrap, k, messages, reference={} if i == 0 else None)
+    for i, (k, mode) in enumerate((k, mode) for k in args.processes for mode in args.shard_state):
+        r = run_config(args, bootstrap, k, messages, reference={}, shard_state=mode)
         runs.append(r)
-        print(f"\n{k} process(es) per stage: {r['messages_per_second']:,.0f} messages/s ({r['seconds']:.1f} s "
+        print(f"\n{k} process(es) per stage, shard state in {mode}: {r['messages_per_second']:,.0f} messages/s "
+              f"({r['seconds']:.1f} s "
               f"from launch), outputs {r['outputs']:,} (repeated {r['outputs_repeated']}), "
               f"load {r['load_before']} -> {r['load_after']}")
         print("  CPU µs per document: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["cpu_us_per_document"].items()))
-        print("  peak RSS MB per process: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["peak_rss_mb_per_process"].items()))
+        print("  peak RSS MB per process: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["peak_rss_mb_per_process"].items())
+              + (f"; shard state on disk {r['shard_state_bytes'] / 1e6:,.1f} MB" if mode == "disk" else ""))
         print("  records / bytes per document: " + ", ".join(
             f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
         if "agreement" in r:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import re
 import os
 import signal
 import subprocess
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import committed_offset, excerpt, produce, read_all
+from kafka_util import committed_offset, excerpt, produce, read_all, stop
 from neardup.config import load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
@@ -270,20 +272,25 @@ class _Stages:
         self.log = open(log, "ab")
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
 
-    def start(self, role: str, instance: str = "a") -> None:
+    def start(self, role: str, instance: str = "a", *more: str) -> None:
         bootstrap, topic, app, shards, decide = self.args
         self.procs[(role, instance)] = subprocess.Popen(
             [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
              "--input-topic", topic, "--app", app, "--shards", shards, "--decide-partitions", decide,
              "--instance", instance, "--reorder-window-ms", self.reorder_ms, "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", "50",
-             "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500", *self.extra],
+             "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=500", *self.extra, *more],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def kill(self, role: str, instance: str = "a") -> None:
         proc = self.procs.pop((role, instance))
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+
+    def terminate(self, role: str, instance: str = "a") -> int:
+        """SIGTERM once the process handles it; its exit code."""
+        proc = self.procs.pop((role, instance))
+        return stop(proc)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
@@ -409,6 +416,53 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
         keys = Counter(o.key for o in out)
         assert sum(keys.values()) == len(messages) and max(keys.values()) == 1
         pytest.fail(f"{late} band records came later than the reorder window: {log[-2000:]}")
+
+
+def test_a_shard_on_disk_reads_only_the_newer_changelog_after_a_stop_or_a_kill(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """``--state-dir``: the shard stopped (SIGTERM) or SIGKILLed mid-stream reopens its
+    RocksDB stores at their positions, reading only the changelog's newer records; a
+    store deleted is restored in full. Every message once, the sharded rules' verdicts."""
+    topic = kafka_topic_factory("sharded-disk", partitions=2)
+    messages = _stories_and_copies(240)
+    messages.insert(7, (b"bad", b"{not json"))
+    messages.insert(20, (b"empty", json.dumps({"id": "empty", "text": "  "}).encode()))
+    parts = [messages[:160], messages[160:320], messages[320:]]
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log, reorder_ms=5000)
+    state = ("--state-dir", str(tmp_path / "shard-state"))
+    opened = re.compile(r"shard (\d) opened at .*?: (restored in full|from changelog offset \d+), (\d+) changelog records read")
+    try:
+        produce(kafka_bootstrap, topic, parts[0])
+        for role in ("prepare", "decide"):
+            stages.start(role)
+        stages.start("shard", "a", *state)
+        assert len(_outputs(kafka_bootstrap, topic, len(parts[0]), 240, stages.alive)) >= len(parts[0])
+        assert stages.terminate("shard") == 0, log.read_text()[-3000:]
+        produce(kafka_bootstrap, topic, parts[1][:80])
+        stages.start("shard", "a", *state)
+        assert len(_outputs(kafka_bootstrap, topic, len(parts[0]) + 80, 240, stages.alive)) >= len(parts[0]) + 80
+        stages.kill("shard")  # mid-stream: more arrives while it is down
+        produce(kafka_bootstrap, topic, parts[1][80:])
+        shutil.rmtree(tmp_path / "shard-state" / "shard-3")
+        stages.start("shard", "a", *state)
+        produce(kafka_bootstrap, topic, parts[2])
+        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
+    finally:
+        stages.stop()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    opens = [(int(p), how, int(n)) for p, how, n in opened.findall(text)]
+    assert [how for _, how, _ in opens[:4]] == ["restored in full"] * 4, opens  # new stores
+    restarts = opens[4:]
+    assert sorted(p for p, _, _ in restarts) == [0, 0, 1, 1, 2, 2, 3, 3], opens
+    full = [(p, n) for p, how, n in restarts if how == "restored in full"]
+    assert [p for p, _ in full] == [3], opens  # the deleted store only
+    # at its position: far fewer records than the changelog holds (the deleted store's)
+    assert all(n < full[0][1] / 3 for p, how, n in restarts if how != "restored in full"), opens
+    assert len(out) == len(messages), text[-4000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out)
 
 
 def test_a_stage_started_with_other_partition_counts_stops_with_one_line(kafka_bootstrap, kafka_topic_factory):

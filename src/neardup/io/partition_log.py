@@ -38,24 +38,28 @@ def with_retries(what: str, restore: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def read_to_end(settings: Settings, topic: str, partition: int) -> Iterator[list[Message]]:
-    """Chunks of the committed records of one partition (``read_committed``), from the
-    beginning to the end at the time of reading.
-
-    Raises:
-        KafkaException: a consume error other than the partition's end.
-    """
-    reader = Consumer({
+def _reader(settings: Settings) -> Consumer:
+    return Consumer({
         "bootstrap.servers": settings.bootstrap_servers, "logger": rdkafka_logger(), **settings.kafka,
         "group.id": f"neardup-restore-{uuid.uuid4()}", "enable.auto.commit": False,
         "enable.partition.eof": True, "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",
     })
+
+
+def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) -> Iterator[list[Message]]:
+    """Chunks of the committed records of one partition (``read_committed``), from offset
+    ``start`` (or the first record, if later) to the end at the time of reading.
+
+    Raises:
+        KafkaException: a consume error other than the partition's end.
+    """
+    reader = _reader(settings)
     try:
         low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
-        if high <= low:
+        if high <= max(low, start):
             return
-        reader.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        reader.assign([TopicPartition(topic, partition, start if start > low else OFFSET_BEGINNING)])
         while True:
             messages = reader.consume(CHUNK, timeout=0.2)
             chunk: list[Message] = []

@@ -1,13 +1,21 @@
 """The shard stage of a sharded deduplication (docs/scale-out.md): a stateful
 ``Processor`` on the stage runtime (``neardup.io.stage``).
 
-Each partition p of the band topic is one shard: its buckets and their members' sets
-(``neardup.sharded.shard.ShardIndex``, in memory), the records held in its reorder
-window, and its changelog, partition p of ``<app>.shard-changelog`` (compacted). Every
-change is produced to the changelog in the batch's transaction, so the changelog's
-committed records are exactly the state of the committed input offsets; the state is
-rebuilt from them when the partition is assigned (Kafka Streams' restore) and after a
-failed batch (``aborted``: what ``compute`` changed in memory is dropped and read again).
+Each partition p of the band topic is one shard: its buckets and their members' sets, the
+records held in its reorder window, and its changelog, partition p of
+``<app>.shard-changelog`` (compacted). Every change is produced to the changelog in the
+batch's transaction, so the changelog's committed records are exactly the state of the
+committed input offsets. Where the state is kept:
+
+- in memory (``ShardIndex``; no ``state_dir``): rebuilt from the whole changelog partition
+  when the partition is assigned (Kafka Streams' restore) and after a failed batch
+  (``aborted``: what ``compute`` changed in memory is dropped and read again);
+- on disk (``state_dir``): a RocksDB store per partition, ``state_dir/shard-<p>``
+  (``neardup.state.shard_store``, ``StoredShardIndex``), to which a batch's changelog
+  records are applied once its transaction has committed (``committed``), with their
+  changelog offsets (from the delivery reports); the members of batches not yet committed
+  stay in memory over it. On assignment and after a failed batch, the store reads the
+  changelog from its position only (everything when it has none).
 
 The reorder window: a band record is held until the partition's watermark (the largest
 record timestamp it has seen) is ``reorder_window_ms`` past its own, then processed with
@@ -31,9 +39,10 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
-from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
@@ -51,11 +60,11 @@ from neardup.sharded.records import (
     order_time,
     seq_order,
 )
-from neardup.sharded.shard import Joins, ShardIndex
+from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
+from neardup.state.shard_store import ShardStore, member_parts, member_value
 
 log = logging.getLogger(__name__)
 
-_N = struct.Struct(">I")
 _WATERMARK = struct.Struct(">q")
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 
@@ -65,6 +74,7 @@ class _Shard:
     """One shard partition's state."""
 
     index: ShardIndex
+    store: ShardStore | None = None
     held: dict[bytes, BandRecord] = field(default_factory=dict)
     logged: set[bytes] = field(default_factory=set)  # held keys whose H record is committed or in this batch
     last: bytes = b""
@@ -84,6 +94,7 @@ class ShardWritten:
     finding_bytes: int = 0
     changelog_bytes: int = 0
     seconds: float = 0.0
+    positions: dict[int, int] = field(default_factory=dict)  # changelog partition -> offset after its last record
 
 
 class ShardProcessor(StageHooks):
@@ -94,10 +105,17 @@ class ShardProcessor(StageHooks):
         topology: the sharded topics.
         reorder_window_ms: how long (record time, and wall time when idle) a band record
             is held before it is processed in order-key order.
+        state_dir: where each shard partition's state is kept on disk, a RocksDB store
+            per partition (``neardup.state.shard_store``); None: in memory.
     """
 
-    def __init__(self, settings: Settings, topology: Topology, reorder_window_ms: int) -> None:
+    def __init__(self, settings: Settings, topology: Topology, reorder_window_ms: int,
+                 state_dir: Path | None = None) -> None:
         self.settings = settings
+        self.state_dir = state_dir
+        # per batch computed and not yet committed, in order: its changelog records per
+        # shard partition (what the stores take once it is committed)
+        self._uncommitted: list[dict[int, list[tuple[bytes, bytes | None]]]] = []
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
@@ -107,9 +125,6 @@ class ShardProcessor(StageHooks):
         self._flush: set[int] = set()
 
     # --- lifecycle ------------------------------------------------------------------
-
-
-
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.findings, self.topology.shard_changelog)
 
@@ -127,15 +142,55 @@ class ShardProcessor(StageHooks):
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
     def revoked(self, partitions: set[TP]) -> None:
+        """The partitions' state is dropped (their stores closed)."""
         for _, p in partitions:
-            self.shards.pop(p, None)
+            shard = self.shards.pop(p, None)
+            if shard is not None and shard.store is not None:
+                shard.store.close()
 
     def aborted(self) -> None:
         """Drop what memory holds and restore every shard from its changelog."""
+        self._uncommitted = []
         for p in list(self.shards):
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
+    def committed(self, written: ShardWritten, seconds: float) -> ShardWritten:
+        """The oldest batch not yet committed is: its changelog records go to the stores
+        (with the changelog offsets their delivery reported), whose overlays then keep
+        only the later batches' members."""
+        written.seconds = seconds
+        if self._uncommitted:
+            batch = self._uncommitted.pop(0)
+            for p, records in batch.items():
+                shard = self.shards.get(p)
+                if shard is None or shard.store is None:
+                    continue
+                shard.store.apply(records, written.positions.get(p))
+                assert isinstance(shard.index, StoredShardIndex)
+                shard.index.forget()
+                for later in self._uncommitted:
+                    for key, value in later.get(p, ()):
+                        if key[:1] == b"M" and value is not None:
+                            self._member(shard.index, key[1:], value)
+        return written
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            if shard.store is not None:
+                shard.store.close()
+        self.shards = {}
+
+    @staticmethod
+    def _member(index: ShardIndex, order: bytes, value: bytes) -> None:
+        """Add a member (an ``M`` changelog record) to ``index``'s dicts."""
+        copies, band = member_parts(value)
+        rec = BandRecord.parse(order, band)
+        index.apply(order_seq(order), rec.id, Joins(rec.buckets, tuple(order_seq(c) for c in copies)),
+                    rec.fingerprints)
+
     def _restore(self, p: int) -> _Shard:
+        if self.state_dir is not None:
+            return self._restore_stored(p)
         shard = _Shard(ShardIndex(self.engine))
         started, records = time.perf_counter(), 0
         for chunk in read_to_end(self.settings, self.topology.shard_changelog, p):
@@ -151,16 +206,46 @@ class ShardProcessor(StageHooks):
                         shard.held[order] = BandRecord.parse(order, value)
                         shard.logged.add(order)
                 elif kind == b"M" and value is not None:
-                    (n,) = _N.unpack_from(value)
-                    copies = tuple(order_seq(value[4 + 20 * i:24 + 20 * i]) for i in range(n))
-                    rec = BandRecord.parse(order, value[4 + 20 * n:])
-                    shard.index.apply(order_seq(order), rec.id, Joins(rec.buckets, copies), rec.fingerprints)
+                    self._member(shard.index, order, value)
                 elif kind == b"P" and value is not None:
                     shard.watermark, shard.last = _WATERMARK.unpack_from(value)[0], value[_WATERMARK.size:]
         if records:
             log.info("shard %d restored from %s: %d records, %d members, %d held, in %.1f s", p,
                      self.topology.shard_changelog, records, len(shard.index.sets), len(shard.held),
                      time.perf_counter() - started)
+        return shard
+
+    def _restore_stored(self, p: int) -> _Shard:
+        """Open partition ``p``'s store and apply the changelog's records from its position
+        (``neardup.state.shard_store``); without one (a new store, a restore cut short),
+        wiped and every record."""
+        previous = self.shards.pop(p, None)
+        if previous is not None and previous.store is not None:
+            previous.store.close()
+        assert self.state_dir is not None
+        store = ShardStore(self.state_dir / f"shard-{p}",
+                           lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
+        started, records = time.perf_counter(), 0
+        try:
+            start = store.position()
+            if start is None:
+                store.wipe()
+                store.apply([], position=0)
+            for chunk in read_to_end(self.settings, self.topology.shard_changelog, p, start or 0):
+                store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1)
+                records += len(chunk)
+        except BaseException:
+            store.close()
+            raise
+        shard = _Shard(StoredShardIndex(self.engine, store), store)
+        shard.held = {order: BandRecord.parse(order, value) for order, value in store.prefixed(b"H")}
+        shard.logged = set(shard.held)
+        progress = store.get(b"P")
+        if progress is not None:
+            shard.watermark, shard.last = _WATERMARK.unpack_from(progress)[0], progress[_WATERMARK.size:]
+        log.info("shard %d opened at %s: %s, %d changelog records read, %d held, in %.1f s", p, store.path,
+                 f"from changelog offset {start}" if start is not None else "restored in full", records,
+                 len(shard.held), time.perf_counter() - started)
         return shard
 
     # --- a batch --------------------------------------------------------------------
@@ -229,6 +314,11 @@ class ShardProcessor(StageHooks):
                         _WATERMARK.pack(shard.watermark) + shard.last, []))
             stats.held += len(shard.held)
         self._flush = set()
+        changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
+        for topic, part, key, value, _ in out:
+            if topic == self.topology.shard_changelog:
+                changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
+        self._uncommitted.append(changes)
         return out, stats
 
     def _malformed(self, m: Message, exc: Exception, out: list[Record], stats: ShardWritten) -> None:
@@ -251,7 +341,7 @@ class ShardProcessor(StageHooks):
         for rec in records:
             seq = order_seq(rec.order)
             finding, joins = shard.index.add(seq, rec.buckets, rec.fingerprints, rec.id)
-            checked = [[*ORDER.unpack(seq_order(c.seq)), shard.index.ids[c.seq], c.jaccard, c.containment,
+            checked = [[*ORDER.unpack(seq_order(c.seq)), shard.index.id_of(c.seq), c.jaccard, c.containment,
                         c.similarity] for c in finding.checked]
             value = orjson.dumps({"shard": p, "checked": checked})
             out.append((t.findings, decide_partition(rec.order, t.decide_partitions), rec.order, value,
@@ -260,10 +350,9 @@ class ShardProcessor(StageHooks):
                 shard.logged.discard(rec.order)
                 out.append((t.shard_changelog, p, b"H" + rec.order, None, []))
             if not joins.empty:
-                copies = b"".join(seq_order(c) for c in joins.copies)
                 member = BandRecord(rec.order, rec.id, joins.buckets, rec.fingerprints).value()
                 out.append((t.shard_changelog, p, b"M" + rec.order,
-                            _N.pack(len(joins.copies)) + copies + member, []))
+                            member_value([seq_order(c) for c in joins.copies], member), []))
             if rec.order > shard.last:
                 shard.last = rec.order
             stats.released += 1
@@ -275,8 +364,15 @@ class ShardProcessor(StageHooks):
             KafkaException: a produce error (the transaction is aborted and retried).
         """
         records, stats = work
+        positions = stats.positions
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:  # served by the commit's flush
+            if err is None:
+                positions[msg.partition()] = max(positions.get(msg.partition(), 0), msg.offset() + 1)
+
         for topic, partition, key, value, headers in records:
-            produce(producer, topic, key, value, headers, partition)
+            changelog = topic == self.topology.shard_changelog
+            produce(producer, topic, key, value, headers, partition, delivered if changelog else None)
             size = len(key or b"") + len(value or b"")
             if topic == self.topology.findings:
                 stats.finding_bytes += size
@@ -295,11 +391,12 @@ class ShardStage(StageRuntime):
         topology: the sharded topics.
         instance: this process's name among the stage's instances.
         reorder_window_ms: see ``ShardProcessor``.
+        state_dir: see ``ShardProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0",
-                 reorder_window_ms: int = 2000, **callbacks: object) -> None:
+                 reorder_window_ms: int = 2000, state_dir: Path | None = None, **callbacks: object) -> None:
         settings = settings.model_copy(update={
             "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.bands]})
-        super().__init__(settings, ShardProcessor(settings, topology, reorder_window_ms), **callbacks)
+        super().__init__(settings, ShardProcessor(settings, topology, reorder_window_ms, state_dir), **callbacks)

@@ -284,14 +284,18 @@ def next_offsets(messages: list[Message]) -> list[TopicPartition]:
 
 
 def produce(producer: Producer, topic: str, key: bytes | None, value: bytes | None,
-            headers: list[tuple[str, bytes]], partition: int | None = None) -> None:
-    """``producer.produce`` of one record (to ``partition``, or the partitioner's),
-    serving delivery reports while the producer's queue is full.
+            headers: list[tuple[str, bytes]], partition: int | None = None,
+            on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
+    """``producer.produce`` of one record (to ``partition``, or the partitioner's; with
+    ``on_delivery``, called with its delivery report), serving delivery reports while the
+    producer's queue is full.
 
     Raises:
         KafkaException: the record is refused.
     """
-    extra = {} if partition is None else {"partition": partition}
+    extra: dict[str, Any] = {} if partition is None else {"partition": partition}
+    if on_delivery is not None:
+        extra["on_delivery"] = on_delivery
     while True:
         try:
             producer.produce(topic, value=value, key=key, headers=headers, **extra)

@@ -13,18 +13,24 @@ of that candidate finds it. Every candidate met here joined a bucket here, so th
 holds its shingle set and verifies it exactly without asking anyone: a document's set is
 kept on every shard where it joins a bucket.
 
-This is the in-memory model (``neardup.sharded.reference``); retention windows are not
-part of it.
+``ShardIndex`` keeps all of it in memory (the model, ``neardup.sharded.reference``, and the
+shard stage without a state directory); ``StoredShardIndex`` keeps it in a RocksDB store
+per shard partition. Retention windows are not part of it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from neardup.core.settings import EngineSettings
+from neardup.sharded.records import BandRecord, order_seq, seq_order
+
+if TYPE_CHECKING:
+    from neardup.state.shard_store import ShardStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +127,11 @@ class ShardIndex:
             The shard's ``Finding`` for the document, and what it joined.
         """
         s = self.settings
+        bucket_ids = buckets.tolist()
+        lists = self._members(bucket_ids)
         shared: Counter[int] = Counter()
-        for b in buckets.tolist():
-            shared.update(self.buckets.get(b, ()))
+        for members in lists:
+            shared.update(members)
         if seq < self.last:  # processed late: the later members are no candidates
             shared = Counter({m: n for m, n in shared.items() if m < seq})
         self.last = max(self.last, seq)
@@ -145,7 +153,7 @@ class ShardIndex:
             sim = checked[c].similarity
             if (copies and max(s.near_similarity, 2 * s.threshold - 1) <= sim < s.threshold
                     and best < s.threshold):
-                for m in self.copies.get(c, ()):
+                for m in self._copies(c):
                     if len(checked) >= limit or best >= s.threshold:
                         break
                     if m not in checked and m < seq:
@@ -154,28 +162,24 @@ class ShardIndex:
         only_new = s.duplicate_buckets == "new" and accepted
         joined: list[int] = []
         held: set[int] = set()
-        for b in buckets.tolist():
-            members = self.buckets.setdefault(b, [])
+        for b, members in zip(bucket_ids, lists):
             held.update(members)
             if len(members) >= s.max_bucket_size or (only_new and not accepted.isdisjoint(members)):
                 continue
-            members.append(seq)
             joined.append(b)
         copied: list[int] = []
         if copies and accepted and all(x.jaccard < 1.0 for x in checked.values()):
             for c, x in checked.items():
-                if s.threshold <= x.jaccard < 1.0 and c in held:
-                    bucket = self.copies.setdefault(c, [])
-                    if len(bucket) < s.max_bucket_size:
-                        bucket.append(seq)
-                        copied.append(c)
-        if joined or copied:
-            self.sets[seq] = fingerprints
-            self.ids[seq] = doc_id
-        return Finding(seq, tuple(checked.values())), Joins(np.array(joined, dtype=np.uint64), tuple(copied))
+                if s.threshold <= x.jaccard < 1.0 and c in held and len(self._copies(c)) < s.max_bucket_size:
+                    copied.append(c)
+        joins = Joins(np.array(joined, dtype=np.uint64), tuple(copied))
+        if not joins.empty:
+            self.apply(seq, doc_id, joins, fingerprints)
+        return Finding(seq, tuple(checked.values())), joins
 
     def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
-        """Add again what ``add`` added for a document (a restore, in the same order)."""
+        """Add what ``add`` added for a document (also to add it again: a restore, in the
+        same order)."""
         self.last = max(self.last, seq)
         for b in joins.buckets.tolist():
             self.buckets.setdefault(b, []).append(seq)
@@ -184,8 +188,74 @@ class ShardIndex:
         self.sets[seq] = fingerprints
         self.ids[seq] = doc_id
 
+    # --- the storage: dicts here, a RocksDB store below them in ``StoredShardIndex`` -------
+    def _members(self, buckets: list[int]) -> list[list[int]]:
+        """The members (seqs) of each bucket, in the order they joined."""
+        return [self.buckets.get(b, []) for b in buckets]
+
+    def _copies(self, seq: int) -> list[int]:
+        """The members (seqs) of the copy bucket of ``seq``."""
+        return self.copies.get(seq, [])
+
+    def fingerprints(self, seq: int) -> np.ndarray:
+        """uint32, sorted distinct: the shingle set of the member ``seq``."""
+        return self.sets[seq]
+
+    def id_of(self, seq: int) -> str:
+        """The external id of the member ``seq``."""
+        return self.ids[seq]
+
     def _check(self, c: int, fingerprints: np.ndarray, checked: dict[int, Checked]) -> float:
         s = self.settings
-        jac, con, sim = similarities(fingerprints, self.sets[c], s.measure, s.containment_direction)
+        jac, con, sim = similarities(fingerprints, self.fingerprints(c), s.measure, s.containment_direction)
         checked[c] = Checked(c, jac, con, sim)
         return sim
+
+
+class StoredShardIndex(ShardIndex):
+    """A ``ShardIndex`` whose committed members are in a RocksDB store
+    (``neardup.state.shard_store.ShardStore``): the dicts of ``ShardIndex`` hold only the
+    members of batches not yet committed (an overlay over the store), ``forget`` drops
+    them once the store has them (or their batch failed).
+
+    Args:
+        settings: the engine settings.
+        store: the shard partition's store, restored up to the committed changelog.
+    """
+
+    def __init__(self, settings: EngineSettings, store: ShardStore) -> None:
+        super().__init__(settings)
+        self.store = store
+        last = store.last_member()
+        self.last = -1 if last is None else order_seq(last)
+        self._parsed: dict[int, BandRecord] = {}
+
+    def forget(self) -> None:
+        """Drop the overlay (the members not in the store)."""
+        self.buckets, self.copies, self.sets, self.ids = {}, {}, {}, {}
+        self._parsed = {}
+
+    def _members(self, buckets: list[int]) -> list[list[int]]:
+        stored = self.store.members(buckets)
+        return [[order_seq(o) for o in keys] + self.buckets.get(b, []) for keys, b in zip(stored, buckets)]
+
+    def _copies(self, seq: int) -> list[int]:
+        return [order_seq(o) for o in self.store.copies(seq_order(seq))] + self.copies.get(seq, [])
+
+    def _stored(self, seq: int) -> BandRecord:
+        rec = self._parsed.get(seq)
+        if rec is None:
+            if len(self._parsed) > 10_000:  # a batch's candidates, about 2 kB each
+                self._parsed = {}
+            order = seq_order(seq)
+            value = self.store.member(order)
+            if value is None:
+                raise KeyError(seq)
+            rec = self._parsed[seq] = BandRecord.parse(order, value)
+        return rec
+
+    def fingerprints(self, seq: int) -> np.ndarray:
+        return self.sets[seq] if seq in self.sets else self._stored(seq).fingerprints
+
+    def id_of(self, seq: int) -> str:
+        return self.ids[seq] if seq in self.ids else self._stored(seq).id

@@ -1,0 +1,217 @@
+"""One shard partition's state in a local RocksDB directory: the materialised view of its
+changelog partition (``neardup.io.shard_stage``), as a Kafka Streams state store is of its
+changelog topic, plus the two indexes a shard looks up (a bucket's members, a document's
+copy bucket).
+
+The changelog stays the source of truth; the store is never ahead of it. A batch's
+changelog records are applied here only after its Kafka transaction committed, in one
+atomic write with the store's position (a changelog offset before which every record is
+in the store), as quix-streams keeps processed offsets in the data's own ``WriteBatch``.
+So a store is valid whenever it opens, after a clean stop, a rebalance or a SIGKILL alike:
+what its process committed and did not apply is after its position, and an open reads the
+changelog from there (Kafka Streams' restore, from a checkpoint; Kafka Streams itself, whose
+stores take writes before the commit, must wipe a store that was not closed cleanly under
+exactly-once). Applying is idempotent (a member's record is applied once; the others are
+puts and deletes), so a position may lag behind what the store holds. A store without a
+position (new, or a restore that did not finish) is wiped and restored in full.
+
+One caveat, Kafka Streams' too: a store whose position is older than the changelog's
+``delete.retention.ms`` (24 h by default) may miss a deletion of a held record that the
+broker compacted away in the meantime; such a record is released again.
+
+Key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes, whose
+byte order is the documents' order):
+
+- the changelog's records, as they are: ``b"H" + order key`` (a band record held in the
+  reorder window), ``b"M" + order key`` (a member: its copy joins, buckets and shingle
+  set), ``b"P"`` (watermark and last released order key);
+- ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
+  the order they joined;
+- ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
+  bucket, concatenated;
+- ``b"O"`` -> the position: ``">q"`` changelog offset.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+from rocksdict import Options, Rdict, WriteBatch
+
+from neardup.state.errors import StateError
+
+_U64 = struct.Struct(">Q")
+_Q = struct.Struct(">q")
+_N = struct.Struct(">I")
+ORDER_BYTES = 20
+POSITION_KEY = b"O"
+
+Record = tuple[bytes, "bytes | None"]
+
+
+def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
+    """An ``M`` record's value: ``">I"`` n, the n order keys of the copy buckets joined,
+    then the band record value (its id, the buckets it joined, its set)."""
+    return _N.pack(len(copies)) + b"".join(copies) + band
+
+
+def member_parts(value: bytes) -> tuple[list[bytes], bytes]:
+    """(the order keys of the copy buckets joined, the band record value) of an ``M``
+    record's value (``">I"`` n, n order keys, a band record value)."""
+    (n,) = _N.unpack_from(value)
+    copies = [value[4 + ORDER_BYTES * i:4 + ORDER_BYTES * (i + 1)] for i in range(n)]
+    return copies, value[4 + ORDER_BYTES * n:]
+
+
+def split_orders(raw: bytes | None) -> list[bytes]:
+    """The order keys of a ``B`` or ``C`` value."""
+    if not raw:
+        return []
+    return [raw[i:i + ORDER_BYTES] for i in range(0, len(raw), ORDER_BYTES)]
+
+
+class ShardStore:
+    """A shard partition's changelog records and bucket index in RocksDB.
+
+    Args:
+        path: the directory (created when missing); it is this partition's alone.
+        buckets_of: the bucket ids (uint64) a band record value joined: how an ``M``
+            record's buckets are read (``neardup.sharded.records.BandRecord``).
+
+    A directory RocksDB cannot open (corrupted, half deleted) is wiped: the changelog
+    holds all of it.
+
+    Raises:
+        StateError: the directory cannot be created, opened or wiped (permissions, a full
+            disk, another process holding it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], buckets_of) -> None:
+        self.path = Path(path)
+        self._buckets_of = buckets_of
+        self._db = self._open()
+
+    def _open(self) -> Rdict:
+        options = Options(raw_mode=True)
+        options.create_if_missing(True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                return Rdict(str(self.path), options)
+            except Exception as exc:  # rocksdict raises plain Exception
+                if not str(exc).startswith("Corruption:"):
+                    raise
+                shutil.rmtree(self.path)  # the changelog holds it all
+                self.path.mkdir(parents=True)
+                return Rdict(str(self.path), options)
+        except Exception as exc:
+            raise StateError(f"cannot open the shard state {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def wipe(self) -> None:
+        """Drop everything (the directory is removed and created again).
+
+        Raises:
+            StateError: it cannot be removed or created.
+        """
+        self.close()
+        try:
+            shutil.rmtree(self.path, ignore_errors=False)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StateError(f"cannot wipe the shard state {self.path}: {exc.strerror}") from exc
+        self._db = self._open()
+
+    def position(self) -> int | None:
+        """The changelog offset before which every record is in the store; None: none
+        (a new store, or one whose restore did not finish)."""
+        raw = self._db.get(POSITION_KEY)
+        return None if raw is None else _Q.unpack(raw)[0]
+
+    # --- writes ---------------------------------------------------------------------------
+    def apply(self, records: Sequence[Record], position: int | None = None) -> None:
+        """Apply committed changelog records (in changelog order) in one atomic write: each
+        stored as it is (None deletes), each member (``M``) not yet here also appended to
+        its buckets' and copy buckets' lists; with ``position``, the new position.
+
+        Raises:
+            StateError: the write failed (a full disk).
+        """
+        batch = WriteBatch(raw_mode=True)
+        appended: dict[bytes, list[bytes]] = {}
+        members = [key for key, value in records if value is not None and key[:1] == b"M"]
+        present = {key for key, raw in zip(members, self._db.get(members) if members else []) if raw is not None}
+        for key, value in records:
+            if value is None:
+                batch.delete(key)
+                continue
+            if key in present:  # applied before (a position that lagged): once only
+                continue
+            batch.put(key, value)
+            if key[:1] == b"M":
+                present.add(key)
+                order = key[1:]
+                copies, band = member_parts(value)
+                for c in copies:
+                    appended.setdefault(b"C" + c, []).append(order)
+                for b in self._buckets_of(band):
+                    appended.setdefault(b"B" + _U64.pack(b), []).append(order)
+        if appended:
+            keys = list(appended)
+            for key, old in zip(keys, self._db.get(keys)):
+                batch.put(key, (old or b"") + b"".join(appended[key]))
+        if position is not None:
+            batch.put(POSITION_KEY, _Q.pack(position))
+        try:
+            self._db.write(batch)
+        except Exception as exc:  # rocksdict raises plain Exception
+            raise StateError(f"cannot write the shard state {self.path}: {exc}") from exc
+
+    # --- reads ----------------------------------------------------------------------------
+    def members(self, buckets: Sequence[int]) -> list[list[bytes]]:
+        """The members' order keys of each bucket (uint64 ids), in the order they joined."""
+        if not len(buckets):
+            return []
+        return [split_orders(raw) for raw in self._db.get([b"B" + _U64.pack(b) for b in buckets])]
+
+    def copies(self, order: bytes) -> list[bytes]:
+        """The order keys in the copy bucket of the document ``order``."""
+        return split_orders(self._db.get(b"C" + order))
+
+    def member(self, order: bytes) -> bytes | None:
+        """The band record value of the member ``order`` (None if it is none)."""
+        raw = self._db.get(b"M" + order)
+        return None if raw is None else member_parts(raw)[1]
+
+    def prefixed(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """Every (key without ``prefix``, value) under a one-byte ``prefix``."""
+        out = []
+        for key, value in self._db.items(from_key=prefix):
+            if not key.startswith(prefix):
+                break
+            out.append((key[len(prefix):], value))
+        return out
+
+    def last_member(self) -> bytes | None:
+        """The highest order key of a member."""
+        last = None
+        it = self._db.iter()
+        try:
+            it.seek_for_prev(b"M" + b"\xff" * ORDER_BYTES)
+            if it.valid() and it.key()[:1] == b"M":
+                last = it.key()[1:]
+        finally:
+            del it
+        return last
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._db.get(key)

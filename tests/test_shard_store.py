@@ -1,0 +1,122 @@
+"""A shard partition's state on disk (``neardup.state.shard_store``, ``StoredShardIndex``),
+on real RocksDB: the same findings as the in-memory index while batches are committed one
+behind (as the stage runtime commits them), after a reopen, and the checkpoint rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from neardup.core.settings import EngineSettings
+from neardup.detector import Preparer
+from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
+from neardup.sharded.routing import owned_bands
+from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
+from neardup.state.shard_store import ShardStore, member_parts, member_value
+from test_quality import _excerpt
+from test_sharded import _republished
+
+SETTINGS = EngineSettings()
+SHARDS = 2
+
+
+def _stream(n: int) -> list[tuple[bytes, str, list[np.ndarray], np.ndarray]]:
+    """(order key, id, buckets per shard, set) of ``n`` stories and two rounds of edits."""
+    docs = _republished(_excerpt()[:n], rounds=2, seed=3)
+    p = Preparer(SETTINGS)(docs)
+    out = []
+    for i, d in enumerate(docs):
+        fp = p.fingerprints[p.fingerprint_offsets[i]:p.fingerprint_offsets[i + 1]]
+        parts = [p.buckets[i][bands] for bands in owned_bands(p.buckets[i], SHARDS)]
+        out.append((order_key(1_000 + i, 0, i), d.id, parts, fp))
+    return out
+
+
+def _store(path: Path) -> ShardStore:
+    return ShardStore(path, lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
+
+
+def _overlay(index: StoredShardIndex, batches: list[list[tuple[bytes, bytes]]]) -> None:
+    index.forget()
+    for records in batches:
+        for key, value in records:
+            copies, band = member_parts(value)
+            rec = BandRecord.parse(key[1:], band)
+            index.apply(order_seq(key[1:]), rec.id, Joins(rec.buckets, tuple(order_seq(c) for c in copies)),
+                        rec.fingerprints)
+
+
+def _add(index: ShardIndex, doc, shard: int) -> tuple[Finding, list[tuple[bytes, bytes]], list[str]]:
+    order, doc_id, parts, fp = doc
+    finding, joins = index.add(order_seq(order), parts[shard], fp, doc_id)
+    names = [index.id_of(c.seq) for c in finding.checked]
+    if joins.empty:
+        return finding, [], names
+    band = BandRecord(order, doc_id, joins.buckets, fp).value()
+    return finding, [(b"M" + order, member_value([seq_order(c) for c in joins.copies], band))], names
+
+
+def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path) -> None:
+    """Batches of 100; each batch's member records reach the store only after the next
+    batch is computed (the runtime's pipelined commit), the overlay holding the rest; the
+    stores are closed and opened again halfway."""
+    docs = _stream(400)  # 1,200 documents
+    memory = [ShardIndex(SETTINGS) for _ in range(SHARDS)]
+    stores = [_store(tmp_path / f"shard-{q}") for q in range(SHARDS)]
+    stored = [StoredShardIndex(SETTINGS, s) for s in stores]
+    pending: list[list[list[tuple[bytes, bytes]]]] = [[] for _ in range(SHARDS)]
+    matches = 0
+    for start in range(0, len(docs), 100):
+        if start == 600:  # every batch committed, the stores closed and opened again
+            for q in range(SHARDS):
+                for records in pending[q]:
+                    stores[q].apply(records)
+                pending[q] = []
+                stores[q].close()
+                stores[q] = _store(tmp_path / f"shard-{q}")
+                stored[q] = StoredShardIndex(SETTINGS, stores[q])
+        for q in range(SHARDS):
+            batch = []
+            for doc in docs[start:start + 100]:
+                want, want_records, want_names = _add(memory[q], doc, q)
+                got, got_records, got_names = _add(stored[q], doc, q)
+                assert got == want and got_records == want_records and got_names == want_names, doc[1]
+                matches += sum(c.similarity >= SETTINGS.threshold for c in got.checked)
+                batch += got_records
+            pending[q].append(batch)
+            if len(pending[q]) == 2:  # the batch before is committed: to the store
+                stores[q].apply(pending[q].pop(0))
+                _overlay(stored[q], pending[q])
+    assert matches > 1000  # the edited copies are found
+    for s in stores:
+        s.close()
+
+
+def test_the_position_is_kept_with_the_data_and_applying_twice_changes_nothing(tmp_path: Path) -> None:
+    """A position that lags (the changelog read again from an older offset) applies a
+    member once; a directory RocksDB cannot open is wiped (the changelog holds it all)."""
+    path = tmp_path / "shard-0"
+    store = _store(path)
+    assert store.position() is None
+    docs = _stream(3)[:2]
+    index = StoredShardIndex(SETTINGS, store)
+    records = _add(index, docs[0], 0)[1] + _add(index, docs[1], 0)[1] + [(b"P", b"x"), (b"H" + docs[0][0], b"h")]
+    assert len(records) == 4
+    store.apply(records[:1], position=5)
+    before = store.members(docs[0][2][0].tolist())
+    store.apply(records, position=9)  # records[0] again
+    store.apply(records[2:3] + [(b"H" + docs[0][0], None)], position=11)
+    store.close()
+    store = _store(path)
+    assert store.position() == 11 and store.get(b"P") == b"x" and store.prefixed(b"H") == []
+    assert store.last_member() == docs[1][0]
+    after = store.members(docs[0][2][0].tolist())
+    assert after == before and [keys.count(docs[0][0]) for keys in after] == [1] * len(after)
+    second = store.members(docs[1][2][0].tolist())
+    assert second and [keys.count(docs[1][0]) for keys in second] == [1] * len(second)
+    store.close()
+    (path / "CURRENT").unlink()  # as a process killed inside RocksDB's DestroyDB leaves it
+    store = _store(path)
+    assert store.position() is None and store.get(b"P") is None
+    store.close()
