@@ -310,6 +310,15 @@ def _consumer_fatal(err: KafkaError | None) -> bool:
     return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
 
 
+def _offsets_unfetched(err: KafkaError | None) -> bool:
+    """A consume error after which librdkafka never starts fetching the partitions just
+    assigned: their committed offsets could not be fetched with a request-level error
+    (``NOT_COORDINATOR`` from a coordinator that moved, as after a broker outage), and
+    librdkafka does not ask again (its issue 5586). A new consumer (a new assignment)
+    fetches them again."""
+    return err is not None and err.str().startswith("Failed to fetch committed offsets")
+
+
 def fatal(exc: KafkaException) -> bool:
     err = exc.args[0]
     return isinstance(err, KafkaError) and err.fatal()
@@ -624,6 +633,12 @@ class StageRuntime:
         fatal_error = next((m.error() for m in messages if _consumer_fatal(m.error())), None)
         if fatal_error is not None:
             self._new_consumer(fatal_error)
+            return None
+        unfetched = next((m.error() for m in messages if _offsets_unfetched(m.error())), None)
+        if unfetched is not None:  # not counted as a reset: no second instance is implied
+            log.warning("%s: the consumer would never fetch these partitions; starting a new consumer",
+                        unfetched.str())
+            self._replace_consumer()
             return None
         if self._unchecked:  # newly assigned partitions: before any of their messages is read
             tps = list(dict.fromkeys(self._unchecked))
