@@ -40,7 +40,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch
 
 from neardup.state.errors import StateError
 
@@ -51,6 +51,30 @@ ORDER_BYTES = 20
 POSITION_KEY = b"O"
 
 Record = tuple[bytes, "bytes | None"]
+
+#: Memory bounds, so that a shard process's memory does not grow with its documents: per
+#: partition at most two memtables of WRITE_BUFFER_BYTES, and one block cache of
+#: BLOCK_CACHE_BYTES shared by every partition of the process (index and filter blocks in
+#: it too).
+WRITE_BUFFER_BYTES = 8 << 20
+BLOCK_CACHE_BYTES = 64 << 20
+_cache: Cache | None = None
+
+
+def _options() -> Options:
+    global _cache
+    if _cache is None:
+        _cache = Cache(BLOCK_CACHE_BYTES)
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.set_write_buffer_size(WRITE_BUFFER_BYTES)
+    options.set_max_write_buffer_number(2)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)  # most bucket lookups miss
+    table.set_block_cache(_cache)
+    table.set_cache_index_and_filter_blocks(True)
+    options.set_block_based_table_factory(table)
+    return options
 
 
 def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
@@ -96,8 +120,7 @@ class ShardStore:
         self._db = self._open()
 
     def _open(self) -> Rdict:
-        options = Options(raw_mode=True)
-        options.create_if_missing(True)
+        options = _options()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             try:
