@@ -370,10 +370,12 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
             assert committed_offset(kafka_bootstrap, f"{topology.app}.{stage}", internal, p) == last + 1
 
 
-def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+@pytest.mark.parametrize("shard_state", ["memory", "disk"])
+def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_bootstrap, kafka_topic_factory, tmp_path,
+                                                                      shard_state):
     # each stage runs 1, then 3, then 2 processes (one of the three SIGKILLed) while the
     # input arrives; partitions move between processes, shard state moves with its
-    # changelog partition
+    # changelog partition (on disk: each shard process has its own --state-dir)
     import threading
 
     topic = kafka_topic_factory("sharded-scale", partitions=2)
@@ -389,15 +391,19 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
             produce(kafka_bootstrap, topic, messages[i:i + 15])
             time.sleep(1.0)
 
+    def start(role: str, instance: str) -> None:
+        disk = role == "shard" and shard_state == "disk"
+        stages.start(role, instance, *(["--state-dir", str(tmp_path / f"shard-{instance}")] if disk else []))
+
     feeder = threading.Thread(target=feed)
     try:
         for role in ("prepare", "shard", "decide"):
-            stages.start(role, "a")
+            start(role, "a")
         feeder.start()
         time.sleep(12)
         for role in ("prepare", "shard", "decide"):
-            stages.start(role, "b")
-            stages.start(role, "c")
+            start(role, "b")
+            start(role, "c")
         time.sleep(12)
         for role in ("prepare", "shard", "decide"):
             stages.kill(role, "a")
@@ -408,7 +414,9 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
         stages.stop()
     log = (tmp_path / "stages.log").read_text()
     assert len(out) == len(messages), log[-4000:]
-    assert "restored from" in log  # a shard partition moved with its state
+    # a shard partition moved with its state
+    moved = r"restored from" if shard_state == "memory" else r"restored in full, [1-9]\d* changelog records read"
+    assert re.search(moved, log), log[-4000:]
     late = log.count("processed late")
     if late == 0:
         _check_verdicts(kafka_bootstrap, topic, topology, out)
