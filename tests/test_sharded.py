@@ -127,3 +127,14 @@ def test_a_document_processed_late_meets_only_earlier_members():
     assert found["0"] == set() and found["1"] == {10}
     assert found["2"] == {10}, "the late document met a later one"
     assert found["3"] == {10, 20, 30}, "the late document did not join its buckets"
+
+
+@pytest.mark.parametrize("role", ["prepare", "decide"])
+def test_a_stage_without_state_on_disk_refuses_a_state_dir(role, capsys, tmp_path):
+    from neardup.cli import main
+
+    assert main(["stage", role, "--bootstrap-servers", "127.0.0.1:9", "--input-topic", "t",
+                 "--state-dir", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"neardup: error: --state-dir is for the shard stage; the {role} stage keeps no state on disk"
+    assert not (tmp_path / "s").exists()
