@@ -576,10 +576,12 @@ def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap,
     assert "Traceback" not in shard.stderr
 
 
-def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_factory, tmp_path):
+@pytest.mark.parametrize("shard_state", ["memory", "disk"])
+def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_factory, tmp_path, shard_state):
     # the broker frozen (SIGSTOP) for longer than the transaction and session timeouts
     # while the input arrives: every stage retries, and every message comes out once,
-    # with the verdicts of the rules run in one process
+    # with the verdicts of the rules run in one process (on disk: a failed batch reopens
+    # the shard's stores at their positions)
     import threading
 
     from test_kafka_outage import frozen_broker
@@ -598,7 +600,8 @@ def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_
 
     try:
         for role in ("prepare", "shard", "decide"):
-            stages.start(role)
+            disk = role == "shard" and shard_state == "disk"
+            stages.start(role, "a", *(["--state-dir", str(tmp_path / "shard-state")] if disk else []))
         time.sleep(5)
         feeder = threading.Thread(target=feed)
         feeder.start()
