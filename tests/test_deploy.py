@@ -408,9 +408,9 @@ def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
             assert service["spec"]["selector"].items() <= labels.items()
             assert service["spec"]["clusterIP"] == "None"
         claims = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
-        if role == "shard":  # its stores on the pod's own volume, kept across restarts
+        if role in ("shard", "decide"):  # its stores on the pod's own volume, kept across restarts
             assert settings.state_dir is not None and mounted.get(str(settings.state_dir)) in claims
-        else:  # stages that keep nothing on disk refuse --state-dir
+        else:  # the stateless stage refuses --state-dir
             assert settings.state_dir is None and not claims
 
 

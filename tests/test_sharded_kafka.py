@@ -375,7 +375,7 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
                                                                       shard_state):
     # each stage runs 1, then 3, then 2 processes (one of the three SIGKILLed) while the
     # input arrives; partitions move between processes, shard state moves with its
-    # changelog partition (on disk: each shard process has its own --state-dir)
+    # changelog partition (on disk: each shard and decide process has its own --state-dir)
     import threading
 
     topic = kafka_topic_factory("sharded-scale", partitions=2)
@@ -392,8 +392,8 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
             time.sleep(1.0)
 
     def start(role: str, instance: str) -> None:
-        disk = role == "shard" and shard_state == "disk"
-        stages.start(role, instance, *(["--state-dir", str(tmp_path / f"shard-{instance}")] if disk else []))
+        disk = role != "prepare" and shard_state == "disk"
+        stages.start(role, instance, *(["--state-dir", str(tmp_path / f"{role}-{instance}")] if disk else []))
 
     feeder = threading.Thread(target=feed)
     try:
@@ -426,11 +426,13 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
         pytest.fail(f"{late} band records came later than the reorder window: {log[-2000:]}")
 
 
-def test_a_shard_on_disk_reads_only_the_newer_changelog_after_a_stop_or_a_kill(
+def test_state_on_disk_reads_only_the_newer_records_after_a_stop_or_a_kill(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     """``--state-dir``: the shard stopped (SIGTERM) or SIGKILLed mid-stream reopens its
     RocksDB stores at their positions, reading only the changelog's newer records; a
-    store deleted is restored in full. Every message once, the sharded rules' verdicts."""
+    store deleted is restored in full. Decide, SIGKILLed, reopens its decisions table at
+    its position; deleted, it reads the table in full. Every message once, the sharded
+    rules' verdicts."""
     topic = kafka_topic_factory("sharded-disk", partitions=2)
     messages = _stories_and_copies(240)
     messages.insert(7, (b"bad", b"{not json"))
@@ -440,21 +442,28 @@ def test_a_shard_on_disk_reads_only_the_newer_changelog_after_a_stop_or_a_kill(
     log = tmp_path / "stages.log"
     stages = _Stages(kafka_bootstrap, topic, topology, log, reorder_ms=5000)
     state = ("--state-dir", str(tmp_path / "shard-state"))
+    decide_state = ("--state-dir", str(tmp_path / "decide-state"))
     opened = re.compile(r"shard (\d) opened at .*?: (restored in full|from changelog offset \d+), (\d+) changelog records read")
+    table = re.compile(r"decisions table opened at \S+: (read in full|from offset \d+), (\d+) records read")
     try:
         produce(kafka_bootstrap, topic, parts[0])
-        for role in ("prepare", "decide"):
-            stages.start(role)
+        stages.start("prepare")
+        stages.start("decide", "a", *decide_state)
         stages.start("shard", "a", *state)
         assert len(_outputs(kafka_bootstrap, topic, len(parts[0]), 240, stages.alive)) >= len(parts[0])
         assert stages.terminate("shard") == 0, log.read_text()[-3000:]
+        stages.kill("decide")
         produce(kafka_bootstrap, topic, parts[1][:80])
         stages.start("shard", "a", *state)
+        stages.start("decide", "a", *decide_state)
         assert len(_outputs(kafka_bootstrap, topic, len(parts[0]) + 80, 240, stages.alive)) >= len(parts[0]) + 80
         stages.kill("shard")  # mid-stream: more arrives while it is down
+        stages.kill("decide")
         produce(kafka_bootstrap, topic, parts[1][80:])
         shutil.rmtree(tmp_path / "shard-state" / "shard-3")
+        shutil.rmtree(tmp_path / "decide-state")
         stages.start("shard", "a", *state)
+        stages.start("decide", "a", *decide_state)
         produce(kafka_bootstrap, topic, parts[2])
         out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
     finally:
@@ -469,6 +478,12 @@ def test_a_shard_on_disk_reads_only_the_newer_changelog_after_a_stop_or_a_kill(
     assert [p for p, _ in full] == [3], opens  # the deleted store only
     # at its position: far fewer records than the changelog holds (the deleted store's)
     assert all(n < full[0][1] / 3 for p, how, n in restarts if how != "restored in full"), opens
+    tables = [(how.split()[0], int(n)) for how, n in table.findall(text)]
+    assert [how for how, _ in tables] == ["read", "from", "read"], tables  # new, reopened, deleted
+    # reopened at its position: few of the decisions taken before the kill read again (at
+    # most those it had not read back yet); deleted: all of them (the 240 outputs before
+    # it, less the dead letters)
+    assert tables[1][1] < len(parts[0]) / 3 and tables[2][1] >= len(parts[0]) + 80 - 2, tables
     assert len(out) == len(messages), text[-4000:]
     _check_verdicts(kafka_bootstrap, topic, topology, out)
 
@@ -600,8 +615,8 @@ def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_
 
     try:
         for role in ("prepare", "shard", "decide"):
-            disk = role == "shard" and shard_state == "disk"
-            stages.start(role, "a", *(["--state-dir", str(tmp_path / "shard-state")] if disk else []))
+            disk = role != "prepare" and shard_state == "disk"
+            stages.start(role, "a", *(["--state-dir", str(tmp_path / f"{role}-state")] if disk else []))
         time.sleep(5)
         feeder = threading.Thread(target=feed)
         feeder.start()

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shards", type=int, help=f"partitions of the band topic: shard partitions, fixed for the life of the state ({_d('shards')})")
     g.add_argument("--decide-partitions", type=int, help=f"partitions of the findings topic ({_d('decide_partitions')})")
     g.add_argument("--reorder-window-ms", type=int, help=f"shard: how long, in record time (and in wall time when the input is quiet), a band record is held so that documents are processed in order-key order ({_d('reorder_window_ms')})")
-    g.add_argument("--state-dir", type=Path, help="shard: a directory holding each of this process's shard partitions in a RocksDB store (shard-<partition>), kept between runs so that a clean restart reads only the changelog's newer records (default: in memory, restored from the changelog at every start)")
+    g.add_argument("--state-dir", type=Path, help="shard: a directory holding each of this process's shard partitions in a RocksDB store (shard-<partition>); decide: one holding the decisions table (decisions); kept between runs so that a restart reads only the newer records of the changelog or table (default: in memory, read from the topics at every start)")
     g.add_argument("--instance", help="this process's name among the stage's processes, stable across restarts: its transactional id is neardup-<app>.<role>-<instance> (default: the host name)")
     g.add_argument("--batch-max-ms", type=int, help=f"longest wait to fill a batch, ms ({_d('batch_max_ms')})")
     g.add_argument("--max-message-bytes", type=int, help=f"prepare: larger values go to the dead-letter topic, bytes ({_d('max_message_bytes')})")
@@ -394,8 +394,8 @@ def cmd_stage(role: str, settings: Settings) -> int:
         raise ValueError("neardup stage implements the canonical cluster policy only")
     if engine.verify != "exact":
         raise ValueError("neardup stage verifies exactly only (--verify exact)")
-    if settings.state_dir is not None and role != "shard":
-        raise ValueError(f"--state-dir is for the shard stage; the {role} stage keeps no state on disk")
+    if settings.state_dir is not None and role == "prepare":
+        raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
     topology = Topology(app, settings.shards, settings.decide_partitions)
     instance = settings.instance or socket.gethostname()
@@ -424,7 +424,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
         else:
             from neardup.io.decide_stage import DecideStage
 
-            runtime = DecideStage(stage_settings, topology, instance, **callbacks)
+            runtime = DecideStage(stage_settings, topology, instance, settings.state_dir, **callbacks)
         runtime.run()
     finally:
         if server:

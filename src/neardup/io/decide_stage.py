@@ -9,7 +9,9 @@ record is produced to ``<input>.unique`` or ``<input>.duplicates`` with today's 
 cluster to the compacted decisions topic, which every decide process reads in full (the
 decisions table: the clusters of earlier documents decided anywhere). A candidate is
 always earlier than the document and its own decision needs only earlier documents, so
-the earliest undecided document can always be decided: no deadlock.
+the earliest undecided document can always be decided: no deadlock. The table is in memory,
+read from the topic's start at every start, or with ``state_dir`` in a RocksDB store
+(``neardup.state.decisions``) reopened at its position.
 
 What waits lives in memory and in the stage's changelog (partition q of
 ``<app>.decide-changelog``), written in the batch's transaction: ``b"D" + order key`` ->
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from neardup.config import Settings
@@ -41,7 +45,7 @@ from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
-from neardup.io.partition_log import read_to_end, with_retries
+from neardup.io.partition_log import AheadOfTopicError, read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
@@ -64,6 +68,7 @@ from neardup.sharded.records import (
     unpack_message,
 )
 from neardup.sharded.shard import Checked, Finding
+from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +107,18 @@ class DecideProcessor(StageHooks):
     Args:
         settings: Kafka and batch settings; ``settings.engine()`` gives the threshold.
         topology: the sharded topics.
+        state_dir: where the decisions table is kept on disk (``state_dir/decisions``, a
+            RocksDB store); None: in memory.
     """
 
-    def __init__(self, settings: Settings, topology: Topology) -> None:
+    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None) -> None:
         self.settings = settings
         self.threshold = settings.engine().threshold
         self.digest = engine_digest(settings.engine())
         self.topology = topology
         self.partitions: dict[int, dict[bytes, _Waiting]] = {}
-        self.clusters: dict[int, int] = {}  # the decisions table: seq -> canonical seq
-        self.names: dict[int, str] = {}  # external ids of canonicals
+        self.state_dir = state_dir
+        self.clusters: DecisionsTable = DecisionsTable()  # replaced at start when on disk
         self._table: Consumer | None = None
         self._outputs: set[str] = set()
         self._blocked: dict[int, set[bytes]] = {}  # complete documents waiting for a cluster
@@ -123,28 +130,52 @@ class DecideProcessor(StageHooks):
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self, producer: Producer) -> None:
-        """Read the decisions table to its end."""
-        if self._table is None:
-            self._table = Consumer({
-                "bootstrap.servers": self.settings.bootstrap_servers, "logger": rdkafka_logger(),
-                **self.settings.kafka, "group.id": f"neardup-decisions-{uuid.uuid4()}",
-                "enable.auto.commit": False, "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest"})
-            self._ensure()
-            self._table.assign([TopicPartition(self.topology.decisions, 0, -2)])
-            with_retries("reading the decisions table", self._read_table)
-            log.info("decisions table read: %d documents", len(self.clusters))
+        """Open the decisions table and read the topic's records past its position to
+        their end.
 
-    def _read_table(self) -> None:
-        self.clusters.clear()
-        self.names.clear()
-        for chunk in read_to_end(self.settings, self.topology.decisions, 0):
-            self._apply_decisions(chunk)
+        Raises:
+            StateError: the table's store cannot be opened.
+        """
+        if self._table is not None:
+            return
+        if self.state_dir is not None and not isinstance(self.clusters, StoredDecisionsTable):
+            self.clusters = StoredDecisionsTable(self.state_dir / "decisions")
+        self._ensure()
+        started, start = time.perf_counter(), self.clusters.position()
+        read = with_retries("reading the decisions table", self._read_table)
+        position = self.clusters.position()
+        table = Consumer({
+            "bootstrap.servers": self.settings.bootstrap_servers, "logger": rdkafka_logger(),
+            **self.settings.kafka, "group.id": f"neardup-decisions-{uuid.uuid4()}",
+            "enable.auto.commit": False, "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest"})
+        table.assign([TopicPartition(self.topology.decisions, 0, OFFSET_BEGINNING if position is None else position)])
+        self._table = table
+        log.info("decisions table %s: %s, %d records read, in %.1f s",
+                 f"opened at {self.clusters.path}" if isinstance(self.clusters, StoredDecisionsTable) else "in memory",
+                 "read in full" if start is None else f"from offset {start}", read, time.perf_counter() - started)
+
+    def _read_table(self) -> int:
+        """Apply the topic's records from the table's position (a retry resumes there:
+        applying is idempotent); how many were read."""
+        read = 0
+        try:
+            for chunk in read_to_end(self.settings, self.topology.decisions, 0, self.clusters.position() or 0):
+                read += self._apply_decisions(chunk)
+        except AheadOfTopicError as exc:
+            log.warning("decisions table: %s (the topic was created again); read in full", exc)
+            self.clusters.wipe()
+            for chunk in read_to_end(self.settings, self.topology.decisions, 0):
+                read += self._apply_decisions(chunk)
+        return read
 
     def close(self) -> None:
         if self._table is not None:
             self._table.close()
             self._table = None
+        if isinstance(self.clusters, StoredDecisionsTable):
+            self.clusters.close()
+            self.clusters = DecisionsTable()
 
     def _ensure(self) -> None:
         if not self._ensured:
@@ -171,6 +202,7 @@ class DecideProcessor(StageHooks):
             self._blocked.pop(q, None)
 
     def aborted(self) -> None:
+        self.clusters.forget_taken()  # the retry takes them again
         for q in list(self.partitions):
             self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
         self._blocked.clear()
@@ -207,16 +239,18 @@ class DecideProcessor(StageHooks):
 
     # --- the decisions table -----------------------------------------------------------
     def _apply_decisions(self, messages: list[Message]) -> int:
-        n = 0
+        """Apply a chunk of the decisions topic's records to the table, with the offset
+        after the last as its position; how many were decisions."""
+        decisions = []
         for m in messages:
             if m.error() is not None or m.value() is None:
                 continue
             d = orjson.loads(m.value())
-            canonical = order_seq(ORDER.pack(*d["cluster"]))
-            self.clusters[order_seq(m.key())] = canonical
-            self.names[canonical] = d["cluster_id"]
-            n += 1
-        return n
+            decisions.append((order_seq(m.key()), order_seq(ORDER.pack(*d["cluster"])), d["cluster_id"]))
+        offsets = [m.offset() for m in messages if m.error() is None]
+        if offsets:
+            self.clusters.apply(decisions, offsets[-1] + 1)
+        return len(decisions)
 
     def _poll_table(self) -> int:
         """Apply the decisions that came to the table; sets ``_table_new`` if any did."""
@@ -343,13 +377,13 @@ class DecideProcessor(StageHooks):
             if waiting_for(findings, self.clusters, self.threshold):
                 return "blocked"
             verdict, cluster = decide(seq, findings, self.clusters, self.threshold,
-                                      lambda s: names.get(s) or self.names[s])
-            self.clusters[seq] = cluster
-            self.names.setdefault(cluster, names.get(cluster) or self.names.get(cluster, ""))
+                                      lambda s: names.get(s) or self.clusters.name(s))
+            cluster_id = names.get(cluster) or self.clusters.name(cluster)
+            self.clusters.take(seq, cluster, cluster_id)
             outcome = Outcome.of_verdict(verdict)
             out.append((self.topology.decisions, 0, order,
                         orjson.dumps({"cluster": list(ORDER.unpack(seq_order(cluster))),
-                                      "cluster_id": self.names[cluster]}), []))
+                                      "cluster_id": cluster_id}), []))
         self._create_outputs(topic)
         # a record too large for its topic goes to the dead-letter topic, with less of the
         # message if need be (as in ``neardup run``: ``neardup.io.messages.fit``)
@@ -415,10 +449,12 @@ class DecideStage(StageRuntime):
             topic); ``group_id`` is the stage's consumer group.
         topology: the sharded topics.
         instance: this process's name among the stage's instances.
+        state_dir: see ``DecideProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
 
-    def __init__(self, settings: Settings, topology: Topology, instance: str = "0", **callbacks: object) -> None:
+    def __init__(self, settings: Settings, topology: Topology, instance: str = "0", state_dir: Path | None = None,
+                 **callbacks: object) -> None:
         settings = settings.model_copy(update={
             "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.findings]})
-        super().__init__(settings, DecideProcessor(settings, topology), **callbacks)
+        super().__init__(settings, DecideProcessor(settings, topology, state_dir), **callbacks)

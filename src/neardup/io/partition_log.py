@@ -47,16 +47,24 @@ def _reader(settings: Settings) -> Consumer:
     })
 
 
+class AheadOfTopicError(Exception):
+    """A store's position lies beyond the end of its topic partition: the topic was
+    deleted and created again, and the store describes the old one."""
+
+
 def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) -> Iterator[list[Message]]:
     """Chunks of the committed records of one partition (``read_committed``), from offset
     ``start`` (or the first record, if later) to the end at the time of reading.
 
     Raises:
         KafkaException: a consume error other than the partition's end.
+        AheadOfTopicError: ``start`` is beyond the partition's end.
     """
     reader = _reader(settings)
     try:
         low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
+        if start > high:
+            raise AheadOfTopicError(f"position {start} is beyond the end of {topic}[{partition}] ({high})")
         if high <= max(low, start):
             return
         reader.assign([TopicPartition(topic, partition, start if start > low else OFFSET_BEGINNING)])

@@ -46,7 +46,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.io.partition_log import read_to_end, with_retries
+from neardup.io.partition_log import AheadOfTopicError, read_to_end, with_retries
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
@@ -225,15 +225,25 @@ class ShardProcessor(StageHooks):
         assert self.state_dir is not None
         store = ShardStore(self.state_dir / f"shard-{p}",
                            lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
-        started, records = time.perf_counter(), 0
-        try:
-            start = store.position()
-            if start is None:
+        started = time.perf_counter()
+
+        def read(offset: int) -> int:
+            if offset == 0:
                 store.wipe()
                 store.apply([], position=0)
-            for chunk in read_to_end(self.settings, self.topology.shard_changelog, p, start or 0):
+            n = 0
+            for chunk in read_to_end(self.settings, self.topology.shard_changelog, p, offset):
                 store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1)
-                records += len(chunk)
+                n += len(chunk)
+            return n
+
+        try:
+            start = store.position()
+            try:
+                records = read(start or 0)
+            except AheadOfTopicError as exc:  # its position is of a deleted changelog
+                log.warning("shard %d: %s (the topic was created again); restored in full", p, exc)
+                start, records = None, read(0)
         except BaseException:
             store.close()
             raise

@@ -35,46 +35,18 @@ byte order is the documents' order):
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from collections.abc import Sequence
-from pathlib import Path
 
-from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch
+from rocksdict import WriteBatch
 
-from neardup.state.errors import StateError
+from neardup.state.view import TopicView
 
 _U64 = struct.Struct(">Q")
-_Q = struct.Struct(">q")
 _N = struct.Struct(">I")
 ORDER_BYTES = 20
-POSITION_KEY = b"O"
 
 Record = tuple[bytes, "bytes | None"]
-
-#: Memory bounds, so that a shard process's memory does not grow with its documents: per
-#: partition at most two memtables of WRITE_BUFFER_BYTES, and one block cache of
-#: BLOCK_CACHE_BYTES shared by every partition of the process (index and filter blocks in
-#: it too).
-WRITE_BUFFER_BYTES = 8 << 20
-BLOCK_CACHE_BYTES = 64 << 20
-_cache: Cache | None = None
-
-
-def _options() -> Options:
-    global _cache
-    if _cache is None:
-        _cache = Cache(BLOCK_CACHE_BYTES)
-    options = Options(raw_mode=True)
-    options.create_if_missing(True)
-    options.set_write_buffer_size(WRITE_BUFFER_BYTES)
-    options.set_max_write_buffer_number(2)
-    table = BlockBasedOptions()
-    table.set_bloom_filter(10, False)  # most bucket lookups miss
-    table.set_block_cache(_cache)
-    table.set_cache_index_and_filter_blocks(True)
-    options.set_block_based_table_factory(table)
-    return options
 
 
 def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
@@ -98,7 +70,7 @@ def split_orders(raw: bytes | None) -> list[bytes]:
     return [raw[i:i + ORDER_BYTES] for i in range(0, len(raw), ORDER_BYTES)]
 
 
-class ShardStore:
+class ShardStore(TopicView):
     """A shard partition's changelog records and bucket index in RocksDB.
 
     Args:
@@ -115,50 +87,8 @@ class ShardStore:
     """
 
     def __init__(self, path: str | os.PathLike[str], buckets_of) -> None:
-        self.path = Path(path)
         self._buckets_of = buckets_of
-        self._db = self._open()
-
-    def _open(self) -> Rdict:
-        options = _options()
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            try:
-                return Rdict(str(self.path), options)
-            except Exception as exc:  # rocksdict raises plain Exception
-                if not str(exc).startswith("Corruption:"):
-                    raise
-                shutil.rmtree(self.path)  # the changelog holds it all
-                self.path.mkdir(parents=True)
-                return Rdict(str(self.path), options)
-        except Exception as exc:
-            raise StateError(f"cannot open the shard state {self.path}: {exc}") from exc
-
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-    def wipe(self) -> None:
-        """Drop everything (the directory is removed and created again).
-
-        Raises:
-            StateError: it cannot be removed or created.
-        """
-        self.close()
-        try:
-            shutil.rmtree(self.path, ignore_errors=False)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StateError(f"cannot wipe the shard state {self.path}: {exc.strerror}") from exc
-        self._db = self._open()
-
-    def position(self) -> int | None:
-        """The changelog offset before which every record is in the store; None: none
-        (a new store, or one whose restore did not finish)."""
-        raw = self._db.get(POSITION_KEY)
-        return None if raw is None else _Q.unpack(raw)[0]
+        super().__init__(path, "the shard state")
 
     # --- writes ---------------------------------------------------------------------------
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
@@ -192,12 +122,7 @@ class ShardStore:
             keys = list(appended)
             for key, old in zip(keys, self._db.get(keys)):
                 batch.put(key, (old or b"") + b"".join(appended[key]))
-        if position is not None:
-            batch.put(POSITION_KEY, _Q.pack(position))
-        try:
-            self._db.write(batch)
-        except Exception as exc:  # rocksdict raises plain Exception
-            raise StateError(f"cannot write the shard state {self.path}: {exc}") from exc
+        self._write(batch, position)
 
     # --- reads ----------------------------------------------------------------------------
     def members(self, buckets: Sequence[int]) -> list[list[bytes]]:
@@ -235,6 +160,3 @@ class ShardStore:
         finally:
             del it
         return last
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._db.get(key)

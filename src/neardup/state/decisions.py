@@ -1,0 +1,169 @@
+"""Decide's decisions table (docs/scale-out.md): for every document decided anywhere, the
+seq of its cluster's canonical, and the external id of every canonical. It is the view of
+the compacted ``<app>.decisions`` topic (one partition), which every decide process reads
+in full: a global table in Kafka Streams' terms.
+
+Two kinds, one interface (``clusters[seq]``, ``seq in clusters``, ``name(canonical)``):
+
+- ``DecisionsTable``: in memory (Python dicts, about 138 bytes per document), read from
+  the topic's start at every process start;
+- ``StoredDecisionsTable``: a RocksDB store (``neardup.state.view``), whose entries and
+  position are written together, so a process restarted reads only the topic's newer
+  records, and memory does not grow with the documents decided.
+
+Both also hold the decisions *taken* in this process's batches and not yet read back from
+the topic (``take``): a batch's later documents need them before its transaction commits.
+They leave that overlay when read back (committed), or all at once when a batch is aborted
+(``forget_taken``): the batch's retry takes them again, the same, since a decision is a
+function of the findings and of earlier decisions.
+
+Stored key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes):
+
+- ``b"K" + order key`` -> the canonical's order key, followed by the canonical's external
+  id (UTF-8) when the document is its own canonical;
+- ``b"O"`` -> the position: ``">q"`` next offset of the decisions topic's partition 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from rocksdict import WriteBatch
+
+from neardup.sharded.records import ORDER, order_seq, seq_order
+from neardup.state.view import TopicView
+
+#: One decision read from the topic: (document seq, canonical seq, canonical's external id).
+Decision = tuple[int, int, str]
+
+
+class DecisionsTable:
+    """The decisions table in memory: seq -> canonical seq, canonical seq -> external id."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[int, int] = {}
+        self._names: dict[int, str] = {}
+        self._taken: dict[int, tuple[int, str]] = {}
+        self._position: int | None = None
+
+    # --- lookups --------------------------------------------------------------------------
+    def __getitem__(self, seq: int) -> int:
+        """The canonical seq of document ``seq``'s cluster.
+
+        Raises:
+            KeyError: ``seq`` is not decided (or not read yet).
+        """
+        taken = self._taken.get(seq)
+        if taken is not None:
+            return taken[0]
+        found = self._committed(seq)
+        if found is None:
+            raise KeyError(seq)
+        return found
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._taken or (isinstance(seq, int) and self._committed(seq) is not None)
+
+    def name(self, canonical: int) -> str:
+        """The external id of the canonical ``canonical`` ("" if unknown)."""
+        taken = self._taken.get(canonical)
+        if taken is not None and taken[0] == canonical:
+            return taken[1]
+        return self._committed_name(canonical)
+
+    def _committed(self, seq: int) -> int | None:
+        return self._clusters.get(seq)
+
+    def _committed_name(self, canonical: int) -> str:
+        return self._names.get(canonical, "")
+
+    # --- changes --------------------------------------------------------------------------
+    def take(self, seq: int, canonical: int, name: str) -> None:
+        """A decision taken in this process's current batch (to the topic when it commits):
+        document ``seq`` is in the cluster of ``canonical``, whose external id is ``name``."""
+        self._taken[seq] = (canonical, name)
+
+    def forget_taken(self) -> None:
+        """Drop the decisions taken and not yet read back (a batch was aborted)."""
+        self._taken.clear()
+
+    def apply(self, decisions: Sequence[Decision], position: int) -> None:
+        """Committed decisions read from the topic (in its order), and the offset after the
+        last of them: the table's new position."""
+        for seq, canonical, name in decisions:
+            self._clusters[seq] = canonical
+            self._names[canonical] = name
+            self._taken.pop(seq, None)
+        self._position = position
+
+    def position(self) -> int | None:
+        """The next offset of the topic to read; None: from its start."""
+        return self._position
+
+    def taken(self) -> int:
+        """How many decisions taken here are not yet read back."""
+        return len(self._taken)
+
+    def wipe(self) -> None:
+        """Drop everything (the topic will be read from its start)."""
+        self._clusters.clear()
+        self._names.clear()
+        self._taken.clear()
+        self._position = None
+
+    def close(self) -> None:
+        pass
+
+
+class StoredDecisionsTable(DecisionsTable):
+    """The decisions table in a RocksDB directory (its own: one per decide process).
+
+    Args:
+        path: the directory, created when missing.
+
+    Raises:
+        StateError: the directory cannot be created, opened or written (permissions, a
+            full disk, another process holding it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self._view = TopicView(path, "the decisions table")
+        self.path = self._view.path
+
+    def _committed(self, seq: int) -> int | None:
+        raw = self._view.get(b"K" + seq_order(seq))
+        return None if raw is None else order_seq(raw[:ORDER.size])
+
+    def _committed_name(self, canonical: int) -> str:
+        raw = self._view.get(b"K" + seq_order(canonical))
+        return "" if raw is None else raw[ORDER.size:].decode("utf-8")
+
+    def apply(self, decisions: Sequence[Decision], position: int) -> None:
+        """As ``DecisionsTable.apply``, in one atomic write with the position.
+
+        Raises:
+            StateError: the write failed (a full disk).
+        """
+        batch = WriteBatch(raw_mode=True)
+        for seq, canonical, name in decisions:
+            order = seq_order(canonical)
+            batch.put(b"K" + seq_order(seq), order + name.encode("utf-8") if seq == canonical else order)
+            self._taken.pop(seq, None)
+        self._view._write(batch, position)
+
+    def position(self) -> int | None:
+        return self._view.position()
+
+    def wipe(self) -> None:
+        """Drop everything (the directory is removed and created again).
+
+        Raises:
+            StateError: it cannot be removed or created.
+        """
+        self._taken.clear()
+        self._view.wipe()
+
+    def close(self) -> None:
+        self._view.close()
