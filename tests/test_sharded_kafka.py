@@ -632,3 +632,29 @@ def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_
     assert len(out) == len(messages), log[-4000:]
     assert "Traceback" not in log
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set())
+
+
+def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootstrap, tmp_path, caplog):
+    """A decisions table on disk whose position lies beyond the end of its topic (the
+    topology's topics deleted and created again under the same app) describes another
+    topic: it is wiped and the topic read in full, not trusted."""
+    from neardup.config import Settings
+    from neardup.io.decide_stage import DecideProcessor
+    from neardup.sharded.records import order_key, order_seq
+    from neardup.state.decisions import StoredDecisionsTable
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    stale = order_seq(order_key(1_700_000_000_000, 0, 5))
+    table = StoredDecisionsTable(tmp_path / "decisions")
+    table.apply([(stale, stale, "old")], 1_000)
+    table.close()
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-ahead"], group_id=topology.app)
+    processor = DecideProcessor(settings, topology, tmp_path)
+    try:
+        with caplog.at_level("INFO", logger="neardup.io.decide_stage"):
+            processor.start(None)
+        assert stale not in processor.clusters  # the old entry is gone
+        assert processor.clusters.position() is None  # nothing read from the new, empty topic
+        assert "is beyond the end of" in caplog.text and "read in full" in caplog.text, caplog.text
+    finally:
+        processor.close()
