@@ -135,7 +135,7 @@ def one_process(docs: list[Document]) -> dict[str, tuple[str, str | None, str]]:
 
 
 def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[tuple[bytes, bytes]],
-               reference: dict[bytes, tuple[int, int, int]] | None, shard_state: str = "memory") -> dict[str, object]:
+               reference: dict[bytes, tuple[int, int, int]] | None, state_mode: str = "memory") -> dict[str, object]:
     topic = f"bench-scale-{uuid.uuid4().hex[:8]}"
     app = f"bench-app-{uuid.uuid4().hex[:8]}"
     create(bootstrap, {topic: args.input_partitions, **{f"{topic}.{s}": 1 for s in ("unique", "duplicates", "dlq")}})
@@ -145,11 +145,11 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     load_before = os.getloadavg()
     log = open(args.log, "ab")
     procs: dict[tuple[str, int], subprocess.Popen] = {}
-    state = Path(tempfile.mkdtemp(prefix="neardup-shard-state-")) if shard_state == "disk" else None
+    state = Path(tempfile.mkdtemp(prefix="neardup-stage-state-")) if state_mode == "disk" else None
     started = time.perf_counter()
     for role in ROLES:
         for i in range(k):
-            extra = ["--state-dir", str(state / str(i))] if role == "shard" and state is not None else []
+            extra = ["--state-dir", str(state / f"{role}-{i}")] if role != "prepare" and state is not None else []
             procs[(role, i)] = subprocess.Popen(
                 [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
                  "--input-topic", topic, "--app", app, "--shards", str(args.shards),
@@ -173,7 +173,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     for p in procs.values():
         p.wait(60)
     load_after = os.getloadavg()
-    state_bytes = sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) if state is not None else 0
+    state_bytes = {role: sum(f.stat().st_size for d in state.glob(f"{role}-*") for f in d.rglob("*") if f.is_file())
+                   for role in ("shard", "decide")} if state is not None else {}
     if state is not None:
         shutil.rmtree(state)
     time.sleep(1)
@@ -183,7 +184,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
     result: dict[str, object] = {
-        "processes_per_stage": k, "shard_state": shard_state, "shard_state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
+        "processes_per_stage": k, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
         "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
         "cpu_us_per_document": {r: 1e6 * c / n for r, c in cpu.items()},
         "peak_rss_mb_per_process": rss,
@@ -216,9 +217,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--shared-broker", action="store_true")
-    ap.add_argument("--shard-state", nargs="+", choices=["memory", "disk"], default=["memory"],
-                    help="where the shard stage keeps its state: memory, or disk (--state-dir, a RocksDB "
-                         "store per shard partition); each is run")
+    ap.add_argument("--state", nargs="+", choices=["memory", "disk"], default=["memory"],
+                    help="where the shard and decide stages keep their state: memory, or disk (--state-dir: "
+                         "a RocksDB store per shard partition, and decide's decisions table); each is run")
     ap.add_argument("--log", type=Path, default=Path("scale_out.log"))
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "scale_out.json")
     args = ap.parse_args()
@@ -228,16 +229,16 @@ def main() -> None:
     print(f"{len(messages):,} documents, {args.input_partitions} input partitions, {args.shards} shards, "
           f"{args.decide_partitions} decide partitions; broker {how}; nproc {os.cpu_count()}")
     runs = []
-    for i, (k, mode) in enumerate((k, mode) for k in args.processes for mode in args.shard_state):
-        r = run_config(args, bootstrap, k, messages, reference={}, shard_state=mode)
+    for i, (k, mode) in enumerate((k, mode) for k in args.processes for mode in args.state):
+        r = run_config(args, bootstrap, k, messages, reference={}, state_mode=mode)
         runs.append(r)
-        print(f"\n{k} process(es) per stage, shard state in {mode}: {r['messages_per_second']:,.0f} messages/s "
+        print(f"\n{k} process(es) per stage, state in {mode}: {r['messages_per_second']:,.0f} messages/s "
               f"({r['seconds']:.1f} s "
               f"from launch), outputs {r['outputs']:,} (repeated {r['outputs_repeated']}), "
               f"load {r['load_before']} -> {r['load_after']}")
         print("  CPU µs per document: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["cpu_us_per_document"].items()))
         print("  peak RSS MB per process: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["peak_rss_mb_per_process"].items())
-              + (f"; shard state on disk {r['shard_state_bytes'] / 1e6:,.1f} MB" if mode == "disk" else ""))
+              + "".join(f"; {role} state on disk {b / 1e6:,.1f} MB" for role, b in r["state_bytes"].items()))
         print("  records / bytes per document: " + ", ".join(
             f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
         if "agreement" in r:
