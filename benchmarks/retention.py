@@ -10,6 +10,10 @@ machine's time:
 - ``window``: ``RocksDBStateStore(..., retention=Retention(documents=--window))``;
 - ``none``: no retention (every document stays a candidate), the default.
 
+With ``--in-turn`` the variants run one after the other instead, each with the machine to
+itself: together, the no-window run's growing compactions share the two cores with the
+window's run and slow it as the no-window state grows.
+
 Each worker runs ``Detector(EngineSettings())`` over a RocksDB store in a fresh temporary
 directory, batches of ``--batch-size`` (1000), ``store.commit(detector.detect(batch).update)``
 per batch; the documents are generated lazily and their generation time is excluded
@@ -120,6 +124,8 @@ def main() -> int:
     ap.add_argument("--sample-every", type=int, default=100_000)
     ap.add_argument("--max-seconds", type=float, default=5400.0, help="wall time after which a variant stops (default 5400)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--in-turn", action="store_true",
+                    help="run the variants one after the other, each with the machine to itself (default: together)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--corpus", type=Path, default=benchlib.default_corpus())
     ap.add_argument("--json", type=Path)
@@ -131,15 +137,16 @@ def main() -> int:
     env = benchlib.environment()
     print(f"retention benchmark: {args.docs:,} documents, window {args.window:,}; nproc {os.cpu_count()}, "
           f"load {os.getloadavg()}", flush=True)
-    procs = {}
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+
+    def launch(variant: str) -> subprocess.Popen:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--docs", str(args.docs),
                "--window", str(args.window), "--batch-size", str(args.batch_size), "--sample-every",
                str(args.sample_every), "--max-seconds", str(args.max_seconds), "--seed", str(args.seed),
                "--corpus", str(args.corpus)]
-        procs[variant] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    events: dict[str, list[dict[str, object]]] = {v: [] for v in procs}
-    for variant, proc in procs.items():
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def collect(variant: str, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             event = json.loads(line)
@@ -147,6 +154,12 @@ def main() -> int:
             if event["event"] in ("sample", "stopped"):
                 print(json.dumps(event), flush=True)
         proc.wait()
+
+    print("variants run " + ("one after the other" if args.in_turn else "together, one process each"), flush=True)
+    events: dict[str, list[dict[str, object]]] = {v: [] for v in variants}
+    procs = {} if args.in_turn else {v: launch(v) for v in variants}
+    for variant in variants:
+        collect(variant, launch(variant) if args.in_turn else procs[variant])
 
     runs = []
     for variant, evs in events.items():
@@ -164,13 +177,13 @@ def main() -> int:
             by_docs.setdefault(int(s["documents"]), {})[run["variant"]] = s  # type: ignore[index]
     for docs in sorted(by_docs):
         row: list[object] = [f"{docs:,}"]
-        for variant in procs:
+        for variant in variants:
             s = by_docs[docs].get(variant)
             row += ([f"{s['docs_per_second']:,.0f}", f"{s['state_mb']:,.0f}", f"{s['rss_mb']:,.0f}",
                      f"{s['peak_rss_mb']:,.0f}", " ".join(f"{x:.2f}" for x in s["loadavg"])]  # type: ignore[union-attr]
                     if s else ["-"] * 5)
         rows.append(row)
-    headers = ["documents"] + [f"{v} {h}" for v in procs for h in ("docs/s", "state MB", "RSS MB", "peak MB", "load")]
+    headers = ["documents"] + [f"{v} {h}" for v in variants for h in ("docs/s", "state MB", "RSS MB", "peak MB", "load")]
     print(benchlib.table(headers, rows))
     for run in runs:
         print(f"{run['variant']}: spread after the window fills (largest / smallest sample): "
@@ -178,6 +191,7 @@ def main() -> int:
         if run["stopped"]:
             print(f"{run['variant']}: stopped at {run['stopped']['documents']:,} documents: {run['stopped']['reason']}")  # type: ignore[index]
     report = {"benchmark": "retention", "docs": args.docs, "window": args.window, "batch_size": args.batch_size,
+              "in_turn": args.in_turn,
               "sample_every": args.sample_every, "environment": env, "runs": runs}
     if args.json:
         benchlib.write_json(args.json, report)

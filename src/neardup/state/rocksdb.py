@@ -33,7 +33,12 @@ DB_WRITE_BUFFER_BYTES = 64 << 20
 #: The write-ahead log's bound: past it, the memtables holding the oldest log are flushed.
 #: Families that take a few bytes a batch (default, times) would otherwise keep every log
 #: file alive until their 16 MB memtable fills (400 MB of logs after 1,200,000 documents).
-MAX_WAL_BYTES = 128 << 20
+#: At 128 MB the logs swung between 10 and 134 MB, most of a 200,000-document retention
+#: window's state on disk (160 MB of SST files); at 8 MB, no slower (benchmarks/scale.py).
+MAX_WAL_BYTES = 8 << 20
+#: RocksDB's info log: files of at most INFO_LOG_BYTES, the INFO_LOG_FILES newest kept.
+INFO_LOG_BYTES = 1 << 20
+INFO_LOG_FILES = 2
 
 
 #: A file in the state directory while ``_wipe_all`` runs: RocksDB's DestroyDB removes the
@@ -60,6 +65,10 @@ def _options(cache: Cache, compress: bool = True) -> Options:
     options.set_max_write_buffer_number(2)
     options.set_db_write_buffer_size(DB_WRITE_BUFFER_BYTES)
     options.set_max_total_wal_size(MAX_WAL_BYTES)
+    # RocksDB's own info log (LOG) grows by about 2 MB per million documents with a
+    # retention window (a compaction at every removal): rolled and bounded
+    options.set_max_log_file_size(INFO_LOG_BYTES)
+    options.set_keep_log_file_num(INFO_LOG_FILES)
     options.set_level_compaction_dynamic_level_bytes(True)
     options.set_compression_type(DBCompressionType.lz4() if compress else DBCompressionType.none())
     # A Bloom filter over the memtables too: a lookup that misses skips their skiplists.

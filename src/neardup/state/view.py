@@ -40,6 +40,8 @@ def _options() -> Options:
     options.create_if_missing(True)
     options.set_write_buffer_size(WRITE_BUFFER_BYTES)
     options.set_max_write_buffer_number(2)
+    options.set_max_log_file_size(1 << 20)  # RocksDB's info log, rolled and bounded
+    options.set_keep_log_file_num(2)
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)  # most lookups of a bucket miss
     table.set_block_cache(_cache)
