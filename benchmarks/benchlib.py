@@ -23,6 +23,7 @@ import platform
 import random
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -381,6 +382,26 @@ def environment() -> dict[str, object]:
 
 
 # --- memory ------------------------------------------------------------------------------
+
+
+def mode_worker(prefix: str, run: Callable[[Path], dict[str, Any]]) -> None:
+    """The child side of ``modes_in_processes``: ``run`` in a fresh temporary directory
+    (removed after), its result printed as one JSON line."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as state:
+        print(json.dumps(run(Path(state))))
+
+
+def modes_in_processes(script: str, modes: Sequence[str], *args: str) -> list[dict[str, Any]]:
+    """Run ``script --mode M *args`` for each of ``modes``, one process after the other, so
+    that each process's memory readings are its own; the JSON object each prints last."""
+    runs = []
+    for mode in modes:
+        out = subprocess.run([sys.executable, script, "--mode", mode, *args], capture_output=True, text=True,
+                             check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
 
 
 def proc_status_mb(pid: int | str = "self") -> dict[str, float]:

@@ -17,12 +17,8 @@ decided document: ``seq in table``, then ``table[seq]`` and the canonical's name
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,15 +79,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "decisions_table_memory.json")
     args = ap.parse_args()
     if args.mode:
-        with tempfile.TemporaryDirectory(prefix="neardup-decisions-") as state:
-            print(json.dumps(run(args.mode, args.decisions, Path(state))))
-        return
+        return benchlib.mode_worker("neardup-decisions-", lambda state: run(args.mode, args.decisions, state))
     print(f"{args.decisions:,} decisions applied in chunks of {CHUNK:,}, load {os.getloadavg()}")
-    runs = []
-    for mode in ("memory", "disk"):
-        out = subprocess.run([sys.executable, __file__, "--mode", mode, "--decisions", str(args.decisions)],
-                             capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = benchlib.modes_in_processes(__file__, ("memory", "disk"), "--decisions", str(args.decisions))
     rows = [[f"{a['decisions']:,}", f"{a['rss_mb']:,.0f}", f"{b['rss_mb']:,.0f}", f"{b['disk_mb']:,.0f}"]
             for a, b in zip(runs[0]["points"], runs[1]["points"])]
     print(benchlib.table(["decisions", "memory: RSS MB", "disk: RSS MB", "disk: store MB"], rows))

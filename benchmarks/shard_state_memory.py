@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -101,16 +97,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "shard_state_memory.json")
     args = ap.parse_args()
     if args.mode:
-        with tempfile.TemporaryDirectory(prefix="neardup-shard-state-") as state:
-            print(json.dumps(run(args.mode, args.docs, args.shards, Path(state))))
-        return
+        return benchlib.mode_worker("neardup-shard-state-",
+                                    lambda state: run(args.mode, args.docs, args.shards, state))
     print(f"{args.docs:,} replayed Reuters documents, {args.shards} shard partitions in one process, "
           f"load {os.getloadavg()}")
-    runs = []
-    for mode in ("memory", "disk"):
-        out = subprocess.run([sys.executable, __file__, "--mode", mode, "--docs", str(args.docs),
-                              "--shards", str(args.shards)], capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = benchlib.modes_in_processes(__file__, ("memory", "disk"), "--docs", str(args.docs),
+                                       "--shards", str(args.shards))
     rows = []
     for a, b in zip(runs[0]["points"], runs[1]["points"]):
         rows.append([f"{a['documents']:,}", f"{a['rss_mb']:,.0f}", f"{b['rss_mb']:,.0f}", f"{b['disk_mb']:,.0f}"])

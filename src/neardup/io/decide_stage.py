@@ -45,7 +45,7 @@ from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
-from neardup.io.partition_log import AheadOfTopicError, read_to_end, with_retries
+from neardup.io.partition_log import catch_up, read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
@@ -141,8 +141,10 @@ class DecideProcessor(StageHooks):
         if self.state_dir is not None and not isinstance(self.clusters, StoredDecisionsTable):
             self.clusters = StoredDecisionsTable(self.state_dir / "decisions")
         self._ensure()
-        started, start = time.perf_counter(), self.clusters.position()
-        read = with_retries("reading the decisions table", self._read_table)
+        started = time.perf_counter()
+        start, read = with_retries("reading the decisions table", lambda: catch_up(
+            self.settings, self.topology.decisions, 0, self.clusters.position(), self._apply_decisions,
+            self.clusters.wipe))
         position = self.clusters.position()
         table = Consumer({
             "bootstrap.servers": self.settings.bootstrap_servers, "logger": rdkafka_logger(),
@@ -154,20 +156,6 @@ class DecideProcessor(StageHooks):
         log.info("decisions table %s: %s, %d records read, in %.1f s",
                  f"opened at {self.clusters.path}" if isinstance(self.clusters, StoredDecisionsTable) else "in memory",
                  "read in full" if start is None else f"from offset {start}", read, time.perf_counter() - started)
-
-    def _read_table(self) -> int:
-        """Apply the topic's records from the table's position (a retry resumes there:
-        applying is idempotent); how many were read."""
-        read = 0
-        try:
-            for chunk in read_to_end(self.settings, self.topology.decisions, 0, self.clusters.position() or 0):
-                read += self._apply_decisions(chunk)
-        except AheadOfTopicError as exc:
-            log.warning("decisions table: %s (the topic was created again); read in full", exc)
-            self.clusters.wipe()
-            for chunk in read_to_end(self.settings, self.topology.decisions, 0):
-                read += self._apply_decisions(chunk)
-        return read
 
     def close(self) -> None:
         if self._table is not None:

@@ -86,3 +86,34 @@ def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) 
                 return
     finally:
         reader.close()
+
+
+def catch_up(settings: Settings, topic: str, partition: int, position: int | None,
+             apply: Callable[[list[Message]], None], wipe: Callable[[], None]) -> tuple[int | None, int]:
+    """Bring a local view of one topic partition (a state store, a global table) up to the
+    partition's end: ``apply`` its committed records in chunks from ``position`` on. With
+    no position (a new view), or one beyond the partition's end (the topic was deleted and
+    created again: the view describes the old one, logged), the view is ``wipe``d first and
+    the partition read from its start. ``apply`` writes a chunk together with the position
+    after it, so a catch-up cut short resumes where it stopped.
+
+    Returns:
+        (the position read from, None when read in full; the records read).
+
+    Raises:
+        KafkaException: a consume error other than the partition's end.
+    """
+    def read(start: int | None) -> int:
+        if start is None:
+            wipe()
+        n = 0
+        for chunk in read_to_end(settings, topic, partition, start or 0):
+            apply(chunk)
+            n += len(chunk)
+        return n
+
+    try:
+        return position, read(position)
+    except AheadOfTopicError as exc:
+        log.warning("%s; the topic was created again: read in full", exc)
+        return None, read(None)

@@ -46,7 +46,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.io.partition_log import AheadOfTopicError, read_to_end, with_retries
+from neardup.io.partition_log import catch_up, read_to_end, with_retries
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
@@ -217,33 +217,25 @@ class ShardProcessor(StageHooks):
 
     def _restore_stored(self, p: int) -> _Shard:
         """Open partition ``p``'s store and apply the changelog's records from its position
-        (``neardup.state.shard_store``); without one (a new store, a restore cut short),
-        wiped and every record."""
+        (``neardup.state.shard_store``, ``neardup.io.partition_log.catch_up``); without
+        one (a new store), or with one beyond the changelog's end, wiped and every record."""
         previous = self.shards.pop(p, None)
         if previous is not None and previous.store is not None:
             previous.store.close()
         assert self.state_dir is not None
         store = ShardStore(self.state_dir / f"shard-{p}",
-                           lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
+                           lambda band: BandRecord.parse(bytes(ORDER.size), band).buckets.tolist())
         started = time.perf_counter()
 
-        def read(offset: int) -> int:
-            if offset == 0:
-                store.wipe()
-                store.apply([], position=0)
-            n = 0
-            for chunk in read_to_end(self.settings, self.topology.shard_changelog, p, offset):
-                store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1)
-                n += len(chunk)
-            return n
+        def wipe() -> None:
+            store.wipe()
+            store.apply([], position=0)
 
         try:
-            start = store.position()
-            try:
-                records = read(start or 0)
-            except AheadOfTopicError as exc:  # its position is of a deleted changelog
-                log.warning("shard %d: %s (the topic was created again); restored in full", p, exc)
-                start, records = None, read(0)
+            start, records = catch_up(
+                self.settings, self.topology.shard_changelog, p, store.position(),
+                lambda chunk: store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1),
+                wipe)
         except BaseException:
             store.close()
             raise
@@ -324,11 +316,12 @@ class ShardProcessor(StageHooks):
                         _WATERMARK.pack(shard.watermark) + shard.last, []))
             stats.held += len(shard.held)
         self._flush = set()
-        changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
-        for topic, part, key, value, _ in out:
-            if topic == self.topology.shard_changelog:
-                changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
-        self._uncommitted.append(changes)
+        if self.state_dir is not None:  # for the stores, once the batch has committed
+            changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
+            for topic, part, key, value, _ in out:
+                if topic == self.topology.shard_changelog:
+                    changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
+            self._uncommitted.append(changes)
         return out, stats
 
     def _malformed(self, m: Message, exc: Exception, out: list[Record], stats: ShardWritten) -> None:

@@ -151,7 +151,7 @@ class StoredDecisionsTable(DecisionsTable):
             order = seq_order(canonical)
             batch.put(b"K" + seq_order(seq), order + name.encode("utf-8") if seq == canonical else order)
             self._taken.pop(seq, None)
-        self._view._write(batch, position)
+        self._view.write(batch, position)
 
     def position(self) -> int | None:
         return self._view.position()

@@ -13,7 +13,8 @@ changelog from there (Kafka Streams' restore, from a checkpoint; Kafka Streams i
 stores take writes before the commit, must wipe a store that was not closed cleanly under
 exactly-once). Applying is idempotent (a member's record is applied once; the others are
 puts and deletes), so a position may lag behind what the store holds. A store without a
-position (new, or a restore that did not finish) is wiped and restored in full.
+position (new) is wiped and restored in full; a restore cut short resumes at the position
+of its last chunk (``neardup.io.partition_log.catch_up``).
 
 One caveat, Kafka Streams' too: a store whose position is older than the changelog's
 ``delete.retention.ms`` (24 h by default) may miss a deletion of a held record that the
@@ -40,11 +41,12 @@ from collections.abc import Sequence
 
 from rocksdict import WriteBatch
 
+from neardup.sharded.records import ORDER
 from neardup.state.view import TopicView
 
 _U64 = struct.Struct(">Q")
 _N = struct.Struct(">I")
-ORDER_BYTES = 20
+ORDER_BYTES = ORDER.size
 
 Record = tuple[bytes, "bytes | None"]
 
@@ -122,7 +124,7 @@ class ShardStore(TopicView):
             keys = list(appended)
             for key, old in zip(keys, self._db.get(keys)):
                 batch.put(key, (old or b"") + b"".join(appended[key]))
-        self._write(batch, position)
+        self.write(batch, position)
 
     # --- reads ----------------------------------------------------------------------------
     def members(self, buckets: Sequence[int]) -> list[list[bytes]]:

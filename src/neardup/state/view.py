@@ -24,6 +24,7 @@ from pathlib import Path
 from rocksdict import BlockBasedIndexType, BlockBasedOptions, Cache, Options, Rdict, WriteBatch
 
 from neardup.state.errors import StateError
+from neardup.state.rocksdb import INFO_LOG_BYTES, INFO_LOG_FILES
 
 WRITE_BUFFER_BYTES = 8 << 20
 BLOCK_CACHE_BYTES = 64 << 20
@@ -40,8 +41,8 @@ def _options() -> Options:
     options.create_if_missing(True)
     options.set_write_buffer_size(WRITE_BUFFER_BYTES)
     options.set_max_write_buffer_number(2)
-    options.set_max_log_file_size(1 << 20)  # RocksDB's info log, rolled and bounded
-    options.set_keep_log_file_num(2)
+    options.set_max_log_file_size(INFO_LOG_BYTES)  # RocksDB's info log, rolled and bounded
+    options.set_keep_log_file_num(INFO_LOG_FILES)
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)  # most lookups of a bucket miss
     table.set_block_cache(_cache)
@@ -118,7 +119,7 @@ class TopicView:
     def get(self, key: bytes) -> bytes | None:
         return self._db.get(key)
 
-    def _write(self, batch: WriteBatch, position: int | None) -> None:
+    def write(self, batch: WriteBatch, position: int | None) -> None:
         """Write ``batch`` atomically, with ``position`` (if given) as the new position.
 
         Raises:
