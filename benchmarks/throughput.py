@@ -257,7 +257,7 @@ def run_neardup_pipelined(stream: Corpus, settings: EngineSettings, batch_size: 
     a worker process while this one is detected and committed; None if the engine has no
     pipeline. Wall time of the whole loop (worker start included); not instrumented."""
     try:
-        from neardup.pipeline import prepared_ahead
+        from neardup.pipeline import PrepareTexts, prepared_ahead
     except ImportError:
         return None
     docs = [Document(i, t) for i, t in zip(stream.ids, stream.texts)]
@@ -268,7 +268,7 @@ def run_neardup_pipelined(stream: Corpus, settings: EngineSettings, batch_size: 
         detector = Detector(settings, store)
         start = 0
         t0 = time.perf_counter()
-        for batch, prepared in prepared_ahead(batches, list, settings, True):
+        for batch, prepared in prepared_ahead(batches, PrepareTexts(), settings, True):
             result = detector.detect(batch, prepared)
             store.commit(result.update)
             for k, r in enumerate(result.results):

@@ -9,7 +9,9 @@ import numpy as np
 
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
-from neardup.pipeline import prepared_ahead
+from neardup.detector import Preparer
+from neardup.io.files import Line, numbered_lines, read_lines
+from neardup.pipeline import ParseLines, PrepareTexts, PrepareWorker, prepared_ahead
 
 SETTINGS = EngineSettings()
 
@@ -21,20 +23,67 @@ def _batches(n: int, size: int = 3) -> list[list[Document]]:
 
 def test_small_input_starts_no_worker() -> None:
     children = []
-    for _batch, _prepared in prepared_ahead(_batches(3), list, SETTINGS, parallel=True, worker_after=3):
+    for _batch, _prepared in prepared_ahead(_batches(3), PrepareTexts(), SETTINGS, parallel=True, worker_after=3):
         children.extend(multiprocessing.active_children())
     assert children == []
 
 
 def test_worker_batches_equal_inline_ones() -> None:
     batches = _batches(12)
-    inline = [p for _, p in prepared_ahead(batches, list, SETTINGS, parallel=False)]
+    inline = [p for _, p in prepared_ahead(batches, PrepareTexts(), SETTINGS, parallel=False)]
     started = []
     piped = []
-    for batch, prepared in prepared_ahead(batches, list, SETTINGS, parallel=True, worker_after=1, depth=1):
+    for batch, prepared in prepared_ahead(batches, PrepareTexts(), SETTINGS, parallel=True, worker_after=1, depth=1):
         started.extend(multiprocessing.active_children())
         piped.append((batch, prepared))
     assert started, "a worker is started for an input longer than worker_after batches"
     assert [b for b, _ in piped] == batches
     for a, (_, b) in zip(inline, piped):
         assert np.array_equal(a.signatures, b.signatures)
+
+
+#: Lines of every kind the file mode reads: documents (an object, one holding a
+#: ``neardup`` member, an integer id beyond 64 bits, NaN), blank ones (ASCII white space is
+#: skipped before parsing, Unicode's after), and rejects (not JSON, not UTF-8, not an
+#: object, no text, a text that is no string, a lone surrogate).
+MIXED_LINES = [
+    b'{"id": "a", "text": "the central bank raised its key rate by a quarter point"}\n',
+    b'{"id": 123456789012345678901234567890, "text": "grain exports rose in march"}\n',
+    b'{"id": "n", "text": "crude oil prices fell", "score": NaN}\n',
+    b'{"id": "m", "text": "a record that holds one already", "neardup": {"x": 1}}\n',
+    b"   \n",
+    "\u3000\n".encode(),
+    b"{not json\n",
+    b'{"id": "u", "text": "\xff\xfe"}\n',
+    b'["a", "list"]\n',
+    b'{"id": "t"}\n',
+    b'{"id": "v", "text": 7}\n',
+    b'{"id": "s", "text": "lone \\ud800 surrogate"}\n',
+    b'{"id": "b", "text": "the central bank raised its key rate by a quarter point"}',
+]
+
+
+def _fields(line: Line) -> tuple[object, ...]:
+    return (line.number, line.document, line.error, line.raw, line.data, line.spliceable)
+
+
+def test_lines_parsed_in_the_worker_are_the_lines_read_here() -> None:
+    """The file mode's job (``ParseLines``): run in a worker process or here, it gives the
+    lines ``read_lines`` gives (less the parsed record, which the outputs do not use) and
+    the batch's position, and its documents are prepared as ``Preparer`` prepares them."""
+    job = ParseLines(("text",), "id", None)
+    batch = list(numbered_lines(MIXED_LINES))
+    expected = list(read_lines(MIXED_LINES, ["text"], "id"))
+    assert len(expected) == 11 and sum(line.document is not None for line in expected) == 5
+    inline_made, inline_prepared = job.run(job.payload(batch), Preparer(SETTINGS))
+    with PrepareWorker(SETTINGS, job) as worker:
+        worker.submit(batch)
+        made, prepared = worker.outcome()
+    for lines, last in (job.finish(batch, inline_made), job.finish(batch, made)):
+        assert [_fields(line) for line in lines] == [_fields(line) for line in expected]
+        assert last == len(MIXED_LINES)
+    assert [line.spliceable for line in expected if line.document] == [True, True, True, False, True]
+    reference = Preparer(SETTINGS)([line.document for line in expected if line.document])
+    for p in (inline_prepared, prepared):
+        assert np.array_equal(p.signatures, reference.signatures)
+        assert np.array_equal(p.fingerprints, reference.fingerprints)

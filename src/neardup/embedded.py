@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -27,17 +27,35 @@ from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector
-from neardup.io.files import READ_ERRORS, Input, InputError, Line, OutputFiles, check_input, open_binary, read_lines
-from neardup.pipeline import prepared_ahead
+from neardup.io.files import (
+    READ_ERRORS,
+    Input,
+    InputError,
+    Line,
+    OutputFiles,
+    check_input,
+    numbered_lines,
+    open_binary,
+)
+from neardup.pipeline import WORKER_AFTER_BATCHES, ParseLines, prepared_ahead
 from neardup.state.base import StateError, StateUpdate
 from neardup.state.rocksdb import RocksDBStateStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Keys of the embedded mode's records in the state's ``verdicts`` family (a Kafka topic
 #: name holds no ``\\0``, so they cannot meet the consumer's keys).
 OUTPUTS_KEY = b"dedup:outputs\0"  # + resolved out dir: JSON {output name: bytes}
 PATH_KEY = b"dedup:path\0"  # + resolved input path: the Input.key last read under it
+
+
+#: Inputs of at least this many bytes on disk (gzipped ones count as stored) start the
+#: worker process at once rather than after ``neardup.pipeline.WORKER_AFTER_BATCHES``
+#: batches: on the idle 2-core machine, a 200,000-document stream (170 MB) took about 5%
+#: less wall time so, Reuters-21578 (43 MB, or 8 MB gzipped) about 10% more
+#: (benchmarks/README.md, "Whole process and start-up").
+WORKER_AT_ONCE_BYTES = 64 << 20
 
 
 @dataclass
@@ -82,12 +100,8 @@ class Summary:
         )
 
 
-def _documents(batch: list[Line]) -> list[Document]:
-    return [line.document for line in batch if line.document is not None]
-
-
-def _batches(lines: Iterable[Line], size: int) -> Iterator[list[Line]]:
-    it = iter(lines)
+def _batches(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    it = iter(items)
     while batch := list(islice(it, size)):
         yield batch
 
@@ -153,12 +167,9 @@ def _start_line(store: RocksDBStateStore, source: Input) -> int:
     return start
 
 
-def _lines(source: Input, stream: Iterable[bytes], text_fields: list[str], id_field: str | None,
-           start: int, ids: DistinctIds, time_field: str | None = None) -> Iterator[Line]:
-    name = "stdin" if source.path == "-" else Path(source.path).name
+def _numbered(source: Input, stream: Iterable[bytes], start: int) -> Iterator[tuple[int, bytes]]:
     try:
-        for line in read_lines(stream, text_fields, id_field, start=start, time_field=time_field):
-            yield ids(line, name)
+        yield from numbered_lines(stream, start)
     except READ_ERRORS as exc:  # truncated or corrupt gzip, I/O error
         raise InputError(f"cannot read input {source.path}: {exc}") from None
 
@@ -215,7 +226,7 @@ def dedup_files(
         append: append to non-empty outputs that the state did not record.
         overwrite: empty the outputs first.
         on_batch: called after each batch with its results and its seconds (metrics).
-        parallel: prepare the next batch (normalise, shingle, MinHash) in a worker
+        parallel: parse and prepare the next batch (normalise, shingle, MinHash) in a worker
             process while the current one is verified and written
             (``neardup.pipeline``).
         time_field: the field holding each record's time for a retention window (ISO
@@ -232,7 +243,9 @@ def dedup_files(
     summary = Summary()
     clusters: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="neardup-state-") as scratch:
-        store = RocksDBStateStore(state_dir or scratch, settings.state_shape(), retention=retention)
+        # a temporary state is written without a write-ahead log: nothing is to be recovered
+        store = RocksDBStateStore(state_dir or scratch, settings.state_shape(), retention=retention,
+                                  wal=state_dir is not None)
         outputs: OutputFiles | None = None
         bar = tqdm(unit=" docs", disable=None if progress is None else not progress)
         try:
@@ -243,17 +256,21 @@ def dedup_files(
             _commit_outputs(store, settings, outputs_key, outputs.flush())
             detector = Detector(settings, store)
             ids = DistinctIds(store)
+            parse = ParseLines(tuple(text_fields), id_field, time_field)
+            large = sum(source.size or 0 for source in sources) >= WORKER_AT_ONCE_BYTES
+            worker_after = 0 if large else WORKER_AFTER_BATCHES
             started = time.perf_counter()
             for source in sources:
                 start = _start_line(store, source)
                 if start:
                     summary.resumed_at_line[source.path] = start
+                name = "stdin" if source.path == "-" else Path(source.path).name
                 with open_binary(source.path) as stream:
-                    lines = _lines(source, stream, text_fields, id_field, start, ids, time_field)
-                    for batch, prepared in prepared_ahead(
-                        _batches(lines, batch_size), _documents, settings, parallel
-                    ):
+                    numbered = _batches(_numbered(source, stream, start), batch_size)
+                    for (parsed, last), prepared in prepared_ahead(numbered, parse, settings, parallel,
+                                                                   worker_after=worker_after):
                         t0 = time.perf_counter()
+                        batch = [ids(line, name) for line in parsed]
                         good = [line for line in batch if line.document is not None]
                         result = detector.detect([line.document for line in good], prepared)  # type: ignore[misc]
                         for line in batch:
@@ -266,7 +283,7 @@ def dedup_files(
                                 outputs.write_reject(line.number, outcome.reason, outcome.id)
                                 summary.rejects += 1
                                 continue
-                            outputs.write_verdict(line.record, outcome, line.data)
+                            outputs.write_verdict(outcome, line.data, line.spliceable)  # type: ignore[arg-type]
                             summary.documents += 1
                             summary.rejected_candidates += outcome.rejected
                             if outcome.is_duplicate:
@@ -278,7 +295,7 @@ def dedup_files(
                         # batch's state and position: a rerun cuts them back to it.
                         result.update.verdicts[outputs_key] = json.dumps(outputs.flush()).encode()
                         if source.resumable:
-                            result.update.positions[source.key] = batch[-1].number
+                            result.update.positions[source.key] = last
                             result.update.verdicts[_path_key(source)] = source.key.encode()
                         store.commit(result.update)
                         bar.update(len(batch))

@@ -1,10 +1,13 @@
 """Overlap the state-free half of batch k + 1 with the state work of batch k.
 
-Normalising, shingling, MinHashing and banding (``Preparer``) need no state, so a worker
-process can do them for the next batch while this process verifies, clusters and writes
-the current one: the two halves then share the machine's two cores. ``prepared_ahead``
-does it for the file mode (results come back in input order); ``PrepareWorker`` is the
-worker itself, which the Kafka consumer drives (``neardup.io.kafka``).
+Normalising, shingling, MinHashing and banding (``Preparer``) need no state, nor does
+parsing the input, so a worker process can do them for the next batch while this process
+verifies, clusters and writes the current one: the two halves then share the machine's
+two cores. What the worker does with a batch is a ``PrepareJob``: ``PrepareTexts`` for
+documents already parsed (the Kafka consumer, ``neardup.io.kafka``, which drives a
+``PrepareWorker`` itself), or a parser of raw input lines (the file mode,
+``neardup.embedded``). ``prepared_ahead`` runs a job ahead of the caller, results in
+input order.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ import queue
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain, islice
 from multiprocessing.connection import Connection
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import PreparedBatch, Preparer
+from neardup.io.files import Line, parse_line
 
 T = TypeVar("T")
+R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 
@@ -41,8 +47,88 @@ class _Ready:
     """The worker's first message: imported and compiled, it can take batches."""
 
 
-def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettings) -> None:
-    """The worker: prepare each batch of texts received, send the result back, until EOF.
+class PrepareJob(Protocol, Generic[T, R]):
+    """The state-free work on one batch (of type T), split so that its middle part can run
+    in a worker process: ``payload`` (in the caller) is what is sent to the worker,
+    ``run`` (in the worker, or in the caller) does the work and returns something small
+    to send back with the ``PreparedBatch``, ``finish`` (in the caller) makes the batch's
+    result (of type R) from the batch and that. A job is pickled into the worker once,
+    when it starts."""
+
+    def payload(self, batch: T) -> Any: ...
+
+    def run(self, payload: Any, preparer: Preparer) -> tuple[Any, PreparedBatch]: ...
+
+    def finish(self, batch: T, made: Any) -> R: ...
+
+
+class PrepareTexts:
+    """The ``PrepareJob`` of a list of ``Document``s: their texts are sent, the batch is
+    its own result."""
+
+    def payload(self, documents: list[Document]) -> list[str]:
+        return [d.text for d in documents]  # texts pickle fast
+
+    def run(self, texts: list[str], preparer: Preparer) -> tuple[None, PreparedBatch]:
+        return None, preparer.texts(texts)
+
+    def finish(self, documents: list[Document], made: None) -> list[Document]:
+        return documents
+
+
+#: A parsed line as it comes back from ``ParseLines.run``: its index in the batch, then
+#: the document's id, text and time, or the reject's reason and text, and ``spliceable``.
+_Parsed = tuple[int, str | None, str | None, float | None, str | None, str | None, bool]
+
+
+@dataclass(frozen=True)
+class ParseLines:
+    """The ``neardup.pipeline.PrepareJob`` of a batch of input lines, ``(number, bytes)``:
+    each is parsed (``neardup.io.files.parse_line``) and the documents' texts prepared,
+    in the worker process when there is one, so that parsing JSON shares the second core
+    too. What comes back is small: each line without its parsed record (``spliceable``
+    says how its output is written) nor its bytes, which the caller keeps.
+
+    ``finish`` gives the batch's ``Line``s and the number of its last line (the position
+    to commit; a line blank by Unicode's white space has no ``Line``).
+    """
+
+    text_fields: tuple[str, ...]
+    id_field: str | None
+    time_field: str | None
+
+    def payload(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        return batch
+
+    def run(self, batch: list[tuple[int, bytes]], preparer: Preparer) -> tuple[list[_Parsed], PreparedBatch]:
+        parsed: list[_Parsed] = []
+        texts = []
+        for i, (number, data) in enumerate(batch):
+            line = parse_line(number, data, self.text_fields, self.id_field, self.time_field)
+            if line is None:
+                continue
+            if (doc := line.document) is not None:
+                parsed.append((i, doc.id, doc.text, doc.time, None, None, line.spliceable))
+                texts.append(doc.text)
+            else:
+                parsed.append((i, None, None, None, line.error, line.raw, False))
+        return parsed, preparer.texts(texts)
+
+    def finish(self, batch: list[tuple[int, bytes]], parsed: list[_Parsed]) -> tuple[list[Line], int]:
+        lines = []
+        for i, doc_id, text, when, error, raw, spliceable in parsed:
+            number, data = batch[i]
+            if doc_id is not None:
+                lines.append(Line(number, None, Document(doc_id, text, when), data=data,  # type: ignore[arg-type]
+                                  spliceable=spliceable))
+            else:
+                lines.append(Line(number, None, None, error, raw))
+        return lines, batch[-1][0]
+
+
+def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettings,
+           job: PrepareJob[Any, Any]) -> None:
+    """The worker: run ``job`` on each payload received, send the result back, until EOF.
 
     A thread reads the incoming batches as they arrive, so the parent never blocks on
     sending one while this process is busy: it can keep several batches in flight.
@@ -50,7 +136,7 @@ def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettin
     # Ctrl-C reaches the whole process group: the parent decides when the worker stops
     # (it finishes its batch first), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    inbox: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def receive() -> None:
         while True:
@@ -67,9 +153,9 @@ def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettin
         results_out.send(_Ready())
     except OSError:
         return
-    while (texts := inbox.get()) is not None:
+    while (payload := inbox.get()) is not None:
         try:
-            out: PreparedBatch | _Failed = preparer.texts(texts)
+            out: tuple[Any, PreparedBatch] | _Failed = job.run(payload, preparer)
         except Exception as exc:  # noqa: BLE001 - raised again in the parent
             out = _Failed(exc)
         try:
@@ -79,8 +165,9 @@ def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettin
 
 
 class PrepareWorker:
-    """One spawned process holding a ``Preparer``: ``submit`` batches, later take their
-    ``result``s, in submit order. Any number of batches may be in flight; the worker
+    """One spawned process holding a ``Preparer``, running ``job`` (default
+    ``PrepareTexts``): ``submit`` batches, later take their ``result``s (or whole
+    ``outcome``s), in submit order. Any number of batches may be in flight; the worker
     takes them in as they are sent and prepares them one after the other.
 
     Plain pipes (no ``ProcessPoolExecutor``): if the worker dies, even in the middle
@@ -88,11 +175,12 @@ class PrepareWorker:
     forever; if this process dies, the worker sees EOF and exits.
     """
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, job: PrepareJob[Any, Any] | None = None) -> None:
+        self.job: PrepareJob[Any, Any] = job if job is not None else PrepareTexts()
         context = multiprocessing.get_context("spawn")
         texts_in, self._texts = context.Pipe(duplex=False)
         self._results, results_out = context.Pipe(duplex=False)
-        self._process = context.Process(target=_serve, args=(texts_in, results_out, settings),
+        self._process = context.Process(target=_serve, args=(texts_in, results_out, settings, self.job),
                                         name="neardup-prepare", daemon=True)
         self._process.start()  # at once: the imports (about a second) overlap other work
         # The worker's ends live in the worker only, so its death is EOF here.
@@ -120,12 +208,27 @@ class PrepareWorker:
             log.info("preparing worker started: batches are prepared in it from now on")
         return out
 
-    def submit(self, documents: list[Document]) -> None:
-        """Send ``documents`` to be prepared. Raises ``WorkerDied``."""
+    def submit(self, batch: Any) -> None:
+        """Send ``batch`` (``documents`` for ``PrepareTexts``) to be prepared. Raises
+        ``WorkerDied``."""
         try:
-            self._texts.send([d.text for d in documents])  # texts pickle fast
+            self._texts.send(self.job.payload(batch))
         except OSError as exc:
             raise WorkerDied(str(exc)) from exc
+
+    def outcome(self) -> tuple[Any, PreparedBatch]:
+        """``job.run``'s value for the oldest batch submitted and not taken.
+
+        Raises:
+            WorkerDied: the worker process is gone.
+            Exception: what ``job.run`` raised in the worker.
+        """
+        out = self._receive()
+        if isinstance(out, _Ready):
+            out = self._receive()
+        if isinstance(out, _Failed):
+            raise out.exc
+        return out  # type: ignore[return-value]
 
     def result(self) -> PreparedBatch:
         """``Preparer(settings)(documents)`` of the oldest batch submitted and not taken.
@@ -133,12 +236,7 @@ class PrepareWorker:
         Raises:
             WorkerDied: the worker process is gone.
         """
-        out = self._receive()
-        if isinstance(out, _Ready):
-            out = self._receive()
-        if isinstance(out, _Failed):
-            raise out.exc
-        return out
+        return self.outcome()[1]
 
     def close(self) -> None:
         """Stop the worker, dropping what it was preparing.
@@ -178,22 +276,23 @@ WORKER_AFTER_BATCHES = 24
 
 def prepared_ahead(
     batches: Iterable[T],
-    documents_of: Callable[[T], list[Document]],
+    job: PrepareJob[T, R],
     settings: EngineSettings,
     parallel: bool,
     depth: int = 2,
     worker_after: int = WORKER_AFTER_BATCHES,
-) -> Iterator[tuple[T, PreparedBatch]]:
-    """Yield each batch with its ``PreparedBatch``, preparing up to ``depth`` batches ahead.
+) -> Iterator[tuple[R, PreparedBatch]]:
+    """Run ``job`` on each batch, up to ``depth`` batches ahead; yield each batch's result
+    (``job.finish``) with its ``PreparedBatch``, in order.
 
     The first ``worker_after`` batches are prepared here; a worker process is started only
-    when there is a batch after them, and until it has started (about a second of
+    when there is a batch after them, and until it has started (about half a second of
     imports and compiled code loading) batches are still prepared here rather than
     waited for.
 
     Args:
         batches: any batches, in order.
-        documents_of: the documents of a batch.
+        job: what to do with a batch (``PrepareJob``).
         settings: the engine settings (the worker gets a copy).
         parallel: prepare in a worker process (spawned); False prepares inline (the
             ``pipeline`` setting; its default is written in ``neardup.config`` only).
@@ -202,25 +301,34 @@ def prepared_ahead(
         worker_after: batches prepared here before a worker is started (0: at once).
     """
     preparer: Preparer | None = None
+
+    def here(batch: T) -> tuple[R, PreparedBatch]:
+        nonlocal preparer
+        preparer = preparer or Preparer(settings)
+        made, prepared = job.run(job.payload(batch), preparer)
+        return job.finish(batch, made), prepared
+
     it = iter(batches)
     for batch in it if not parallel else islice(it, worker_after):
-        preparer = preparer or Preparer(settings)
-        yield batch, preparer(documents_of(batch))
+        yield here(batch)
     if not parallel:
         return
     ahead = list(islice(it, 1))
     if not ahead:
         return
-    with PrepareWorker(settings) as worker:
+    with PrepareWorker(settings, job) as worker:
         pending: deque[T] = deque()
         for batch in chain(ahead, it):
             if not pending and not worker.ready():  # still starting: do not wait for it
-                preparer = preparer or Preparer(settings)
-                yield batch, preparer(documents_of(batch))
+                yield here(batch)
                 continue
-            worker.submit(documents_of(batch))
+            worker.submit(batch)
             pending.append(batch)
             if len(pending) > max(depth, 1):
-                yield pending.popleft(), worker.result()
+                first = pending.popleft()
+                made, prepared = worker.outcome()
+                yield job.finish(first, made), prepared
         while pending:
-            yield pending.popleft(), worker.result()
+            first = pending.popleft()
+            made, prepared = worker.outcome()
+            yield job.finish(first, made), prepared

@@ -54,6 +54,9 @@ class Line:
     error: str | None = None
     raw: str | None = None
     data: bytes | None = None  # a parsed line's bytes as read (the outputs repeat them)
+    #: a document's record is a JSON object without a ``neardup`` member: its output is
+    #: its bytes with that member spliced in (``OutputFiles.write_verdict``)
+    spliceable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,54 +170,67 @@ def read_lines(
     time_field: str | None = None,
 ) -> Iterator[Line]:
     """Parse JSONL from the byte lines of ``stream`` (``open_binary``), skipping the first
-    ``start`` lines.
+    ``start`` lines and blank ones (``parse_line``, which says how each line is read).
+    """
+    for number, data in numbered_lines(stream, start):
+        if (line := parse_line(number, data, text_fields, id_field, time_field)) is not None:
+            yield line
+
+
+def numbered_lines(stream: Iterable[bytes], start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """``(number, bytes)`` of each line of ``stream`` after the first ``start``, numbered
+    from 1; lines of white space only (ASCII) are skipped."""
+    for number, data in enumerate(stream, start=1):
+        if number > start and data.strip():
+            yield number, data
+
+
+def parse_line(number: int, data: bytes, text_fields: Sequence[str], id_field: str | None,
+               time_field: str | None = None) -> Line | None:
+    """One JSONL line (``data``, its bytes, line ``number``) as a ``Line``; None for a line
+    blank by Unicode's white space.
 
     With ``time_field`` a document's time (for a retention window) is that field's
     value, ISO 8601 or epoch seconds (``neardup.records.record_time``); without it, its
     arrival.
 
-    A record's id is its ``id_field`` value, else its line number. Blank lines are
-    skipped. Lines that are not valid UTF-8, not JSON, or lack the text field come out
-    with ``document=None`` and ``error`` set. Lines are parsed by orjson; what it refuses
-    is parsed again by ``json``, which also reads NaN, integers beyond 64 bits and lone
-    surrogate escapes, and whose error message a reject carries.
+    A record's id is its ``id_field`` value, else its line number. Lines that are not
+    valid UTF-8, not JSON, or lack the text field come out with ``document=None`` and
+    ``error`` set. Lines are parsed by orjson; what it refuses is parsed again by
+    ``json``, which also reads NaN, integers beyond 64 bits and lone surrogate escapes,
+    and whose error message a reject carries.
     """
-    for number, data in enumerate(stream, start=1):
-        if number <= start or not data.strip():
-            continue
+    try:
+        record = orjson.loads(data)
+    except orjson.JSONDecodeError:
         try:
-            record = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            try:
-                raw = data.decode("utf-8")
-            except UnicodeDecodeError:
-                yield Line(number, None, None, "invalid UTF-8", data.decode("utf-8", "replace"))
-                continue
-            if not raw.strip():  # blank by Unicode's white space
-                continue
-            try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # also: nesting or digits beyond json's limits
-                yield Line(number, None, None, f"invalid JSON: {exc}", raw)
-                continue
+            raw = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return Line(number, None, None, "invalid UTF-8", data.decode("utf-8", "replace"))
+        if not raw.strip():  # blank by Unicode's white space
+            return None
         try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # also: nesting or digits beyond json's limits
+            return Line(number, None, None, f"invalid JSON: {exc}", raw)
+    try:
+        try:
+            text = record_text(record, text_fields)
+            doc_id = record_id(record, id_field) or str(number)
+        except RecordError as refused:
+            # orjson reads an integer beyond 64 bits as a float: json keeps it exact
             try:
-                text = record_text(record, text_fields)
-                doc_id = record_id(record, id_field) or str(number)
-            except RecordError as refused:
-                # orjson reads an integer beyond 64 bits as a float: json keeps it exact
-                try:
-                    record = json.loads(data)
-                except (ValueError, RecursionError):
-                    raise refused from None
-                text = record_text(record, text_fields)
-                doc_id = record_id(record, id_field) or str(number)
-            when = record_time(record, time_field) if time_field else None
-            _check_unicode(id_field or "id", doc_id, text_fields, text)
-        except RecordError as exc:
-            yield Line(number, record, None, str(exc), data.decode("utf-8"))
-            continue
-        yield Line(number, record, Document(doc_id, text, when), data=data)
+                record = json.loads(data)
+            except (ValueError, RecursionError):
+                raise refused from None
+            text = record_text(record, text_fields)
+            doc_id = record_id(record, id_field) or str(number)
+        when = record_time(record, time_field) if time_field else None
+        _check_unicode(id_field or "id", doc_id, text_fields, text)
+    except RecordError as exc:
+        return Line(number, record, None, str(exc), data.decode("utf-8"))
+    spliceable = type(record) is dict and "neardup" not in record  # and not empty: it has a text
+    return Line(number, record, Document(doc_id, text, when), data=data, spliceable=spliceable)
 
 
 def _check_unicode(id_name: str, doc_id: str, text_fields: Sequence[str], text: str) -> None:
@@ -295,18 +311,18 @@ class OutputFiles:
             self.close()
             raise OutputError(f"--out-dir {out_dir}: cannot write the outputs: {exc.strerror or exc}") from exc
 
-    def write_verdict(self, record: Any, verdict: Verdict, data: bytes | None = None) -> None:
-        """Queue the output line of ``record`` (parsed from ``data``, the line's bytes, if
-        given) and its verdict; ``flush`` writes it.
+    def write_verdict(self, verdict: Verdict, data: bytes, spliceable: bool) -> None:
+        """Queue the output line of a record (``data``, the line's bytes) and its verdict;
+        ``flush`` writes it.
 
-        A JSON object read from ``data`` is written as those bytes with the ``neardup``
-        member spliced in before its closing brace: the record comes out byte for byte as
-        it came, without being encoded again. Any other record (not an object, empty, or
-        holding a ``neardup`` member already) is encoded with ``neardup`` set.
+        A ``spliceable`` record (``Line.spliceable``: a JSON object without a ``neardup``
+        member) is written as its bytes with the ``neardup`` member spliced in before its
+        closing brace: the record comes out byte for byte as it came, without being
+        encoded again. Any other record is read again and encoded with ``neardup`` set.
         """
         name = "duplicates" if verdict.is_duplicate else "unique"
         entry = {"id": verdict.id, **verdict.to_dict()}
-        if data is not None and type(record) is dict and record and "neardup" not in record:
+        if spliceable:
             head = data.rstrip()
             if head.endswith(b"}"):
                 try:
@@ -315,8 +331,7 @@ class OutputFiles:
                 except orjson.JSONEncodeError:  # a lone surrogate in the id: json escapes it
                     pass
         with _nesting_allowed():  # a record orjson read (up to 1,024 levels) json can write
-            if data is not None:  # read again by json, which keeps integers beyond 64 bits exact
-                record = json.loads(data)
+            record = json.loads(data)  # by json, which keeps integers beyond 64 bits exact
             out = dict(record) if isinstance(record, dict) else {"value": record}
             out["neardup"] = entry
             self._pending[name].append(_dumps(out))
