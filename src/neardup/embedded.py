@@ -52,9 +52,9 @@ PATH_KEY = b"dedup:path\0"  # + resolved input path: the Input.key last read und
 
 #: Inputs of at least this many bytes on disk (gzipped ones count as stored) start the
 #: worker process at once rather than after ``neardup.pipeline.WORKER_AFTER_BATCHES``
-#: batches: on the idle 2-core machine, a 200,000-document stream (170 MB) took about 5%
-#: less wall time so, Reuters-21578 (43 MB, or 8 MB gzipped) about 10% more
-#: (benchmarks/README.md, "Whole process and start-up").
+#: batches: on the 2-core machine (3 rounds, load 1.2-1.7), a 200,000-document stream
+#: (170 MB) took 7.5-7.6 s so against 8.1-8.3 s, Reuters-21578 (43 MB, 8 MB gzipped)
+#: 1.8-1.9 s against 1.7-1.8 s.
 WORKER_AT_ONCE_BYTES = 64 << 20
 
 

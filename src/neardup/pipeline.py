@@ -19,11 +19,12 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from itertools import chain, islice
 from multiprocessing.connection import Connection
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from neardup.core import numba_math_without_scipy
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import PreparedBatch, Preparer
@@ -136,6 +137,7 @@ def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettin
     # Ctrl-C reaches the whole process group: the parent decides when the worker stops
     # (it finishes its batch first), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    numba_math_without_scipy()
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def receive() -> None:
