@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -234,3 +235,48 @@ def test_a_cold_kernel_cache_is_announced(tmp_path: Path, capsys) -> None:
     stories = _write(tmp_path / "in.jsonl", _stories(20))
     assert main(["dedup", str(stories), "--out-dir", str(tmp_path / "out"), "--no-pipeline"]) == 0
     assert "compiling kernels" not in capsys.readouterr().err
+
+
+def test_lines_parsed_and_prepared_in_the_worker_give_the_outputs_of_one_process(tmp_path: Path) -> None:
+    """``neardup dedup -`` fed a batch at a time until its worker process has started,
+    then the rest: the batches the worker parsed and prepared (good, blank and bad lines
+    alike) come out byte for byte as ``--no-pipeline`` writes them."""
+    bad = ['{not json', '["a", "list"]', '{"id": "t"}', '{"id": "v", "text": 7}', "\u3000",
+           '{"id": "m", "text": "a record that holds one already", "neardup": {"x": 1}}']
+    lines = []
+    for k, story in enumerate(_stories(900)):
+        lines.append(story)
+        if k % 20 == 0:
+            lines.append(bad[(k // 20) % len(bad)])
+        if k % 7 == 0:  # a republished copy, with a new lead
+            record = json.loads(story)
+            lines.append(json.dumps({"id": f"copy-{k}", "text": "UPDATE 1 - " + record["text"]}))
+    data = "".join(line + "\n" for line in lines).encode()
+    batch = 5
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    one = subprocess.run([sys.executable, "-m", "neardup.cli", "dedup", "-", "--out-dir", str(tmp_path / "one"),
+                          "--batch-size", str(batch), "--no-pipeline"], input=data, capture_output=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr.decode()[-2000:]
+
+    proc = subprocess.Popen([sys.executable, "-m", "neardup.cli", "dedup", "-", "--out-dir", str(tmp_path / "two"),
+                             "--batch-size", str(batch), "--log-level", "INFO"],
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(line.decode() for line in proc.stderr), daemon=True)
+    reader.start()
+    sent = 0
+    deadline = time.monotonic() + 120
+    while not any("preparing worker started" in line for line in err):
+        assert time.monotonic() < deadline and sent < len(lines) - 200, "the worker did not start"
+        proc.stdin.write("".join(line + "\n" for line in lines[sent:sent + batch]).encode())
+        proc.stdin.flush()
+        sent += batch
+        time.sleep(0.05)
+    proc.stdin.write("".join(line + "\n" for line in lines[sent:]).encode())  # the worker's share
+    proc.stdin.close()
+    assert proc.wait(timeout=600) == 0, "".join(err)[-2000:]
+    reader.join(10)
+    assert len(lines) - sent >= 200
+    assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")
+    counts = _count(tmp_path / "one")
+    assert counts["duplicates"] >= 129 and counts["rejects"] == 31
