@@ -28,6 +28,24 @@ _SECRET = np.frombuffer(bytes.fromhex(
     "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
 ), dtype=np.uint8)
 
+
+
+def _secret_word(offset: int, width: int = 8) -> np.uint64:
+    """The ``width``-byte little-endian integer at ``offset`` in the secret: a constant of
+    the compiled code (read once here, not specialised per offset by numba)."""
+    return np.uint64(int.from_bytes(_SECRET[offset : offset + width].tobytes(), "little"))
+
+
+#: The secret's words the short paths use, by byte offset.
+_K = {offset: _secret_word(offset) for offset in range(0, 128, 8)}
+_BITFLIP_1TO3 = np.uint64(int(_secret_word(0, 4)) ^ int(_secret_word(4, 4)))
+_BITFLIP_4TO8 = np.uint64(int(_K[8]) ^ int(_K[16]))
+_EMPTY = np.uint64(int(_secret_word(56)) ^ int(_secret_word(64)))
+_LO_9TO16 = np.uint64(int(_K[24]) ^ int(_K[32]))
+_HI_9TO16 = np.uint64(int(_K[40]) ^ int(_K[48]))
+_K0, _K8, _K16, _K24, _K32, _K40, _K48, _K56 = (_K[o] for o in range(0, 64, 8))
+_K64, _K72, _K80, _K88, _K96, _K104, _K112, _K120 = (_K[o] for o in range(64, 128, 8))
+
 _P32_1 = np.uint64(0x9E3779B1)
 _P64_1 = np.uint64(0x9E3779B185EBCA87)
 _P64_2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -95,27 +113,26 @@ def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _mix16(data: np.ndarray, p: int, secret: np.ndarray, s: int) -> np.uint64:  # pragma: no cover - compiled
-    return _mul128_fold64(_read(data, p, 8) ^ _read(secret, s, 8), _read(data, p + 8, 8) ^ _read(secret, s + 8, 8))
+def _mix16(data: np.ndarray, p: int, k0: np.uint64, k1: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """XXH3_mix16B with the secret's two words at its offset, ``k0`` and ``k1``."""
+    return _mul128_fold64(_read(data, p, 8) ^ k0, _read(data, p + 8, 8) ^ k1)
 
 
 @njit(nogil=True, cache=True)
-def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint64:  # pragma: no cover - compiled
+def _xxh3_short(data: np.ndarray, p: int, n: int) -> np.uint64:  # pragma: no cover - compiled
     length = np.uint64(n)
     if n == 0:
-        return _xxh64_avalanche(_read(secret, 56, 8) ^ _read(secret, 64, 8))
+        return _xxh64_avalanche(_EMPTY)
     if n <= 3:
         c1 = np.uint64(data[p])
         c2 = np.uint64(data[p + (n >> 1)])
         c3 = np.uint64(data[p + n - 1])
         combined = (c1 << np.uint64(16)) | (c2 << np.uint64(24)) | c3 | (length << np.uint64(8))
-        bitflip = (_read(secret, 0, 4) ^ _read(secret, 4, 4)) & _M32
-        return _xxh64_avalanche(combined ^ bitflip)
+        return _xxh64_avalanche(combined ^ _BITFLIP_1TO3)
     if n <= 8:
         input1 = _read(data, p, 4)
         input2 = _read(data, p + n - 4, 4)
-        bitflip = _read(secret, 8, 8) ^ _read(secret, 16, 8)
-        x = (input2 + (input1 << np.uint64(32))) ^ bitflip
+        x = (input2 + (input1 << np.uint64(32))) ^ _BITFLIP_4TO8
         # XXH3_rrmxmx
         x ^= _rotl(x, 49) ^ _rotl(x, 24)
         x *= _MX2
@@ -123,32 +140,31 @@ def _xxh3_short(data: np.ndarray, p: int, n: int, secret: np.ndarray) -> np.uint
         x *= _MX2
         return x ^ (x >> np.uint64(28))
     if n <= 16:
-        lo = _read(data, p, 8) ^ (_read(secret, 24, 8) ^ _read(secret, 32, 8))
-        hi = _read(data, p + n - 8, 8) ^ (_read(secret, 40, 8) ^ _read(secret, 48, 8))
+        lo = _read(data, p, 8) ^ _LO_9TO16
+        hi = _read(data, p + n - 8, 8) ^ _HI_9TO16
         return _avalanche(length + _swap64(lo) + hi + _mul128_fold64(lo, hi))
     acc = length * _P64_1
     if n > 32:
         if n > 64:
             if n > 96:
-                acc += _mix16(data, p + 48, secret, 96)
-                acc += _mix16(data, p + n - 64, secret, 112)
-            acc += _mix16(data, p + 32, secret, 64)
-            acc += _mix16(data, p + n - 48, secret, 80)
-        acc += _mix16(data, p + 16, secret, 32)
-        acc += _mix16(data, p + n - 32, secret, 48)
-    acc += _mix16(data, p, secret, 0)
-    acc += _mix16(data, p + n - 16, secret, 16)
+                acc += _mix16(data, p + 48, _K96, _K104)
+                acc += _mix16(data, p + n - 64, _K112, _K120)
+            acc += _mix16(data, p + 32, _K64, _K72)
+            acc += _mix16(data, p + n - 48, _K80, _K88)
+        acc += _mix16(data, p + 16, _K32, _K40)
+        acc += _mix16(data, p + n - 32, _K48, _K56)
+    acc += _mix16(data, p, _K0, _K8)
+    acc += _mix16(data, p + n - 16, _K16, _K24)
     return _avalanche(acc)
 
 
 @njit(nogil=True, cache=True)
-def _hash_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                secret: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+def _hash_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.zeros(len(starts), dtype=np.uint64)
     for i in range(len(starts)):
         n = ends[i] - starts[i]
         if n <= MAX_SHORT:
-            out[i] = _xxh3_short(data, starts[i], n, secret)
+            out[i] = _xxh3_short(data, starts[i], n)
     return out
 
 
@@ -172,7 +188,7 @@ def xxh3_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
         raise ValueError(f"{len(starts)} starts and {len(ends)} ends")
     if len(starts) and (starts.min() < 0 or (ends < starts).any() or ends.max() > len(data)):
         raise ValueError("a span lies outside the data or ends before it starts")
-    out = _hash_spans(data, starts, ends, _SECRET)
+    out = _hash_spans(data, starts, ends)
     for i in np.flatnonzero(ends - starts > MAX_SHORT).tolist():
         out[i] = xxhash.xxh3_64_intdigest(data[starts[i] : ends[i]].tobytes())
     return out
