@@ -174,9 +174,9 @@ def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     joined = np.zeros(len(entry_bucket), dtype=np.bool_)
     bounds = np.zeros(n + 1, dtype=np.int64)
     out = np.empty(n * max_candidates, dtype=np.uint64)
-    bits = 10
+    bits = np.int64(10)  # not the literal 10: numba would compile the callees for it too
     table_keys, table_counts, used = _table(bits)
-    filled = 0
+    filled = np.int64(0)  # (the same: a literal 0 is compiled for apart)
     for d in range(n):
         chosen, bits, table_keys, table_counts, used = _choose(
             d, entry_bucket, bands, member_starts, member_counts, member_seqs, head, below, taken,

@@ -211,9 +211,9 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     similarity = jaccard if measure == JACCARD else containment
     match, accepted, cluster, cluster_size, related = _outputs(n, first)
     seen = np.empty(limit, dtype=np.int64)
-    bits = 10
+    bits = np.int64(10)  # not the literal 10: numba would compile the callees for it too
     table_keys, table_counts, used = _table(bits)
-    filled = 0
+    filled = np.int64(0)  # (the same: a literal 0 is compiled for apart)
     for d in range(n):
         x = first + d
         chosen, bits, table_keys, table_counts, used = _choose(
