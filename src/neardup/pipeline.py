@@ -5,7 +5,7 @@ parsing the input, so a worker process can do them for the next batch while this
 verifies, clusters and writes the current one: the two halves then share the machine's
 two cores. What the worker does with a batch is a ``PrepareJob``: ``PrepareTexts`` for
 documents already parsed (the Kafka consumer, ``neardup.io.kafka``, which drives a
-``PrepareWorker`` itself), or a parser of raw input lines (the file mode,
+``PrepareWorker`` itself), or ``ParseLines`` for raw input lines (the file mode,
 ``neardup.embedded``). ``prepared_ahead`` runs a job ahead of the caller, results in
 input order.
 """
@@ -84,11 +84,11 @@ _Parsed = tuple[int, str | None, str | None, float | None, str | None, str | Non
 
 @dataclass(frozen=True)
 class ParseLines:
-    """The ``neardup.pipeline.PrepareJob`` of a batch of input lines, ``(number, bytes)``:
-    each is parsed (``neardup.io.files.parse_line``) and the documents' texts prepared,
-    in the worker process when there is one, so that parsing JSON shares the second core
-    too. What comes back is small: each line without its parsed record (``spliceable``
-    says how its output is written) nor its bytes, which the caller keeps.
+    """The ``PrepareJob`` of a batch of input lines, ``(number, bytes)``: each is parsed
+    (``neardup.io.files.parse_line``) and the documents' texts prepared, in the worker
+    process when there is one, so that parsing JSON shares the second core too. What
+    comes back is each line without its parsed record (``spliceable`` says how its output
+    is written) nor its bytes, which the caller keeps.
 
     ``finish`` gives the batch's ``Line``s and the number of its last line (the position
     to commit; a line blank by Unicode's white space has no ``Line``).
