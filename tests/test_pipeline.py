@@ -3,7 +3,12 @@ and that its prepared batches are the ones prepared inline."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -87,3 +92,32 @@ def test_lines_parsed_in_the_worker_are_the_lines_read_here() -> None:
     for p in (inline_prepared, prepared):
         assert np.array_equal(p.signatures, reference.signatures)
         assert np.array_equal(p.fingerprints, reference.fingerprints)
+
+
+def test_a_killed_worker_is_replaced_by_preparing_here(caplog) -> None:
+    """The worker SIGKILLed mid-stream (as the out-of-memory killer would): every batch
+    still comes out, in order, prepared as inline, the batches it held included."""
+    batches = _batches(60)
+    inline = [p for _, p in prepared_ahead(batches, PrepareTexts(), SETTINGS, parallel=False)]
+
+    def slowly() -> Iterator[list[Document]]:
+        for batch in batches:
+            time.sleep(0.05)
+            yield batch
+
+    out = []
+    killed = False
+    with caplog.at_level(logging.WARNING, logger="neardup.pipeline"):
+        for batch, prepared in prepared_ahead(slowly(), PrepareTexts(), SETTINGS, parallel=True, worker_after=0):
+            out.append((batch, prepared))
+            if len(out) == 30 and not killed:
+                children = multiprocessing.active_children()
+                assert children, "the worker was started"
+                for child in children:
+                    os.kill(child.pid, signal.SIGKILL)
+                killed = True
+    assert killed
+    assert [b for b, _ in out] == batches
+    for a, (_, b) in zip(inline, out):
+        assert np.array_equal(a.signatures, b.signatures)
+    assert "worker process died" in caplog.text

@@ -290,7 +290,7 @@ def prepared_ahead(
     The first ``worker_after`` batches are prepared here; a worker process is started only
     when there is a batch after them, and until it has started (about half a second of
     imports and compiled code loading) batches are still prepared here rather than
-    waited for.
+    waited for. If the worker dies, the batches it held and the rest are prepared here.
 
     Args:
         batches: any batches, in order.
@@ -318,19 +318,23 @@ def prepared_ahead(
     ahead = list(islice(it, 1))
     if not ahead:
         return
+    rest = chain(ahead, it)
+    pending: deque[T] = deque()  # submitted, not yet taken back: prepared here if it dies
     with PrepareWorker(settings, job) as worker:
-        pending: deque[T] = deque()
-        for batch in chain(ahead, it):
-            if not pending and not worker.ready():  # still starting: do not wait for it
-                yield here(batch)
-                continue
-            worker.submit(batch)
-            pending.append(batch)
-            if len(pending) > max(depth, 1):
-                first = pending.popleft()
+        try:
+            for batch in rest:
+                if not pending and not worker.ready():  # still starting: do not wait for it
+                    yield here(batch)
+                    continue
+                pending.append(batch)
+                worker.submit(batch)
+                if len(pending) > max(depth, 1):
+                    made, prepared = worker.outcome()
+                    yield job.finish(pending.popleft(), made), prepared
+            while pending:
                 made, prepared = worker.outcome()
-                yield job.finish(first, made), prepared
-        while pending:
-            first = pending.popleft()
-            made, prepared = worker.outcome()
-            yield job.finish(first, made), prepared
+                yield job.finish(pending.popleft(), made), prepared
+        except WorkerDied as exc:  # killed (out of memory, ...): the run goes on without it
+            log.warning("the preparing worker process died (%s); preparing in this process from now on", exc)
+    for batch in chain(pending, rest):
+        yield here(batch)
