@@ -6,3 +6,7 @@ a Kafka consumer or by JSONL files.
 """
 
 __version__ = "0.1.0"
+
+from neardup import kernel_cache as _kernel_cache
+
+_kernel_cache.choose()  # before any compiled kernel is defined: numba needs a writable cache

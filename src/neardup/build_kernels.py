@@ -1,0 +1,76 @@
+"""Compile neardup's kernels into a folder that an image ships (see ``neardup.kernel_cache``).
+
+    python -m neardup.build_kernels /usr/local/share/neardup/kernels
+
+Run it in the image, as the last step of the build, with the ``NUMBA_CPU_NAME`` the
+containers will have (``generic``: kernels for any CPU of the architecture).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+#: ``neardup dedup`` options, one variant each, whose runs together call every kernel:
+#: the two MinHash schemes, shingle kinds, measures and directions, verification modes,
+#: cluster policies, multisets, and a retention window over a state directory.
+WARM_VARIANTS: tuple[tuple[str, ...], ...] = (
+    (),
+    ("--shingle", "char:5"),
+    ("--minhash", "classic"),
+    ("--measure", "containment", "--containment-direction", "both"),
+    ("--measure", "containment", "--containment-direction", "earlier-in-new"),
+    ("--verify", "estimate"),
+    ("--cluster-policy", "components"),
+    ("--multiset",),
+    ("--duplicate-buckets", "all"),
+    ("--retention-documents", "3", "--timestamp-field", "time", "--state-dir", "{state}"),
+)
+
+_WARM_TEXTS = (
+    "the central bank raised its key interest rate by half a point on tuesday citing inflation",
+    "shares of the mining group fell sharply after the company cut its profit forecast for the year",
+    "the ministry said grain exports rose in the first quarter as harvests recovered from drought",
+)
+
+
+def build(target: Path) -> None:
+    """Compile every kernel into ``target`` (a ``NUMBA_CACHE_DIR``) by running ``neardup
+    dedup`` in this process over a few stories and their edited copies, once per variant
+    of :data:`WARM_VARIANTS`. The image build runs it (``python -m neardup.kernel_cache
+    DIR``) with the runtime's ``NUMBA_CPU_NAME``.
+
+    Raises:
+        RuntimeError: numba was imported already (its cache folder is fixed then), or a
+            warm-up run failed.
+    """
+    if "numba" in sys.modules:
+        raise RuntimeError("build() must run before numba is imported")
+    os.environ["NUMBA_CACHE_DIR"] = str(target)
+    import contextlib  # noqa: PLC0415 - only here
+    import json  # noqa: PLC0415
+
+    from neardup.cli import main  # noqa: PLC0415 - after the cache folder is set
+
+    with tempfile.TemporaryDirectory(prefix="neardup-kernels-") as scratch:
+        corpus = Path(scratch) / "warm.jsonl"
+        lines = []
+        for i, text in enumerate(_WARM_TEXTS * 2):
+            edited = text if i < len(_WARM_TEXTS) else text.replace(" the ", " a ", 1) + " officials said"
+            lines.append(json.dumps({"id": f"w{i}", "text": edited, "time": 1_700_000_000 + i}))
+        corpus.write_text("\n".join(lines) + "\n")
+        for n, variant in enumerate(WARM_VARIANTS):
+            argv = [a.replace("{state}", str(Path(scratch) / f"state{n}")) for a in variant]
+            with contextlib.redirect_stdout(None):  # the runs' summaries
+                code = main(["dedup", str(corpus), "--out-dir", str(Path(scratch) / f"out{n}"),
+                             "--no-pipeline", "--no-progress", "--batch-size", "2", "--log-level", "WARNING", *argv])
+            if code != 0:
+                raise RuntimeError(f"kernel warm-up {' '.join(variant) or '(defaults)'} exited {code}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m neardup.build_kernels DIR")
+    build(Path(sys.argv[1]))
