@@ -28,11 +28,14 @@ from neardup.io.topology import Topology, TopologyMismatchError
 from neardup.sharded.records import (
     ERROR_HEADER,
     ID_HEADER,
+    KIND_HEADER,
     ORDER,
     ORDER_HEADER,
     SHARDS_HEADER,
+    WATERMARK_KIND,
     BandRecord,
     decide_partition,
+    parse_watermarks,
 )
 from neardup.sharded.routing import shard_of
 
@@ -88,8 +91,19 @@ def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[i
     """Every input message exactly once as a document record, with its band records."""
     out = read_all(bootstrap, [topology.bands, topology.findings])
     documents = [o for o in out if o.topic == topology.findings]
-    bands = [o for o in out if o.topic == topology.bands]
+    marks = [o for o in out if o.topic == topology.bands and o.headers.get(KIND_HEADER) == WATERMARK_KIND]
+    bands = [o for o in out if o.topic == topology.bands and o.headers.get(KIND_HEADER) != WATERMARK_KIND]
     keys = [ORDER.unpack(o.headers[ORDER_HEADER])[1:] for o in documents]
+    # watermark records: every input partition's last one is at or past its last document
+    last_mark: dict[int, bytes] = {}
+    for o in marks:
+        for (t, p), (count, mark) in parse_watermarks(o.value).items():
+            assert t == topic and count == len(ends)
+            last_mark[p] = max(last_mark.get(p, b""), mark)
+    for p, end in ends.items():
+        last_doc = max((o.headers[ORDER_HEADER] for o in documents if ORDER.unpack(o.headers[ORDER_HEADER])[1] == p),
+                       default=b"")
+        assert last_mark[p] >= last_doc
     assert sorted(keys) == sorted((p, off) for p, end in ends.items() for off in range(end))
     band_count = Counter(o.key for o in bands)
     assert len(band_count) == sum(int(o.headers[SHARDS_HEADER]) > 0 for o in documents)
@@ -160,6 +174,8 @@ def read_partitions(bootstrap: str, topology: Topology) -> list[tuple[tuple[str,
         for m in c.consume(500, timeout=0.5):
             if m.error() is None:
                 last = time.monotonic()
+                if (KIND_HEADER, WATERMARK_KIND) in (m.headers() or ()):
+                    continue
                 key = m.key() if m.topic() == topology.bands else dict(m.headers())[ORDER_HEADER]
                 out.append(((m.topic(), m.partition()), key, m.value()))
     c.close()
@@ -295,6 +311,21 @@ class _Stages:
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
 
+    def stop_upstream_first(self, topology: Topology, timeout_s: float = 120.0) -> None:
+        """SIGTERM prepare, then shard once it has committed every record of the band
+        topic (prepare sends watermark records while it runs), then decide once it has
+        committed every finding."""
+        for role, internal in (("prepare", None), ("shard", topology.bands), ("decide", topology.findings)):
+            if internal is not None:
+                deadline = time.monotonic() + timeout_s
+                group = f"{topology.app}.{role}"
+                while any(committed_offset(self.args[0], group, internal, p) != last + 1
+                          for p, last in _last_offsets(self.args[0], internal).items()):
+                    assert time.monotonic() < deadline, f"{role} did not commit all of {internal}"
+                    time.sleep(0.2)
+            for key in [k for k in self.procs if k[0] == role]:
+                assert self.terminate(*key) == 0
+
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -352,13 +383,12 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     messages.insert(20, (b"empty", json.dumps({"id": "empty", "text": "  "}).encode()))
     produce(kafka_bootstrap, topic, messages)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
-    # a window longer than a pause of prepare between two batches on a loaded machine
-    # (a shard that hears nothing for the window's length releases what it holds)
-    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=5000)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
     try:
         for role in ("prepare", "shard", "decide"):
             stages.start(role)
         out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
+        stages.stop_upstream_first(topology)
     finally:
         stages.stop()
     assert len(out) == len(messages), (tmp_path / "stages.log").read_text()[-4000:]
@@ -368,6 +398,38 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     for stage, internal in (("shard", topology.bands), ("decide", topology.findings)):
         for p, last in _last_offsets(kafka_bootstrap, internal).items():
             assert committed_offset(kafka_bootstrap, f"{topology.app}.{stage}", internal, p) == last + 1
+
+
+def test_a_backlog_read_unevenly_gives_the_verdicts_of_order_key_order(kafka_bootstrap, kafka_topic_factory,
+                                                                         tmp_path):
+    """A backlog spanning 70 minutes of record time over 4 input partitions, 70% of it in
+    partition 0 and none in partition 3: prepare reads the sparse partitions far ahead of
+    partition 0 in record time, the empty one never has a record. The shards process
+    every document once every partition's watermark is past it, so the verdicts are those
+    of the sharded rules in order-key order (a window of record time would process
+    partition 0's documents late), and the empty partition holds nothing back."""
+    from confluent_kafka import Producer
+
+    topic = kafka_topic_factory("sharded-uneven", partitions=4)
+    messages = _stories_and_copies(200)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    first = int(time.time() * 1000) - len(messages) * 10_000
+    for i, (key, value) in enumerate(messages):  # 10 s of record time apart, in order
+        producer.produce(topic, key=key, value=value, partition=0 if i % 10 < 7 else 1 + i % 2,
+                         timestamp=first + i * 10_000)
+    assert producer.flush(60) == 0
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    try:
+        for role, instance in (("prepare", "a"), ("shard", "a"), ("shard", "b"), ("decide", "a")):
+            stages.start(role, instance)
+        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
+    finally:
+        stages.stop()
+    log = (tmp_path / "stages.log").read_text(errors="replace")
+    assert len(out) == len(messages), log[-4000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set())
+    assert "processed late" not in log
 
 
 @pytest.mark.parametrize("shard_state", ["memory", "disk"])

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-id", help=f"the default --app ({_d('group_id')})")
     g.add_argument("--shards", type=int, help=f"partitions of the band topic: shard partitions, fixed for the life of the state ({_d('shards')})")
     g.add_argument("--decide-partitions", type=int, help=f"partitions of the findings topic ({_d('decide_partitions')})")
-    g.add_argument("--reorder-window-ms", type=int, help=f"shard: how long, in record time (and in wall time when the input is quiet), a band record is held so that documents are processed in order-key order ({_d('reorder_window_ms')})")
+    g.add_argument("--reorder-window-ms", type=int, help=f"prepare: how far behind the wall clock the next record of an input partition read to its end may be stamped; shards process documents in order-key order once every input partition's watermark is past them, and a partition read to its end has the wall clock minus this as its watermark (longer: outputs wait longer while a partition is idle; shorter: a record stamped earlier is processed late) ({_d('reorder_window_ms')})")
     g.add_argument("--state-dir", type=Path, help="shard: a directory holding each of this process's shard partitions in a RocksDB store (shard-<partition>); decide: one holding the decisions table (decisions); kept between runs so that a restart reads only the newer records of the changelog or table (default: in memory, read from the topics at every start)")
     g.add_argument("--instance", help="this process's name among the stage's processes, stable across restarts: its transactional id is neardup-<app>.<role>-<instance> (default: the host name)")
     g.add_argument("--batch-max-ms", type=int, help=f"longest wait to fill a batch, ms ({_d('batch_max_ms')})")
@@ -420,7 +420,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
         elif role == "shard":
             from neardup.io.shard_stage import ShardStage
 
-            runtime = ShardStage(stage_settings, topology, instance, settings.reorder_window_ms, settings.state_dir,
+            runtime = ShardStage(stage_settings, topology, instance, settings.state_dir,
                                  **callbacks)
         else:
             from neardup.io.decide_stage import DecideStage

@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     app: str | None = None  # prefix of the internal topics and consumer groups; default: group_id
     shards: int = Field(4, ge=1)
     decide_partitions: int = Field(2, ge=1)
-    reorder_window_ms: int = Field(2000, ge=0)
+    reorder_window_ms: int = Field(500, ge=0)
     instance: str | None = None  # default: the host name
     kafka: dict[str, str] = {}
     # operations

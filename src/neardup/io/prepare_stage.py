@@ -10,15 +10,27 @@ or no shingles after normalisation) gets a document record with its error and no
 record, so that decide sends it to the dead-letter topic and every input message leaves
 through decide exactly once.
 
+Watermarks: with each batch, and every ``IDLE_MARK_S`` while no input arrives, prepare
+sends every shard partition a watermark record (``neardup.sharded.records``): for each
+input partition it reads, the largest order key it has sent of it, or, for a partition
+read to its end (its position at the high watermark), the wall clock minus
+``reorder_window_ms`` if that is later (its next record will be stamped after that: an
+idle or empty partition does not hold the others back). A shard processes a document
+once every input partition's watermark is past its order key, so that documents are
+processed in order-key order however unevenly the partitions are read. A partition
+assigned and not yet read has no watermark: the shards wait for it.
+
 Nothing is stored: a batch whose transaction fails is consumed again from the group's
 committed offsets and gives the same records (the preparation is a pure function of the
-messages), so exactly once needs no state here.
+messages, the watermarks go back to those of the last committed batch), so exactly once
+needs no state here.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +41,7 @@ from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
+from neardup.io.partition_log import with_retries
 from neardup.io.messages import MessageError, carried_headers, record_size, to_document
 from neardup.io.stage import StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
@@ -41,10 +54,13 @@ from neardup.sharded.records import (
     SHARDS_HEADER,
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
+    WATERMARK_KIND,
     BandRecord,
     decide_partition,
     engine_digest,
     order_key,
+    time_mark,
+    watermark_value,
 )
 from neardup.sharded.routing import owned_bands
 
@@ -52,6 +68,8 @@ log = logging.getLogger(__name__)
 
 #: A record to produce: (topic, partition, key, value, headers).
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
+#: Seconds between watermark records while no input arrives.
+IDLE_MARK_S = 0.2
 
 
 @dataclass
@@ -61,6 +79,7 @@ class PrepareBatch:
     documents: list[Document] = field(default_factory=list)
     decoded: list[Message] = field(default_factory=list)  # the messages of ``documents``
     errors: dict[int, str] = field(default_factory=dict)  # message index -> "kind: reason"
+    sent: dict[TP, bytes] = field(default_factory=dict)  # the largest order key sent per partition, with it
 
 
 @dataclass
@@ -71,6 +90,7 @@ class PrepareWritten:
     band_bytes: int
     document_bytes: int
     seconds: float = 0.0
+    sent: dict[TP, bytes] = field(default_factory=dict)
 
 
 class PrepareProcessor(StageHooks):
@@ -88,6 +108,12 @@ class PrepareProcessor(StageHooks):
         self.digest = engine_digest(settings.engine())
         self._ensured = False
         self._limit: int | None = None
+        self._consumer: Consumer | None = None
+        self._counts: dict[str, int] = {}  # input topic -> partition count
+        self._start: dict[TP, int] = {}  # where reading began, per assigned partition
+        self._sent: dict[TP, bytes] = {}  # the largest order key sent per partition, this batch included
+        self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
+        self._marked_at = 0.0
 
     def open(self) -> None:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
@@ -106,7 +132,65 @@ class PrepareProcessor(StageHooks):
         if not self._ensured:
             self.topology.ensure_with(self.settings)
             self._ensured = True
+        self._consumer = consumer
+        for topic in sorted({t for t, _ in partitions}):
+            meta = with_retries(f"reading the metadata of {topic}", lambda t=topic: consumer.list_topics(t, timeout=10))
+            self._counts[topic] = len(meta.topics[topic].partitions)
+        tps = [TopicPartition(t, p) for t, p in partitions]
+        committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
+        for tp in committed:
+            offset = tp.offset
+            if offset < 0:  # no committed offset: the reset policy's end
+                low, high = with_retries(f"reading the offsets of {tp.topic}[{tp.partition}]",
+                                         lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=10))
+                offset = low if self.settings.from_beginning else high
+            self._start[(tp.topic, tp.partition)] = offset
 
+    def revoked(self, partitions: set[TP]) -> None:
+        for tp in partitions:
+            self._start.pop(tp, None)
+            self._sent.pop(tp, None)
+            self._sent_committed.pop(tp, None)
+
+    def due(self) -> bool:
+        """Idle: time for watermark records (the wall clock moves the ends of read partitions)."""
+        return bool(self._start) and time.monotonic() - self._marked_at >= IDLE_MARK_S
+
+    def aborted(self) -> None:
+        self._sent = dict(self._sent_committed)
+
+    def committed(self, written: PrepareWritten, seconds: float) -> PrepareWritten:
+        written.seconds = seconds
+        self._sent_committed = written.sent
+        return written
+
+    def _watermarks(self, messages: list[Message]) -> list[Record]:
+        """The watermark records after ``messages`` (one per shard partition; none while
+        no input partition has a watermark)."""
+        for m in messages:
+            tp, key = (m.topic(), m.partition()), self._order(m)
+            if key > self._sent.get(tp, b""):
+                self._sent[tp] = key
+        consumer = self._consumer
+        if consumer is None or not self._start:
+            return []
+        now = time_mark(int(time.time() * 1000) - self.settings.reorder_window_ms)
+        marks: dict[TP, tuple[int, bytes]] = {}
+        for tp in consumer.position([TopicPartition(t, p) for t, p in self._start]):
+            key = (tp.topic, tp.partition)
+            position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
+            _, high = consumer.get_watermark_offsets(tp, cached=True)
+            mark = self._sent.get(key)
+            if 0 <= high <= position:  # read to its end: its next record comes after now
+                mark = max(mark or b"", now)
+            if mark is not None and tp.topic in self._counts:
+                marks[key] = (self._counts[tp.topic], mark)
+        self._marked_at = time.monotonic()
+        if not marks:
+            return []
+        value = watermark_value(marks)
+        headers = [(KIND_HEADER, WATERMARK_KIND), (ENGINE_HEADER, self.digest)]
+        return [(self.topology.bands, q, None, value, headers) for q in range(self.topology.shards)]
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings
@@ -127,6 +211,10 @@ class PrepareProcessor(StageHooks):
     def compute(self, batch: PrepareBatch) -> tuple[PrepareBatch, list[Record]]:
         """Every record of the batch, in input order (nothing produced)."""
         t = self.topology
+        if not batch.messages:  # idle: watermark records only
+            marks = self._watermarks([])
+            batch.sent = dict(self._sent)
+            return batch, marks
         p = self.preparer(batch.documents)
         buckets = p.buckets
         offsets = p.fingerprint_offsets
@@ -168,6 +256,8 @@ class PrepareProcessor(StageHooks):
                 headers.append((VALUE_BYTES_HEADER, str(len(value or b"")).encode()))
                 value = None
             out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), value, headers))
+        out += self._watermarks(batch.messages)
+        batch.sent = dict(self._sent)
         return batch, out
 
     def _findings_limit(self) -> int:
@@ -192,13 +282,13 @@ class PrepareProcessor(StageHooks):
         for topic, partition, key, value, headers in records:
             produce(producer, topic, key, value, headers, partition)
             size = len(value or b"") + len(key or b"")
-            if topic == self.topology.bands:
+            if topic == self.topology.bands and key is not None:  # not a watermark record
                 band_records += 1
                 band_bytes += size
             else:
                 document_bytes += size
         return PrepareWritten(next_offsets(batch.messages), len(batch.messages), band_records, band_bytes,
-                              document_bytes)
+                              document_bytes, sent=batch.sent)
 
 
 

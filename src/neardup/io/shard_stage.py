@@ -17,13 +17,19 @@ committed input offsets. Where the state is kept:
   stay in memory over it. On assignment and after a failed batch, the store reads the
   changelog from its position only (everything when it has none).
 
-The reorder window: a band record is held until the partition's watermark (the largest
-record timestamp it has seen) is ``reorder_window_ms`` past its own, then processed with
-the others released, in order-key order; when the partition has had no record for that
-long of wall time, everything held is released (``due``), the time counted from the last
-full batch (while batches are full the process is behind: a partition without a record
-then has records still to be read, and releasing it would make them late). A record
-arriving after a later one was released is processed at once and counted as late.
+Order: a band record is held until every input partition's watermark is past its order
+key, then processed with the others released, in order-key order. The watermarks come
+from prepare (``neardup.io.prepare_stage``: a watermark record to every shard partition
+with each batch, and while idle), and are the largest order key prepare has sent of each
+input partition, or the wall clock minus ``reorder_window_ms`` for a partition read to its
+end; a shard waits for every partition of every input topic it has heard of. So however
+unevenly prepare reads the partitions of a backlog, the documents are processed in
+order-key order, as one process would; a partition whose prepare is gone holds the shard
+until the partition is assigned again (``session.timeout.ms``; at once with static
+membership). Watermarks live in memory: after a restart or a failed batch, a shard holds
+until each partition's next watermark. A record arriving after a later one was released
+(a record stamped before its partition's watermark) is processed at once and counted as
+late.
 
 Changelog records (key -> value; a null value deletes):
 
@@ -52,12 +58,14 @@ from neardup.io.topology import Topology
 from neardup.sharded.records import (
     KIND_HEADER,
     ORDER,
+    WATERMARK_KIND,
     BandRecord,
     check_engine,
     decide_partition,
     engine_digest,
     order_seq,
     order_time,
+    parse_watermarks,
     seq_order,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
@@ -79,7 +87,16 @@ class _Shard:
     logged: set[bytes] = field(default_factory=set)  # held keys whose H record is committed or in this batch
     last: bytes = b""
     watermark: int = -(1 << 62)
-    arrived: float = field(default_factory=time.monotonic)
+    marks: dict[tuple[str, int], bytes] = field(default_factory=dict)  # input partition -> its watermark
+    counts: dict[str, int] = field(default_factory=dict)  # input topic -> its partition count
+
+    def limit(self) -> bytes | None:
+        """The order key up to which every input partition has been sent (None: a
+        partition of an input topic has no watermark yet, or no watermark came at all)."""
+        if not self.counts:
+            return None
+        marks = [self.marks.get((t, i)) for t, n in self.counts.items() for i in range(n)]
+        return None if any(m is None for m in marks) else min(marks)  # type: ignore[type-var]
 
 
 @dataclass
@@ -103,14 +120,11 @@ class ShardProcessor(StageHooks):
     Args:
         settings: Kafka and batch settings; ``settings.engine()`` gives the shard's rules.
         topology: the sharded topics.
-        reorder_window_ms: how long (record time, and wall time when idle) a band record
-            is held before it is processed in order-key order.
         state_dir: where each shard partition's state is kept on disk, a RocksDB store
             per partition (``neardup.state.shard_store``); None: in memory.
     """
 
-    def __init__(self, settings: Settings, topology: Topology, reorder_window_ms: int,
-                 state_dir: Path | None = None) -> None:
+    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None) -> None:
         self.settings = settings
         self.state_dir = state_dir
         # per batch computed and not yet committed, in order: its changelog records per
@@ -119,10 +133,8 @@ class ShardProcessor(StageHooks):
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
-        self.window_ms = reorder_window_ms
         self.shards: dict[int, _Shard] = {}
         self._ensured = False
-        self._flush: set[int] = set()
 
     # --- lifecycle ------------------------------------------------------------------
     def is_output(self, topic: str) -> bool:
@@ -255,35 +267,21 @@ class ShardProcessor(StageHooks):
 
 
 
-    def due(self) -> bool:
-        """Whether a shard has held records and no arrival for the window's length."""
-        now = time.monotonic()
-        self._flush = {p for p, s in self.shards.items()
-                       if s.held and now - s.arrived >= self.window_ms / 1000}
-        return bool(self._flush)
-
     def compute(self, batch: MessageBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
         stats = ShardWritten(next_offsets(batch.messages), messages=len(batch.messages))
-        now = time.monotonic()
-        if batch.full:
-            # More are waiting: this process is behind, so none of its shards is quiet
-            # (a shard without an arrival in a backlog has records still to be read).
-            for s in self.shards.values():
-                s.arrived = now
-        else:
-            # shards of this process without an arrival for the window's length are
-            # flushed, even while others are busy
-            self._flush |= {p for p, s in self.shards.items() if s.held and now - s.arrived >= self.window_ms / 1000}
-        touched: set[int] = set(self._flush)
+        touched: set[int] = set()
         behind = 0
         for m in batch.messages:
             p = m.partition()
             shard = self.shards[p]
             touched.add(p)
-            shard.arrived = now
-            check_engine(m.headers(), self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
+            headers = m.headers()
+            check_engine(headers, self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
+            if (KIND_HEADER, WATERMARK_KIND) in (headers or ()):
+                self._watermark(m, shard)
+                continue
             try:
                 rec = BandRecord.parse(m.key(), m.value())
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
@@ -302,11 +300,8 @@ class ShardProcessor(StageHooks):
                         "processed late", stats.late, behind)
         for p in sorted(touched):
             shard = self.shards[p]
-            if p in self._flush:
-                ready = sorted(shard.held)
-            else:
-                limit = shard.watermark - self.window_ms
-                ready = sorted(k for k in shard.held if order_time(k) <= limit)
+            limit = shard.limit()
+            ready = [] if limit is None else sorted(k for k in shard.held if k <= limit)
             self._release(p, shard, [shard.held.pop(k) for k in ready], out, stats)
             for k, rec in shard.held.items():
                 if k not in shard.logged:
@@ -315,7 +310,6 @@ class ShardProcessor(StageHooks):
             out.append((self.topology.shard_changelog, p, b"P",
                         _WATERMARK.pack(shard.watermark) + shard.last, []))
             stats.held += len(shard.held)
-        self._flush = set()
         if self.state_dir is not None:  # for the stores, once the batch has committed
             changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
             for topic, part, key, value, _ in out:
@@ -323,6 +317,21 @@ class ShardProcessor(StageHooks):
                     changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
             self._uncommitted.append(changes)
         return out, stats
+
+    @staticmethod
+    def _watermark(m: Message, shard: _Shard) -> None:
+        """Take a watermark record's marks (each partition's largest); one of another
+        layout is logged and skipped (the next one serves)."""
+        try:
+            marks = parse_watermarks(m.value() or b"")
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            log.error("band topic %s[%d]@%d: not a watermark record (%s); skipped", m.topic(), m.partition(),
+                      m.offset(), exc)
+            return
+        for tp, (count, mark) in marks.items():
+            shard.counts[tp[0]] = max(count, shard.counts.get(tp[0], 0))
+            if mark > shard.marks.get(tp, b""):
+                shard.marks[tp] = mark
 
     def _malformed(self, m: Message, exc: Exception, out: list[Record], stats: ShardWritten) -> None:
         """A band record of another layout (written by something else than prepare): its
@@ -393,13 +402,12 @@ class ShardStage(StageRuntime):
             topic); ``group_id`` is the stage's consumer group.
         topology: the sharded topics.
         instance: this process's name among the stage's instances.
-        reorder_window_ms: see ``ShardProcessor``.
         state_dir: see ``ShardProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0",
-                 reorder_window_ms: int = 2000, state_dir: Path | None = None, **callbacks: object) -> None:
+                 state_dir: Path | None = None, **callbacks: object) -> None:
         settings = settings.model_copy(update={
             "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.bands]})
-        super().__init__(settings, ShardProcessor(settings, topology, reorder_window_ms, state_dir), **callbacks)
+        super().__init__(settings, ShardProcessor(settings, topology, state_dir), **callbacks)

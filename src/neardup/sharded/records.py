@@ -11,6 +11,16 @@ Band record (prepare -> shard; key: the order key; partition: the shard's):
     k bucket ids (uint64, little-endian)
     f fingerprints (uint32, little-endian, sorted distinct: the shingle set)
 
+Watermark record (prepare -> every shard partition; key: none; header ``KIND_HEADER``
+``b"watermark"``): how far prepare has sent each input partition it reads, so that a
+shard processes a document only once every input partition is past its order key (as
+Flink's per-source watermarks; Kafka Streams' stream time over a task's partitions):
+
+    ">H" entry count n, then per entry:
+    ">H" topic length T, the input topic (T bytes, UTF-8), ">ii" partition and the
+    topic's partition count, the watermark (an order key, 20 bytes): every record of
+    that partition whose order key is at or below it has been sent before this record.
+
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
 (the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
@@ -41,6 +51,47 @@ VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent wit
 SHARDED_PREFIX = "neardup-sharded-"
 _LEN = struct.Struct(">I")
 _NONE = 0xFFFFFFFF
+_MARKS = struct.Struct(">H")
+_MARK = struct.Struct(">ii")
+WATERMARK_KIND = b"watermark"  # the KIND_HEADER of a watermark record
+#: The largest order key of a time: above every key of that millisecond.
+_LAST_OF_MS = ((1 << 31) - 1, (1 << 63) - 1)
+
+
+def time_mark(timestamp_ms: int) -> bytes:
+    """The order key at or above every key of ``timestamp_ms`` and below every later one."""
+    return ORDER.pack(timestamp_ms, *_LAST_OF_MS)
+
+
+def watermark_value(marks: dict[tuple[str, int], tuple[int, bytes]]) -> bytes:
+    """A watermark record's value (the layout above) of ``marks``:
+    (topic, partition) -> (the topic's partition count, watermark order key)."""
+    parts = [_MARKS.pack(len(marks))]
+    for (topic, partition), (count, mark) in sorted(marks.items()):
+        raw = topic.encode("utf-8")
+        parts += [_MARKS.pack(len(raw)), raw, _MARK.pack(partition, count), mark]
+    return b"".join(parts)
+
+
+def parse_watermarks(value: bytes) -> dict[tuple[str, int], tuple[int, bytes]]:
+    """``watermark_value``'s inverse. Raises: ValueError (struct.error) on another layout."""
+    (n,) = _MARKS.unpack_from(value)
+    at = _MARKS.size
+    out = {}
+    for _ in range(n):
+        (t,) = _MARKS.unpack_from(value, at)
+        topic = value[at + 2:at + 2 + t].decode("utf-8")
+        at += 2 + t
+        partition, count = _MARK.unpack_from(value, at)
+        at += _MARK.size
+        mark = value[at:at + ORDER.size]
+        if len(mark) != ORDER.size:
+            raise ValueError("watermark record cut short")
+        at += ORDER.size
+        out[(topic, partition)] = (count, mark)
+    if at != len(value):
+        raise ValueError("watermark record of the wrong length")
+    return out
 
 
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
