@@ -6,7 +6,10 @@ deploy/prometheus, deploy/grafana and deploy/k8s.
   exists;
 - every ``neardup`` command line in them parses with the real CLI parser, and the
   settings it gives (with the ConfigMap's TOML for the StatefulSet) validate;
-- every metric the Grafana dashboard queries is in a real /metrics output;
+- every metric the Grafana dashboards query is in a real /metrics output, every query
+  selects one deployment (``job``, ``instance``) and parses (promtool);
+- the dashboards import into any Grafana (``__inputs``, a ``$datasource`` variable) and
+  still resolve the datasource provisioned for docker-compose.yml;
 - ports, paths and names match across the files (state dir and volumes, metrics port,
   Prometheus target, Grafana datasource uid).
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import time
 import tomllib
 import urllib.request
@@ -183,6 +188,25 @@ def test_prometheus_scrapes_the_neardup_service():
     assert f"neardup:{_option(run, 'metrics_port')}" in targets
 
 
+DASHBOARDS = (DASHBOARD, ROOT / "deploy" / "grafana" / "dashboards" / "neardup-sharded.json")
+DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _provisioned_prometheus() -> list[dict[str, Any]]:
+    datasources = [
+        d
+        for path in sorted((GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
+        for d in yaml.safe_load(path.read_text())["datasources"]
+    ]
+    return [d for d in datasources if d["type"] == "prometheus"]
+
+
+def _queries(path: Path) -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of a dashboard."""
+    dashboard = json.loads(path.read_text())
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel["targets"]]
+
+
 def test_grafana_is_provisioned_with_the_datasource_the_dashboard_uses():
     compose = _compose()
     mounts = {
@@ -190,13 +214,10 @@ def test_grafana_is_provisioned_with_the_datasource_the_dashboard_uses():
         for v in compose["services"]["grafana"]["volumes"]
         if isinstance(v, str) and v.startswith(".")
     }
-    datasources = [
-        d
-        for path in sorted((GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
-        for d in yaml.safe_load(path.read_text())["datasources"]
-    ]
-    prometheus = [d for d in datasources if d["type"] == "prometheus"]
-    assert prometheus and prometheus[0]["url"] == "http://prometheus:9090"
+    prometheus = _provisioned_prometheus()
+    # The dashboards' $datasource variable falls back to the first Prometheus datasource
+    # when its saved value (the import placeholder) names none: the provisioned one.
+    assert len(prometheus) == 1 and prometheus[0]["url"] == "http://prometheus:9090"
     providers = [
         p
         for path in sorted((GRAFANA_PROVISIONING / "dashboards").glob("*.yml"))
@@ -204,19 +225,95 @@ def test_grafana_is_provisioned_with_the_datasource_the_dashboard_uses():
     ]
     assert mounts["deploy/grafana/dashboards"] in [p["options"]["path"] for p in providers]
     assert mounts["deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    home = compose["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / "deploy" / "grafana" / "dashboards" / Path(home).name).exists()
 
     dashboard = json.loads(DASHBOARD.read_text())
-    uids = {d["uid"] for d in prometheus}
-    for panel in dashboard["panels"]:
-        assert panel["datasource"]["uid"] in uids, panel["title"]
-        assert panel["targets"], panel["title"]
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for wanted in ("verdict", "duplicate ratio", "latency", "lag", "dead-letter", "store size"):
+    for wanted in ("verdict", "duplicate ratio", "latency", "lag", "dead-letter", "store size",
+                   "retention: documents held", "expired", "oldest held age", "restore", "targets up", "memory"):
         assert wanted in titles
 
 
-def _real_metrics_output(tmp_path: Path) -> str:
-    """/metrics of a Metrics fed with real batches (real detector, RocksDB), over HTTP."""
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_a_dashboard_imports_into_any_grafana(path):
+    """The export format Grafana shares dashboards in: one datasource input, whose
+    placeholder is the default of a ``$datasource`` variable that every panel, query and
+    template variable uses; ``job`` and ``instance`` variables from the scraped series."""
+    dashboard = json.loads(path.read_text())
+    (source,) = dashboard["__inputs"]
+    assert source["type"] == "datasource" and source["pluginId"] == "prometheus"
+    placeholder = "${" + source["name"] + "}"
+    assert {"type": "datasource", "id": "prometheus"} in [{"type": r["type"], "id": r["id"]} for r in dashboard["__requires"]]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert list(variables) == ["datasource", "job", "instance"]
+    datasource = variables["datasource"]
+    assert datasource["type"] == "datasource" and datasource["query"] == "prometheus" and not datasource["regex"]
+    assert datasource["current"]["value"] == placeholder
+    assert json.dumps(dashboard).count(placeholder) == 1  # nothing else is bound to one datasource
+    for name in ("job", "instance"):
+        assert variables[name]["type"] == "query" and variables[name]["datasource"] == DATASOURCE_REF
+        assert re.fullmatch(rf"label_values\(neardup_build_info\{{[^}}]*\}}, {name}\)", variables[name]["query"])
+    assert '$job' in variables["instance"]["query"]
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == DATASOURCE_REF, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE_REF, panel["title"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(set(ids)) == len(ids)
+
+
+#: A series selector (metric name and its matchers) and an aggregation's ``by`` clause.
+_SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
+_AGGREGATION = re.compile(r"\b(sum|max|min|avg|count)\s*(by\s*\(([^)]*)\))?\s*\(")
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_dashboard_query_selects_one_deployment(path):
+    """Every series a query reads is chosen by ``$job`` and ``$instance``, and every
+    aggregation keeps ``job``: two deployments are never added together."""
+    for title, expr in _queries(path):
+        selectors = _SELECTOR.findall(expr)
+        assert selectors, (title, expr)
+        for name, matchers in selectors:
+            assert 'job=~"$job"' in matchers and 'instance=~"$instance"' in matchers, (title, name)
+        bare = set(re.findall(r"\b(?:neardup|process|python)_[a-z0-9_]+\b(?!\{)", expr))
+        assert not bare, (title, bare)
+        for aggregation in _AGGREGATION.finditer(expr):
+            assert aggregation.group(3) is not None, (title, expr)
+            assert "job" in [label.strip() for label in aggregation.group(3).split(",")], (title, expr)
+
+
+def _promtool() -> str:
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.fail("this test needs promtool (Debian's prometheus package: apt-get install prometheus)", pytrace=False)
+    return binary
+
+
+def promql(expr: str, job: str = "neardup") -> str:
+    """A dashboard query as Grafana sends it: its variables replaced."""
+    return (expr.replace("$__rate_interval", "1m").replace("$job", job).replace("$instance", ".+"))
+
+
+def test_every_dashboard_query_parses(tmp_path):
+    """promtool parses each query (variables replaced) as the expression of a recording rule."""
+    rules = [{"record": f"dashboard:query_{i}", "expr": promql(expr)}
+             for i, (_, expr) in enumerate(q for path in DASHBOARDS for q in _queries(path))]
+    assert len(rules) >= 40
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    result = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
+    broken = tmp_path / "broken.yml"  # the check does parse
+    broken.write_text(yaml.safe_dump({"groups": [{"name": "b", "rules": [{"record": "b:q", "expr": "sum by (job (up)"}]}]}))
+    assert subprocess.run([_promtool(), "check", "rules", str(broken)], capture_output=True).returncode != 0
+
+
+def real_metrics(tmp_path: Path) -> Metrics:
+    """A Metrics fed with real batches (real detector, RocksDB)."""
     import gzip
 
     with gzip.open(ROOT / "tests" / "data" / "reuters_excerpt.jsonl.gz", "rt") as f:
@@ -242,26 +339,32 @@ def _real_metrics_output(tmp_path: Path) -> str:
         metrics.set_lag({("wire", 0): 3, ("wire", 1): 0})
         metrics.transaction_aborted()
         metrics.refresh_state(store, force=True)
+    return metrics
+
+
+def _real_metrics_output(tmp_path: Path) -> str:
+    """/metrics of ``real_metrics``, over HTTP."""
+    metrics = real_metrics(tmp_path)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with MetricsServer(metrics, "127.0.0.1", 0) as server:
         with opener.open(f"{server.url}/metrics", timeout=5) as resp:
             return resp.read().decode()
 
 
+def _exposed(text: str) -> set[str]:
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def _queried_metrics(path: Path) -> set[str]:
+    return {name for _, expr in _queries(path) for name, _ in _SELECTOR.findall(expr)}
+
+
 def test_every_dashboard_metric_is_exposed(tmp_path):
-    exposed = {
-        sample.name
-        for family in text_string_to_metric_families(_real_metrics_output(tmp_path))
-        for sample in family.samples
-    }
-    dashboard = json.loads(DASHBOARD.read_text())
-    queried = {
-        name
-        for panel in dashboard["panels"]
-        for target in panel["targets"]
-        for name in re.findall(r"\bneardup_[a-z0-9_]+", target["expr"])
-    }
-    assert len(queried) >= 10
+    exposed = _exposed(_real_metrics_output(tmp_path)) | {"up"}  # up: Prometheus's own
+    queried = _queried_metrics(DASHBOARD)
+    assert len(queried) >= 20
+    assert {"up", "process_resident_memory_bytes", "neardup_documents_expired_total",
+            "neardup_restore_records_total"} <= queried
     assert not queried - exposed, f"queried but not exposed: {sorted(queried - exposed)}"
 
 
@@ -414,21 +517,41 @@ def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
             assert settings.state_dir is None and not claims
 
 
-def test_the_sharded_dashboard_queries_only_stage_metrics():
+def real_stage_metrics_output() -> str:
+    """/metrics of every stage's StageMetrics, fed with the stages' own batch results, over HTTP."""
+    from neardup.io.decide_stage import DecideWritten
+    from neardup.io.prepare_stage import PrepareWritten
+    from neardup.io.shard_stage import ShardWritten
     from neardup.metrics import StageMetrics
+    from confluent_kafka import TopicPartition
 
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",), "info": ("_info",)}
-    declared = {family.name + suffix for role in ("prepare", "shard", "decide")
-                for family in StageMetrics(role).registry.collect() for suffix in suffixes[family.type]}
+    written = {
+        "prepare": PrepareWritten([], messages=100, band_records=3200, band_bytes=96_000, document_bytes=40_000, seconds=0.05),
+        "shard": ShardWritten([], messages=1600, released=1500, late=3, lateness_ms=[120, 40, 5], held=100,
+                              finding_bytes=9_000, changelog_bytes=30_000, seconds=0.04),
+        "decide": DecideWritten([], messages=400, unique=80, duplicate=15, dead_letter=5, waiting=7, seconds=0.02),
+    }
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    texts = []
+    for stage, result in written.items():
+        metrics = StageMetrics(stage)
+        metrics.set_build_info(EngineSettings())
+        metrics.set_assignment([TopicPartition("in", 0), TopicPartition("in", 1)])
+        metrics.set_lag({("in", 0): 4, ("in", 1): 0})
+        metrics.observe(result)
+        metrics.transaction_aborted()
+        with MetricsServer(metrics, "127.0.0.1", 0) as server:
+            with opener.open(f"{server.url}/metrics", timeout=5) as resp:
+                texts.append(resp.read().decode())
+    return "".join(texts)
+
+
+def test_every_sharded_dashboard_metric_is_exposed():
+    exposed = _exposed(real_stage_metrics_output()) | {"up"}
+    queried = _queried_metrics(SHARDED_DASHBOARD)
+    assert len(queried) >= 12
+    assert not queried - exposed, f"queried but never exposed: {sorted(queried - exposed)}"
     dashboard = json.loads(SHARDED_DASHBOARD.read_text())
-    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
-               for name in re.findall(r"\bneardup_[a-z0-9_]+", target["expr"])}
-    assert len(queried) >= 10
-    assert not queried - declared, f"queried but never exposed: {sorted(queried - declared)}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for wanted in ("throughput", "lag", "late", "waiting"):
+    for wanted in ("throughput", "lag", "late", "waiting", "verdict", "targets up", "memory"):
         assert wanted in titles
-    datasources = [d for path in sorted((GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
-                   for d in yaml.safe_load(path.read_text())["datasources"]]
-    uids = {d["uid"] for d in datasources if d["type"] == "prometheus"}
-    assert {p["datasource"]["uid"] for p in dashboard["panels"]} <= uids

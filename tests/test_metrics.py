@@ -211,6 +211,12 @@ def test_run_serves_metrics_that_match_the_output_topics(kafka_bootstrap, kafka_
         assert _value(samples, "neardup_match_similarity_count") == len(duplicates)
         assert _value(samples, "neardup_cluster_size_count") == len(duplicates)
         assert _value(samples, "neardup_replayed_total") == 0
+        # the standard collectors, and counters without _created series
+        assert _value(samples, "process_resident_memory_bytes") > 0
+        assert any(name == "python_info" for name, _ in samples)
+        assert not [name for name, _ in samples if name.endswith("_created")]
+        assert _value(samples, "neardup_documents_expired_total") == 0  # no retention window
+        assert _value(samples, "neardup_restore_in_progress") == 0
         info = [labels for (name, labels) in samples if name == "neardup_build_info"]
         assert len(info) == 1 and dict(info[0])["num_perm"] == "128"
         for partition in ("0", "1"):
@@ -314,3 +320,85 @@ def test_endpoints_answer_get_and_head_only():
                 status, headers, _ = request(server, method, path)
                 assert status == 405, (method, path, status)
                 assert headers["Allow"] == "GET, HEAD"
+
+
+def _families(registry) -> dict[str, object]:
+    return {family.name: family for family in registry.collect()}
+
+
+def test_standard_collectors_and_no_created_series():
+    from neardup.metrics import StageMetrics
+
+    for metrics in (Metrics(), StageMetrics("decide")):
+        samples = _samples(metrics.exposition().decode())
+        names = {name for name, _ in samples}
+        assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info",
+                "python_gc_collections_total"} <= names
+        assert _value(samples, "process_resident_memory_bytes") > 0
+        assert not [n for n in names if n.endswith("_created")]
+        for family in metrics.registry.collect():  # counters end in _total
+            if family.type == "counter":
+                assert all(s.name == family.name + "_total" for s in family.samples), family.name
+
+
+def test_documents_expired_is_a_counter_read_from_the_state():
+    from neardup.core.types import Document
+    from neardup.detector import Detector
+    from neardup.state.memory import MemoryStateStore
+    from neardup.core.retention import Retention
+
+    engine = EngineSettings()
+    store = MemoryStateStore(engine.state_shape(), retention=Retention(documents=10))
+    detector = Detector(engine, store)
+    detector.process([Document(str(i), f"story number {i} about something else entirely {i * 7}") for i in range(25)])
+    expired = store.stats()["documents_expired"]
+    assert expired == 15
+    metrics = Metrics()
+    metrics.refresh_state(store, force=True)
+    family = _families(metrics.registry)["neardup_documents_expired"]
+    assert family.type == "counter"
+    samples = _samples(metrics.exposition().decode())
+    assert _value(samples, "neardup_documents_expired_total") == expired
+    assert "neardup_documents_expired" not in {name for name, _ in samples}
+    # a process started again on the same state goes on from its count, not from 0
+    again = Metrics()
+    again.refresh_state(store, force=True)
+    assert _value(_samples(again.exposition().decode()), "neardup_documents_expired_total") == expired
+
+
+def test_restore_in_progress_and_its_statistics():
+    from neardup.io.changelog import RestoreStats
+
+    metrics = Metrics()
+    metrics.observe_restore(True)
+    samples = _samples(metrics.exposition().decode())
+    assert _value(samples, "neardup_restore_in_progress") == 1
+    metrics.observe_restore(RestoreStats(records=120, bytes=4096, seconds=1.5))
+    samples = _samples(metrics.exposition().decode())
+    assert _value(samples, "neardup_restore_in_progress") == 0
+    assert _value(samples, "neardup_restore_records_total") == 120
+    assert _value(samples, "neardup_restore_bytes_total") == 4096
+    assert _value(samples, "neardup_restore_seconds_total") == 1.5
+
+
+def test_one_label_name_for_a_verdict():
+    """``verdict`` in both modes (unique|duplicate); ``outcome`` only for a transaction's
+    committed|aborted; decide's dead letters in a counter of their own, as ``run``'s."""
+    from neardup.io.decide_stage import DecideWritten
+    from neardup.metrics import StageMetrics
+
+    stage = StageMetrics("decide")
+    stage.observe(DecideWritten([], messages=10, unique=6, duplicate=3, dead_letter=1))
+    run = Metrics()
+    for metrics in (run, stage):
+        for family in metrics.registry.collect():
+            values = {(k, v) for s in family.samples for k, v in s.labels.items()}
+            if {v for _, v in values} & {"unique", "duplicate"}:
+                assert {k for k, v in values if v in ("unique", "duplicate")} == {"verdict"}, family.name
+            if any(k == "outcome" for k, _ in values):
+                assert family.name.endswith("transactions"), family.name
+    samples = _samples(stage.exposition().decode())
+    assert _value(samples, "neardup_stage_documents_total", stage="decide", verdict="unique") == 6
+    assert _value(samples, "neardup_stage_documents_total", stage="decide", verdict="duplicate") == 3
+    assert _value(samples, "neardup_stage_dead_letter_total", stage="decide") == 1
+    assert _value(samples, "neardup_stage_transactions_total", stage="decide", outcome="committed") == 1

@@ -272,7 +272,7 @@ def test_metrics_report_held_expired_and_the_oldest_age() -> None:
     text = metrics.exposition().decode()
     n = store.next_seq()
     assert "neardup_documents_held 50.0" in text
-    assert f"neardup_documents_expired {float(n - 50)}" in text
+    assert f"neardup_documents_expired_total {float(n - 50)}" in text
     age = float(next(line.split()[1] for line in text.splitlines()
                      if line.startswith("neardup_oldest_held_age_seconds ")))
     oldest = 1000.0 + n - 50  # the stream's times: 1000 + k seconds

@@ -121,18 +121,20 @@ def test_every_dashboard_query_returns_data_from_a_multi_process_run(kafka_boots
             assert time.monotonic() < deadline, "the stages did not give every output"
         # every process scraped, and decide's last batch with them
         deadline = time.monotonic() + 60
+        outputs = "sum(neardup_stage_documents_total) + sum(neardup_stage_dead_letter_total)"
         while (_value(base, 'count(up{job="neardup-stages"} == 1)') < len(PROCESSES)
-               or _value(base, "sum(neardup_stage_documents_total)") < len(messages)):
+               or _value(base, outputs) < len(messages)):
             assert time.monotonic() < deadline, _query(base, "up")
             time.sleep(0.5)
         empty = [(title, expr) for title, expr in _dashboard_queries()
-                 if not _query(base, expr.replace("$__rate_interval", "1m"))]
+                 if not _query(base, expr.replace("$__rate_interval", "1m").replace("$job", "neardup-stages")
+                               .replace("$instance", ".+"))]
         assert not empty, f"dashboard queries without data: {empty}"
         assert len(_dashboard_queries()) >= 10
         # the counters add up: every input message consumed by prepare, one output each
         assert _value(base, 'sum(neardup_stage_records_consumed_total{stage="prepare"})') == len(messages)
-        assert _value(base, "sum(neardup_stage_documents_total)") == len(messages)
-        assert _value(base, 'sum(neardup_stage_documents_total{outcome="duplicate"})') >= 100
+        assert _value(base, outputs) == len(messages)
+        assert _value(base, 'sum(neardup_stage_documents_total{verdict="duplicate"})') >= 100
         assert _value(base, "count(count by (instance) (neardup_stage_records_consumed_total))") == len(PROCESSES)
         assert _value(base, 'sum(neardup_stage_assigned_partitions{stage="shard"})') == topology.shards
     finally:

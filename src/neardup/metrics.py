@@ -3,7 +3,11 @@
 Nothing is created at import time and the default registry is never touched: each
 ``Metrics`` owns a ``CollectorRegistry``, so several can live in one process (tests).
 Names follow the Prometheus conventions: a ``neardup_`` prefix, base units (seconds,
-bytes), ``_total`` on counters, ``_info`` on the build information.
+bytes), ``_total`` on counters, ``_info`` on the build information, one label name for
+a verdict (``verdict``) in both modes. Every registry also carries prometheus_client's
+standard ``process_*`` (memory, CPU, open files) and ``python_*`` (version, garbage
+collector) collectors, and no ``_created`` series (``disable_created_metrics``, a
+setting of prometheus_client for the whole process, applied when a registry is built).
 
 Feeding it:
 
@@ -13,6 +17,8 @@ Feeding it:
 - ``set_lag(lag)`` with ``KafkaDeduplicator.lag()``; ``set_assignment(partitions)`` on
   rebalances (drops the lag of partitions no longer assigned).
 - ``transaction_aborted()`` from ``on_abort``.
+- ``observe_restore(event)`` from a changelog restore's ``on_restore``: True when it
+  begins (``neardup_restore_in_progress`` 1), its ``RestoreStats`` when it ends.
 - ``refresh_state(store)`` after batches: reads ``store.stats()`` at most every
   ``state_interval`` seconds.
 """
@@ -23,7 +29,20 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from neardup import __version__
 from neardup.core.types import Rejected, Verdict
@@ -51,6 +70,48 @@ class _HasStats(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+def _registry() -> CollectorRegistry:
+    """A new registry with the process (``process_*``) and interpreter (``python_info``,
+    ``python_gc_*``) collectors on it, and ``_created`` series turned off."""
+    disable_created_metrics()
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+class StoredCounter(Collector):
+    """A counter whose count is kept elsewhere (a state store's statistics) and only read
+    here: exposed as ``<name>_total`` with the last value given to ``set``.
+
+    The count survives restarts with the state, so a restarted process goes on from it
+    instead of from 0 (no false increase for ``rate``); it goes down only when the
+    state is wiped, which Prometheus reads as a counter reset.
+
+    Args:
+        name: the name without ``_total``.
+        documentation: the HELP text.
+        registry: where to register it.
+    """
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.value = 0.0
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        """The count now (a number >= 0)."""
+        self.value = float(value)
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.documentation, value=self.value)]
+
+
 class Metrics:
     """The metrics of one neardup process.
 
@@ -60,7 +121,7 @@ class Metrics:
     """
 
     def __init__(self, state_interval: float = 5.0) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = _registry()
         r = self.registry
         self.state_interval = state_interval
         self._state_read_at: float | None = None
@@ -108,9 +169,8 @@ class Metrics:
         self.documents_held = Gauge(
             "neardup_documents_held", "Documents still candidates under the retention window (all, without one).",
             registry=r)
-        self.documents_expired = Gauge(
-            "neardup_documents_expired", "Documents expired by the retention window since the state began.",
-            registry=r)
+        self.documents_expired = StoredCounter(
+            "neardup_documents_expired", "Documents expired by the retention window since the state began.", r)
         self.oldest_held_age = Gauge(
             "neardup_oldest_held_age_seconds",
             "Age of the oldest document held (now minus its time: Kafka record timestamp or arrival), seconds.",
@@ -124,6 +184,9 @@ class Metrics:
             registry=r)
         self.restore_seconds = Counter(
             "neardup_restore_seconds", "Time spent restoring the state from the changelog, seconds.", registry=r)
+        self.restore_in_progress = Gauge(
+            "neardup_restore_in_progress", "1 while the state is being restored from the changelog, else 0.",
+            registry=r)
         self.build = Info(
             "neardup_build", "Version and engine settings of this process.", registry=r)
 
@@ -184,7 +247,12 @@ class Metrics:
         self.transactions.labels("committed").inc()
 
     def observe_restore(self, stats: Any) -> None:
-        """A restore from the changelog ended (``neardup.io.changelog.RestoreStats``)."""
+        """A restore from the changelog began (``stats`` True) or ended (``stats`` a
+        ``neardup.io.changelog.RestoreStats``: records, bytes, seconds)."""
+        if stats is True:
+            self.restore_in_progress.set(1)
+            return
+        self.restore_in_progress.set(0)
         self.restore_records.inc(stats.records)
         self.restore_bytes.inc(stats.bytes)
         self.restore_seconds.inc(stats.seconds)
@@ -254,7 +322,6 @@ class Metrics:
 
 #: Lateness of a band record behind the last one its shard released, seconds of record time.
 LATENESS_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
-STAGE_OUTCOMES = ("unique", "duplicate", "dead_letter")
 
 
 class StageMetrics:
@@ -270,7 +337,7 @@ class StageMetrics:
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = _registry()
         r = self.registry
         self._lag_labels: set[tuple[str, str]] = set()
         self.consumed = Counter(
@@ -302,9 +369,11 @@ class StageMetrics:
         self.held = Gauge(
             "neardup_reorder_held_records", "Band records held in the reorder window after the last batch.",
             ["stage"], registry=r)
-        self.outcomes = Counter(
-            "neardup_stage_documents", "Documents given their output by decide, by outcome (unique|duplicate|dead_letter).",
-            ["stage", "outcome"], registry=r)
+        self.documents = Counter(
+            "neardup_stage_documents", "Documents given a verdict by decide, by verdict (unique|duplicate).",
+            ["stage", "verdict"], registry=r)
+        self.dead_letter = Counter(
+            "neardup_stage_dead_letter", "Documents decide sent to the dead-letter topic.", ["stage"], registry=r)
         self.waiting = Gauge(
             "neardup_decide_waiting_documents",
             "Documents decide holds after the last batch: waiting for a shard's finding or an earlier document's cluster.",
@@ -318,8 +387,9 @@ class StageMetrics:
             self.lateness.labels(stage)
             self.held.labels(stage).set(0)
         if stage == "decide":
-            for outcome in STAGE_OUTCOMES:
-                self.outcomes.labels(stage, outcome)
+            for verdict in VERDICTS:
+                self.documents.labels(stage, verdict)
+            self.dead_letter.labels(stage)
             self.waiting.labels(stage).set(0)
 
     def set_build_info(self, engine: EngineSettings) -> None:
@@ -345,9 +415,9 @@ class StageMetrics:
                 self.lateness.labels(s).observe(ms / 1000)
             self.held.labels(s).set(written.held)
         else:
-            self.outcomes.labels(s, "unique").inc(written.unique)
-            self.outcomes.labels(s, "duplicate").inc(written.duplicate)
-            self.outcomes.labels(s, "dead_letter").inc(written.dead_letter)
+            self.documents.labels(s, "unique").inc(written.unique)
+            self.documents.labels(s, "duplicate").inc(written.duplicate)
+            self.dead_letter.labels(s).inc(written.dead_letter)
             self.waiting.labels(s).set(written.waiting)
 
     def transaction_aborted(self, *_: Any) -> None:
