@@ -357,8 +357,7 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
 
     def on_restore(event: Any) -> None:  # True when a restore begins, then its statistics
         readiness.set_restoring(event is True)
-        if event is not True:
-            metrics.observe_restore(event)
+        metrics.observe_restore(event)
 
     changelog = ChangelogWriter(settings, on_restore) if settings.changelog == "on" else None
     try:
