@@ -134,3 +134,15 @@ def test_a_full_disk_for_the_state(capsys, stories, tmp_path) -> None:
         line = _error(capsys, ["dedup", stories, "--out-dir", tmp_path / "out", "--state-dir", state,
                                "--no-pipeline", "--batch-size", "100"])
     assert "state" in line and "No space left on device" in line, line
+
+
+@pytest.mark.parametrize("variable", ["NEARDUP_RETENTION=72h", "NEARDUP_RETENTION_DOCUMENTS=1000000",
+                                      "NEARDUP_TIMESTAMP_FIELD=time"])
+def test_a_stage_refuses_a_retention_window_it_cannot_keep(capsys, monkeypatch, variable) -> None:
+    """The stages keep no retention window: a setting of one (here from the environment,
+    which the stage's flags do not offer) is refused in one line, not ignored."""
+    name, value = variable.split("=")
+    monkeypatch.setenv(name, value)
+    for role in ("prepare", "shard", "decide"):
+        line = _error(capsys, ["stage", role, "--bootstrap-servers", "127.0.0.1:1", "--input-topic", "wire"])
+        assert "no retention window" in line

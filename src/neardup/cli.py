@@ -394,6 +394,12 @@ def cmd_stage(role: str, settings: Settings) -> int:
         raise ValueError("neardup stage implements the canonical cluster policy only")
     if engine.verify != "exact":
         raise ValueError("neardup stage verifies exactly only (--verify exact)")
+    unbounded = [flag for flag, value in (("--retention", settings.retention),
+                                          ("--retention-documents", settings.retention_documents),
+                                          ("--timestamp-field", settings.timestamp_field)) if value is not None]
+    if unbounded:
+        raise ValueError(f"neardup stage keeps no retention window yet ({', '.join(unbounded)}): "
+                         "its index grows with every document; use neardup run for a bounded index")
     if settings.state_dir is not None and role == "prepare":
         raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
