@@ -20,6 +20,11 @@ once every input partition's watermark is past its order key, so that documents 
 processed in order-key order however unevenly the partitions are read. A partition
 assigned and not yet read has no watermark: the shards wait for it.
 
+Reading in step: a partition whose records run more than ``AHEAD_MS`` of record time
+ahead of the partition furthest behind (of those with records still to read) is paused
+until that one catches up or is read to its end (Kafka Streams picks the partition with
+the smallest head timestamp), so that the shards hold little while they wait.
+
 Nothing is stored: a batch whose transaction fails is consumed again from the group's
 committed offsets and gives the same records (the preparation is a pure function of the
 messages, the watermarks go back to those of the last committed batch), so exactly once
@@ -59,6 +64,7 @@ from neardup.sharded.records import (
     decide_partition,
     engine_digest,
     order_key,
+    order_time,
     time_mark,
     watermark_value,
 )
@@ -70,6 +76,9 @@ log = logging.getLogger(__name__)
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: Seconds between watermark records while no input arrives.
 IDLE_MARK_S = 0.2
+#: Record time, ms, an input partition may run ahead of the one furthest behind before it
+#: is paused (see the module docstring).
+AHEAD_MS = 10_000
 
 
 @dataclass
@@ -114,6 +123,7 @@ class PrepareProcessor(StageHooks):
         self._sent: dict[TP, bytes] = {}  # the largest order key sent per partition, this batch included
         self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
         self._marked_at = 0.0
+        self._paused: set[TP] = set()
 
     def open(self) -> None:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
@@ -132,6 +142,8 @@ class PrepareProcessor(StageHooks):
         if not self._ensured:
             self.topology.ensure_with(self.settings)
             self._ensured = True
+        if consumer is not self._consumer:
+            self._paused = set()
         self._consumer = consumer
         for topic in sorted({t for t, _ in partitions}):
             meta = with_retries(f"reading the metadata of {topic}", lambda t=topic: consumer.list_topics(t, timeout=10))
@@ -148,6 +160,7 @@ class PrepareProcessor(StageHooks):
 
     def revoked(self, partitions: set[TP]) -> None:
         for tp in partitions:
+            self._paused.discard(tp)
             self._start.pop(tp, None)
             self._sent.pop(tp, None)
             self._sent_committed.pop(tp, None)
@@ -164,6 +177,25 @@ class PrepareProcessor(StageHooks):
         self._sent_committed = written.sent
         return written
 
+    def _in_step(self, consumer: Consumer, behind: list[TP]) -> None:
+        """Pause the partitions more than ``AHEAD_MS`` ahead of the one furthest behind,
+        resume those no longer ahead (all of them when none is behind)."""
+        heads = {tp: order_time(self._sent[tp]) for tp in behind if tp in self._sent}
+        active = [heads[tp] for tp in heads if tp not in self._paused]
+        floor = min(active, default=None)
+        pause = [tp for tp, t in heads.items()
+                 if floor is not None and t > floor + AHEAD_MS and tp not in self._paused]
+        resume = [tp for tp in self._paused
+                  if floor is None or tp not in heads or heads[tp] <= floor + AHEAD_MS]
+        if pause:
+            consumer.pause([TopicPartition(t, p) for t, p in pause])
+            self._paused.update(pause)
+        if resume:
+            consumer.resume([TopicPartition(t, p) for t, p in resume])
+            self._paused.difference_update(resume)
+        if pause or resume:
+            log.debug("reading in step: paused %s, resumed %s", sorted(pause), sorted(resume))
+
     def _watermarks(self, messages: list[Message]) -> list[Record]:
         """The watermark records after ``messages`` (one per shard partition; none while
         no input partition has a watermark)."""
@@ -176,6 +208,7 @@ class PrepareProcessor(StageHooks):
             return []
         now = time_mark(int(time.time() * 1000) - self.settings.reorder_window_ms)
         marks: dict[TP, tuple[int, bytes]] = {}
+        behind: list[TP] = []  # partitions with records still to read
         for tp in consumer.position([TopicPartition(t, p) for t, p in self._start]):
             key = (tp.topic, tp.partition)
             position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
@@ -183,9 +216,12 @@ class PrepareProcessor(StageHooks):
             mark = self._sent.get(key)
             if 0 <= high <= position:  # read to its end: its next record comes after now
                 mark = max(mark or b"", now)
+            else:
+                behind.append(key)
             if mark is not None and tp.topic in self._counts:
                 marks[key] = (self._counts[tp.topic], mark)
         self._marked_at = time.monotonic()
+        self._in_step(consumer, behind)
         if not marks:
             return []
         value = watermark_value(marks)
