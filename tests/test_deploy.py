@@ -555,3 +555,32 @@ def test_every_sharded_dashboard_metric_is_exposed():
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for wanted in ("throughput", "lag", "late", "waiting", "verdict", "targets up", "memory"):
         assert wanted in titles
+
+
+def _workloads() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")) + sorted((K8S / "sharded").glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") in ("StatefulSet", "Deployment"))
+    return docs
+
+
+def test_k8s_containers_start_under_a_read_only_root_without_being_killed():
+    """Every neardup container with a read-only root file system has numba's cache on a
+    writable mount (the image's prebuilt kernels are copied there; tests/
+    test_container_start.py runs the process so), and a startup probe long enough for
+    the kernels to compile when the image's do not fit the node's CPU."""
+    image_env = DockerfileParser(path=str(DOCKERFILE), env_replace=True).envs
+    workloads = _workloads()
+    assert len(workloads) == 4  # run, and the three stages
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            name = f"{workload['metadata']['name']}/{container['name']}"
+            env = {**image_env, **{e["name"]: e.get("value") for e in container.get("env", [])}}
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+            writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+            cache = env["NUMBA_CACHE_DIR"]
+            assert any(cache == w or cache.startswith(w.rstrip("/") + "/") for w in writable), (name, cache, writable)
+            startup = container["startupProbe"]
+            assert startup["httpGet"]["path"] == container["livenessProbe"]["httpGet"]["path"] == "/healthz", name
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, name
