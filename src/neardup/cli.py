@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -228,9 +229,12 @@ def _setup_logging(settings: Settings) -> None:
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per line; ``time`` in RFC 3339 with milliseconds and the UTC
+    offset (``2026-11-26T21:45:47.123+00:00``)."""
+
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "time": self.formatTime(record),
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
