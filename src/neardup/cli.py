@@ -118,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"neardup {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    dedup = sub.add_parser("dedup", help="deduplicate JSONL files (embedded mode, no Kafka)")
+    dedup = sub.add_parser("dedup", help="deduplicate JSONL files (embedded mode, no Kafka)",
+                           epilog="exit status: 0 when done (lines rejected, if any, are counted on stderr and "
+                                  "written to rejects.jsonl); 1 when every line was rejected (a misspelt "
+                                  "--text-field, input that is not JSON lines); 2 on a usage or input error")
     dedup.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .jsonl.gz or - for stdin")
     dedup.add_argument("--out-dir", type=Path, default=Path("neardup-out"), help="where unique.jsonl, duplicates.jsonl and rejects.jsonl go (default ./neardup-out)")
     dedup.add_argument("--append", action="store_true", help="append to non-empty output files that the state did not write (a rerun with the same --state-dir continues its own outputs anyway)")
@@ -316,6 +319,13 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings, engine: EngineSettin
             server.close()
     print(summary.render())
     print(f"outputs in {args.out_dir}/: unique.jsonl, duplicates.jsonl, rejects.jsonl")
+    if summary.rejects:
+        where = f"the first: {summary.first_reject}; all in {args.out_dir / 'rejects.jsonl'}"
+        if not summary.documents:
+            print(f"neardup: error: every line was rejected ({summary.rejects:,}; {where})", file=sys.stderr)
+            return 1
+        print(f"neardup: {summary.rejects:,} of {summary.rejects + summary.documents:,} lines rejected ({where})",
+              file=sys.stderr)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
     return 0

@@ -68,6 +68,7 @@ class Summary:
     clusters: int = 0
     rejected_candidates: int = 0
     rejects: int = 0
+    first_reject: str = ""  # "line N: reason" of the first rejected line
     renamed_ids: int = 0
     input_bytes: int = 0
     seconds: float = 0.0
@@ -276,11 +277,13 @@ def dedup_files(
                         for line in batch:
                             if line.error is not None:
                                 outputs.write_reject(line.number, line.error, raw=line.raw)
+                                summary.first_reject = summary.first_reject or f"line {line.number}: {line.error}"
                                 summary.rejects += 1
                         for line, outcome in zip(good, result.results):
                             summary.input_bytes += len(line.document.text.encode("utf-8"))  # type: ignore[union-attr]
                             if isinstance(outcome, Rejected):
                                 outputs.write_reject(line.number, outcome.reason, outcome.id)
+                                summary.first_reject = summary.first_reject or f"line {line.number}: {outcome.reason}"
                                 summary.rejects += 1
                                 continue
                             outputs.write_verdict(outcome, line.data, line.spliceable)  # type: ignore[arg-type]
