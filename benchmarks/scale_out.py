@@ -95,6 +95,7 @@ class Outputs(threading.Thread):
                                   "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
         self.consumer.subscribe(topics)
         self.records: list[tuple[bytes, dict[str, bytes]]] = []
+        self.arrivals: list[float] = []  # perf_counter of each record's arrival here
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -102,6 +103,7 @@ class Outputs(threading.Thread):
             for m in self.consumer.consume(1000, timeout=0.2):
                 if m.error() is None:
                     self.records.append((m.key(), dict(m.headers() or [])))
+                    self.arrivals.append(time.perf_counter())
         self.consumer.close()
 
 
@@ -152,24 +154,44 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     procs: dict[tuple[str, int], subprocess.Popen] = {}
     state = Path(tempfile.mkdtemp(prefix="neardup-stage-state-")) if state_mode == "disk" else None
     started = time.perf_counter()
+    def launch(role: str, i: int) -> None:
+        extra = ["--state-dir", str(state / f"{role}-{i}")] if role != "prepare" and state is not None else []
+        if args.chaos:  # static membership: a process restarted under its name gets its partitions back at once
+            extra += ["-X", f"group.instance.id={app}-{role}-{i}", "-X", "session.timeout.ms=10000"]
+        procs[(role, i)] = subprocess.Popen(
+            [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
+             "--input-topic", topic, "--app", app, "--shards", str(args.shards),
+             "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
+             "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
+             "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
+             "--log-level", "WARNING", *extra], stdout=log, stderr=subprocess.STDOUT)
+
     for role in ROLES:
         for i in range(k):
-            extra = ["--state-dir", str(state / f"{role}-{i}")] if role != "prepare" and state is not None else []
-            procs[(role, i)] = subprocess.Popen(
-                [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", bootstrap,
-                 "--input-topic", topic, "--app", app, "--shards", str(args.shards),
-                 "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
-                 "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
-                 "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
-                 "--log-level", "WARNING", *extra], stdout=log, stderr=subprocess.STDOUT)
+            launch(role, i)
     n = len(messages)
+    chaos_done = not args.chaos
+    cpu_gone = {role: 0.0 for role in ROLES}  # CPU seconds of processes killed
     while len(reader.records) < n:
+        if not chaos_done and len(reader.records) >= 0.3 * n:
+            # SIGKILL one process of each stage, restart it under its name, add a shard process
+            for role in ROLES:
+                cpu_gone[role] += benchlib.proc_cpu_seconds(procs[(role, 0)].pid) or 0.0
+                procs[(role, 0)].send_signal(signal.SIGKILL)
+                procs[(role, 0)].wait(30)
+                launch(role, 0)
+            launch("shard", k)
+            chaos_done = True
+            print(f"  killed and restarted prepare 0, shard 0, decide 0; added shard {k}, "
+                  f"at {len(reader.records):,} outputs")
         dead = [key for key, p in procs.items() if p.poll() is not None]
         if dead or time.perf_counter() - started > args.timeout:
             raise RuntimeError(f"stopped: {dead}, {len(reader.records)} of {n} outputs; see {args.log}")
         time.sleep(0.05)
     seconds = time.perf_counter() - started
-    cpu = {role: sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
+    arrivals = reader.arrivals[:n]  # stalls counted from the first output (start-up apart)
+    stall = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
+    cpu = {role: cpu_gone[role] + sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
            for role in ROLES}
     rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
            for role in ROLES}
@@ -189,7 +211,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
     result: dict[str, object] = {
-        "processes_per_stage": k, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
+        "processes_per_stage": k, "chaos": args.chaos, "longest_output_stall_seconds": stall,
+        "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
         "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
         "cpu_us_per_document": {r: 1e6 * c / n for r, c in cpu.items()},
         "peak_rss_mb_per_process": rss,
@@ -226,6 +249,9 @@ def main() -> None:
                          "0: the producer's clock")
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--chaos", action="store_true",
+                    help="at 30%% of the outputs, SIGKILL one process of each stage and restart it under its name "
+                         "(static membership), and add a shard process")
     ap.add_argument("--shared-broker", action="store_true")
     ap.add_argument("--state", nargs="+", choices=["memory", "disk"], default=["memory"],
                     help="where the shard and decide stages keep their state: memory, or disk (--state-dir: "
@@ -245,7 +271,8 @@ def main() -> None:
         print(f"\n{k} process(es) per stage, state in {mode}: {r['messages_per_second']:,.0f} messages/s "
               f"({r['seconds']:.1f} s "
               f"from launch), outputs {r['outputs']:,} (repeated {r['outputs_repeated']}), "
-              f"load {r['load_before']} -> {r['load_after']}")
+              f"load {r['load_before']} -> {r['load_after']}; longest output stall "
+              f"{r['longest_output_stall_seconds']:.1f} s")
         print("  CPU µs per document: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["cpu_us_per_document"].items()))
         print("  peak RSS MB per process: " + ", ".join(f"{s} {v:,.0f}" for s, v in r["peak_rss_mb_per_process"].items())
               + "".join(f"; {role} state on disk {b / 1e6:,.1f} MB" for role, b in r["state_bytes"].items()))
