@@ -41,6 +41,7 @@ Changelog records (key -> value; a null value deletes):
 
 from __future__ import annotations
 
+import heapq
 import logging
 import struct
 import time
@@ -85,10 +86,31 @@ class _Shard:
     store: ShardStore | None = None
     held: dict[bytes, BandRecord] = field(default_factory=dict)
     logged: set[bytes] = field(default_factory=set)  # held keys whose H record is committed or in this batch
+    queue: list[bytes] = field(default_factory=list)  # the held keys, a heap (a key may repeat)
+    fresh: list[bytes] = field(default_factory=list)  # keys held in this batch, their H records to write
     last: bytes = b""
     watermark: int = -(1 << 62)
     marks: dict[tuple[str, int], bytes] = field(default_factory=dict)  # input partition -> its watermark
     counts: dict[str, int] = field(default_factory=dict)  # input topic -> its partition count
+
+    def hold(self, rec: BandRecord) -> None:
+        self.held[rec.order] = rec
+        heapq.heappush(self.queue, rec.order)
+        self.fresh.append(rec.order)
+
+    def requeue(self) -> None:
+        """The heap of ``held`` anew (after a restore)."""
+        self.queue = list(self.held)
+        heapq.heapify(self.queue)
+
+    def ready(self, limit: bytes) -> list[BandRecord]:
+        """Take the held records at or below ``limit``, in order-key order."""
+        out = []
+        while self.queue and self.queue[0] <= limit:
+            rec = self.held.pop(heapq.heappop(self.queue), None)
+            if rec is not None:
+                out.append(rec)
+        return out
 
     def limit(self) -> bytes | None:
         """The order key up to which every input partition has been sent (None: a
@@ -221,6 +243,7 @@ class ShardProcessor(StageHooks):
                     self._member(shard.index, order, value)
                 elif kind == b"P" and value is not None:
                     shard.watermark, shard.last = _WATERMARK.unpack_from(value)[0], value[_WATERMARK.size:]
+        shard.requeue()
         if records:
             log.info("shard %d restored from %s: %d records, %d members, %d held, in %.1f s", p,
                      self.topology.shard_changelog, records, len(shard.index.sets), len(shard.held),
@@ -254,6 +277,7 @@ class ShardProcessor(StageHooks):
         shard = _Shard(StoredShardIndex(self.engine, store), store)
         shard.held = {order: BandRecord.parse(order, value) for order, value in store.prefixed(b"H")}
         shard.logged = set(shard.held)
+        shard.requeue()
         progress = store.get(b"P")
         if progress is not None:
             shard.watermark, shard.last = _WATERMARK.unpack_from(progress)[0], progress[_WATERMARK.size:]
@@ -294,19 +318,20 @@ class ShardProcessor(StageHooks):
                 behind = max(behind, stats.lateness_ms[-1])
                 self._release(p, shard, [rec], out, stats)
             else:
-                shard.held[rec.order] = rec
+                shard.hold(rec)
         if stats.late:
             log.warning("%d band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
         for p in sorted(touched):
             shard = self.shards[p]
             limit = shard.limit()
-            ready = [] if limit is None else sorted(k for k in shard.held if k <= limit)
-            self._release(p, shard, [shard.held.pop(k) for k in ready], out, stats)
-            for k, rec in shard.held.items():
-                if k not in shard.logged:
+            self._release(p, shard, [] if limit is None else shard.ready(limit), out, stats)
+            for k in shard.fresh:
+                rec = shard.held.get(k)
+                if rec is not None and k not in shard.logged:
                     shard.logged.add(k)
                     out.append((self.topology.shard_changelog, p, b"H" + k, rec.value(), []))
+            shard.fresh = []
             out.append((self.topology.shard_changelog, p, b"P",
                         _WATERMARK.pack(shard.watermark) + shard.last, []))
             stats.held += len(shard.held)
