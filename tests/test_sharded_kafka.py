@@ -423,6 +423,8 @@ def test_a_backlog_read_unevenly_gives_the_verdicts_of_order_key_order(kafka_boo
     try:
         for role, instance in (("prepare", "a"), ("shard", "a"), ("shard", "b"), ("decide", "a")):
             stages.start(role, instance)
+        time.sleep(3)
+        stages.start("prepare", "b")  # a rebalance while prepare a reads: partitions move mid-backlog
         out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
     finally:
         stages.stop()

@@ -149,6 +149,10 @@ class PrepareProcessor(StageHooks):
             meta = with_retries(f"reading the metadata of {topic}", lambda t=topic: consumer.list_topics(t, timeout=10))
             self._counts[topic] = len(meta.topics[topic].partitions)
         tps = [TopicPartition(t, p) for t, p in partitions]
+        # librdkafka keeps a partition paused across a rebalance: one this process paused,
+        # revoked and assigned again would never be read again
+        consumer.resume(tps)
+        self._paused.difference_update(partitions)
         committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
         for tp in committed:
             offset = tp.offset
