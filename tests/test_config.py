@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from neardup.cli import _settings, build_parser
-from neardup.config import FILE_ID_FIELD, Settings, default, load_settings
+from neardup.config import (
+    FILE_ID_FIELD,
+    OTHER_VARIABLES,
+    Settings,
+    check_environment,
+    default,
+    load_settings,
+    variable,
+)
 from neardup.core.settings import EngineSettings
 from neardup.embedded import dedup_files
 from neardup.evaluate import evaluate
@@ -119,3 +127,75 @@ def test_engine_defaults_are_the_settings_defaults() -> None:
     # The core imports nothing above it, so EngineSettings (and TextNorm, Shingling) keep
     # defaults of their own for the library; they must be those of Settings.
     assert EngineSettings() == Settings.model_construct().engine()
+
+
+# --- NEARDUP_* variables and TOML keys: every one listed, an unknown one refused by name ----
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _help(command: str) -> str:
+    [subcommands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return subcommands.choices[command].format_help()
+
+
+def test_every_variable_is_listed_in_the_help() -> None:
+    listed: set[str] = set()
+    for command in ("dedup", "run", "stage", "eval"):
+        text = _help(command)
+        epilog = text[text.index("environment:"):]
+        shown = set(re.findall(r"\bNEARDUP_[A-Z_]+\b", epilog))
+        flags = {action.dest for name, action in _settings_flags() if name == command}
+        assert {variable(name) for name in flags} <= shown, command  # each of its settings flags
+        check_environment(dict.fromkeys(shown, "x"))  # and only variables that are read
+        listed |= shown
+    assert listed >= {variable(name) for name in Settings.model_fields}
+    assert "NEARDUP_INPUT_TOPICS for --input-topic" in " ".join(_help("run").split())
+
+
+def test_an_unknown_variable_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEARDUP_INPUT_TOPIC", "wire")  # the singular of NEARDUP_INPUT_TOPICS
+    with pytest.raises(ValueError, match=r"^NEARDUP_INPUT_TOPIC is not a setting \(did you mean NEARDUP_INPUT_TOPICS\?\)"):
+        load_settings({})
+    monkeypatch.delenv("NEARDUP_INPUT_TOPIC")
+    monkeypatch.setenv("neardup_treshold", "0.7")  # read in any case, so refused in any case
+    with pytest.raises(ValueError, match=r"neardup_treshold is not a setting \(did you mean NEARDUP_THRESHOLD\?\)"):
+        load_settings({})
+    monkeypatch.delenv("neardup_treshold")
+    for name in OTHER_VARIABLES:  # the local broker's and the tests': not settings, let be
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("NEARDUP_INPUT_TOPICS", "a,b")
+    assert load_settings({}).input_topics == ["a", "b"]
+
+
+def test_every_neardup_variable_of_the_repository_is_known() -> None:
+    known = {variable(name) for name in Settings.model_fields} | OTHER_VARIABLES
+    found: dict[str, str] = {}
+    for path in [*REPO.glob("*.md"), *REPO.glob("*.yml"), *(p for d in ("src", "tests", "deploy", "docs", "benchmarks")
+                                                          for p in (REPO / d).rglob("*") if p.is_file())]:
+        refusing = path.name in (Path(__file__).name, "test_errors.py")  # they name refused ones
+        if path.suffix in (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".json", "") and not refusing:
+            for name in re.findall(r"\bNEARDUP_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")):
+                found.setdefault(name, str(path.relative_to(REPO)))
+    assert "NEARDUP_KAFKA_HOME" in found and "NEARDUP_STATE_DIR" in found
+    assert {n: p for n, p in found.items() if n not in known} == {}
+
+
+def test_toml_keys_are_the_settings_names(tmp_path: Path) -> None:
+    toml = tmp_path / "neardup.toml"
+    toml.write_text('input_topic = ["wire"]\n')
+    with pytest.raises(ValueError) as refused:
+        load_settings({}, toml)
+    assert str(refused.value) == f"{toml}: unknown key 'input_topic' (did you mean 'input_topics'?)"
+    toml.write_text('num-perm = 64\n[engine]\nthreshold = 0.9\n')
+    with pytest.raises(ValueError) as refused:
+        load_settings({}, toml)
+    assert str(refused.value) == f"{toml}: unknown key 'num-perm' (did you mean 'num_perm'?); unknown key 'engine'"
+    toml.write_text('threshold = 1.5\n[kafka]\n"sasl.password" = "s3cret"\n')
+    with pytest.raises(ValueError) as refused:
+        load_settings({}, toml)
+    assert str(refused.value) == f"{toml}: key 'threshold': input should be less than or equal to 1, not 1.5"
+    toml.write_text("threshold = \n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(toml))}: not valid TOML"):
+        load_settings({}, toml)

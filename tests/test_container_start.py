@@ -80,7 +80,7 @@ class Image:
     def env(self, **extra: str) -> dict[str, str]:
         """The Dockerfile's environment, /tmp being this image's writable ``tmp``."""
         image = {k: re.sub(r"^/tmp(?=/|$)", str(self.tmp), v) for k, v in _dockerfile_env().items()
-                 if k.startswith(("NUMBA_", "NEARDUP_PREBUILT"))}
+                 if k.startswith("NUMBA_") or k == "NEARDUP_PREBUILT_KERNELS"}
         image["NEARDUP_PREBUILT_KERNELS"] = str(self.prebuilt)
         return {**self._base_env(), **image, **extra}
 

@@ -146,3 +146,25 @@ def test_a_stage_refuses_a_retention_window_it_cannot_keep(capsys, monkeypatch, 
     for role in ("prepare", "shard", "decide"):
         line = _error(capsys, ["stage", role, "--bootstrap-servers", "127.0.0.1:1", "--input-topic", "wire"])
         assert "no retention window" in line
+
+
+def test_a_toml_key_error_names_the_file_and_key_not_a_flag(capsys, stories, tmp_path) -> None:
+    toml = tmp_path / "neardup.toml"
+    toml.write_text('input_topic = ["wire"]\nthreshold = 0.9\n')
+    line = _error(capsys, ["run", "--config", toml, "--bootstrap-servers", "localhost:1", "--state-dir", tmp_path / "s"])
+    assert line == f"neardup: error: {toml}: unknown key 'input_topic' (did you mean 'input_topics'?)"
+    toml.write_text("threshold = 1.5\n")
+    line = _error(capsys, ["dedup", stories, "--out-dir", tmp_path / "out", "--config", toml])
+    assert line == f"neardup: error: {toml}: key 'threshold': input should be less than or equal to 1, not 1.5"
+    assert not (tmp_path / "s").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_unknown_variable_is_one_line_naming_it(capsys, stories, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NEARDUP_INPUT_TOPIC", "wire")  # silently ignored, once
+    line = _error(capsys, ["run", "--bootstrap-servers", "localhost:1", "--state-dir", tmp_path / "s"])
+    assert line.startswith("neardup: error: NEARDUP_INPUT_TOPIC is not a setting (did you mean NEARDUP_INPUT_TOPICS?)")
+    monkeypatch.delenv("NEARDUP_INPUT_TOPIC")
+    monkeypatch.setenv("NEARDUP_TEXT_FIELDS", "body")
+    line = _error(capsys, ["dedup", stories, "--out-dir", tmp_path / "out"])
+    assert "NEARDUP_TEXT_FIELDS is not a setting (did you mean NEARDUP_TEXT_FIELD?)" in line
+    assert not (tmp_path / "s").exists() and not (tmp_path / "out").exists()

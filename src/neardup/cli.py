@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,6 +29,7 @@ from neardup.config import (
     default,
     load_settings,
     retention_changes,
+    variable,
 )
 from neardup.core import numba_math_without_scipy
 from neardup.core.lsh import false_negative_area, false_positive_area
@@ -206,7 +208,35 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--measure", choices=["jaccard", "containment"], default=default("measure"))
     params.add_argument("--verify", choices=["exact", "estimate"], default=default("verify"))
     params.add_argument("--json", action="store_true", help="print JSON")
+    for command in (dedup, run, stage, ev):
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
+        own = "\n".join(textwrap.wrap(command.epilog, 88)) + "\n\n" if command.epilog else ""
+        command.epilog = own + _environment(command)
     return parser
+
+
+def _environment(command: argparse.ArgumentParser) -> str:
+    """The epilog of a command that reads settings: the ``NEARDUP_*`` variable of each of
+    its settings flags, generated from them and ``neardup.config.Settings``."""
+    flags: dict[str, argparse.Action] = {}
+    for action in command._actions:
+        if action.dest in Settings.model_fields:
+            flags.setdefault(action.dest, action)
+    names = list(flags)
+    listed = textwrap.fill("  ".join(variable(name) for name in names), 88, initial_indent="  ",
+                           subsequent_indent="  ", break_on_hyphens=False)
+    renamed = [f"{variable(n)} for {flags[n].option_strings[0]}" for n in names
+               if flags[n].option_strings[0] != f"--{n.replace('_', '-')}"]
+    lists = [variable(n) for n in names if isinstance(flags[n], argparse._AppendAction) and n != "kafka"]
+    notes = f"Lists ({', '.join(lists)}) are comma-separated" if lists else ""
+    if "kafka" in names:
+        notes += f"{'; ' if notes else ''}{variable('kafka')} is a JSON object of librdkafka settings"
+    text = (f"environment: a setting not given as a flag is read from its variable, then from the --config "
+            f"TOML file (keys: the variables' names in lower case without NEARDUP_), then the default. "
+            f"{'; '.join(renamed) + '. ' if renamed else ''}{notes + '. ' if notes else ''}On and off "
+            f"settings take true or false. Other NEARDUP_* variables are refused, save those of the local "
+            f"test broker (deploy/local/kafka.sh).")
+    return "\n".join(textwrap.wrap(text, 88, break_on_hyphens=False)) + "\n" + listed
 
 
 _NOT_SETTINGS = {"command", "role", "inputs", "out_dir", "append", "overwrite", "summary_json", "progress", "config",

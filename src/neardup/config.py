@@ -1,8 +1,9 @@
 """Typed settings: command-line flags win over ``NEARDUP_*`` environment variables, which
 win over a TOML file (``--config``), which wins over the defaults.
 
-The TOML file holds the same names as the flags (underscores for dashes) at top level,
-and librdkafka settings in a ``[kafka]`` table::
+The TOML file holds the settings' names (the ``Settings`` fields: the flags' names with
+underscores for dashes, ``input_topics`` for ``--input-topic``) at top level, and
+librdkafka settings in a ``[kafka]`` table::
 
     threshold = 0.85
     shingle = "char:5"
@@ -13,6 +14,11 @@ and librdkafka settings in a ``[kafka]`` table::
 
 A librdkafka value ``@PATH`` is read from the file PATH (``neardup.io.kafka_config``).
 
+Each setting's variable is ``NEARDUP_`` and its name in capitals (``variable``):
+``NEARDUP_NUM_PERM``, ``NEARDUP_INPUT_TOPICS`` (comma-separated), ``NEARDUP_KAFKA`` (a
+JSON object). An unknown key in the file, and a ``NEARDUP_*`` variable that is no setting
+(a typo, a singular for a plural) save those of ``OTHER_VARIABLES``, are refused by name.
+
 The defaults are written here only: the command-line help, the library functions
 (``neardup.embedded.dedup_files``, ``neardup.evaluate.evaluate``) and ``EngineSettings``
 read them from ``Settings`` (``default(name)``); tests/test_config.py checks that none is
@@ -21,17 +27,21 @@ restated with another value.
 
 from __future__ import annotations
 
+import difflib
+import os
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     NoDecode,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from neardup.core.lsh import LshParams
@@ -203,6 +213,94 @@ def retention_changes(settings: Settings) -> dict[str, Any] | None:
     return changes or None
 
 
+#: ``NEARDUP_*`` variables that are no settings and that the commands let be: those of
+#: the local broker (deploy/local/kafka.sh), of the tests, and the image's prebuilt
+#: kernels (``neardup.kernel_cache``).
+OTHER_VARIABLES = frozenset({
+    "NEARDUP_KAFKA_HOME", "NEARDUP_KAFKA_BOOTSTRAP", "NEARDUP_KAFKA_START_TIMEOUT",
+    "NEARDUP_KAFKA_HEAP_OPTS", "NEARDUP_FUZZ_SEED", "NEARDUP_PREBUILT_KERNELS",
+})
+
+
+def variable(name: str) -> str:
+    """The environment variable of the setting ``name``: ``NEARDUP_NUM_PERM`` for
+    ``num_perm``."""
+    return f"{Settings.model_config['env_prefix']}{name.upper()}"
+
+
+def _did_you_mean(given: str, names: list[str], show: Callable[[str], str] = str) -> str:
+    """`` (did you mean X?)`` with X the closest of ``names`` to ``given`` (as ``show``
+    writes it), or ``""`` when none is close."""
+    close = difflib.get_close_matches(given, names, n=1, cutoff=0.6)
+    return f" (did you mean {show(close[0])}?)" if close else ""
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a ``NEARDUP_*`` variable (any case, as the settings read them) that is
+    neither a setting's (``variable``) nor one of ``OTHER_VARIABLES``.
+
+    Args:
+        environ: the variables; default ``os.environ``.
+
+    Raises:
+        ValueError: one line naming each such variable, with the closest setting's.
+    """
+    prefix = Settings.model_config["env_prefix"]
+    known = [variable(name) for name in Settings.model_fields]
+    unknown = sorted(name for name in (os.environ if environ is None else environ)
+                     if name.upper().startswith(prefix) and name.upper() not in {*known, *OTHER_VARIABLES})
+    if unknown:
+        raise ValueError("; ".join(f"{name} is not a setting{_did_you_mean(name.upper(), known)}" for name in unknown)
+                         + " (the variables are listed at the end of --help)")
+
+
+class _Given(Settings):
+    """Settings from the keyword arguments alone (no environment variable)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The settings of the TOML file ``path``, its keys and values checked.
+
+    Raises:
+        ValueError: one line starting with ``path``: the file is not TOML, a key is not
+            a setting's name (with the closest one), or a value is invalid (naming its
+            key; a ``[kafka]`` value is not repeated: it may be a secret).
+        OSError: the file cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    names = list(Settings.model_fields)
+    unknown = [key for key in table if key not in Settings.model_fields]
+    if unknown:
+        raise ValueError(f"{path}: " + "; ".join(
+            f"unknown key {key!r}{_did_you_mean(key.replace('-', '_').lower(), names, repr)}" for key in unknown))
+    try:
+        _Given(**table)
+    except ValidationError as exc:
+        parts = []
+        for error in exc.errors():
+            key = ".".join(str(part) for part in error["loc"]) or "settings"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            given = "" if error["loc"][:1] == ("kafka",) else f", not {error['input']!r}"
+            parts.append(f"key {key!r}: {message[:1].lower()}{message[1:]}{given}")
+        raise ValueError(f"{path}: " + "; ".join(parts)) from None
+    return table
+
+
 def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:
     """Settings from ``overrides`` (flags; None values ignored), the environment and
     ``toml_file``. A ``kafka`` override is merged into the lower sources' table.
@@ -210,10 +308,14 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
     Raises:
         FileNotFoundError: ``toml_file`` does not exist.
         pydantic.ValidationError: a value is invalid (the message names it).
-        ValueError: a librdkafka ``@PATH`` value whose file cannot be read.
+        ValueError: a librdkafka ``@PATH`` value whose file cannot be read; a
+            ``NEARDUP_*`` variable that is no setting (``check_environment``); a TOML
+            file with an unknown key or an invalid value (``read_toml``).
     """
     if toml_file is not None and not Path(toml_file).is_file():
         raise FileNotFoundError(f"config file not found: {toml_file}")
+    check_environment()
+    table = read_toml(Path(toml_file)) if toml_file is not None else None
 
     class _FromFile(Settings):
         @classmethod
@@ -226,8 +328,8 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
-            if toml_file is not None:
-                sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+            if table is not None:
+                sources += (InitSettingsSource(settings_cls, init_kwargs=table),)
             return sources
 
     given = {k: v for k, v in overrides.items() if v is not None}
