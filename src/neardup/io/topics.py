@@ -88,8 +88,8 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
                 topic = asked[name]
                 hint = _HINTS.get(error.code())
                 raise TopicCreationError(
-                    f"cannot create topic {name} ({_count(topic.num_partitions)} partitions, replication factor "
-                    f"{_count(topic.replication_factor)}): {error.str()}" + (f"; {hint}" if hint else "")) from None
+                    f"cannot create topic {name} (partitions {_count(topic.num_partitions)}, replication factor "
+                    f"{_count(topic.replication_factor)}): {error.str().rstrip('.')}" + (f"; {hint}" if hint else "")) from None
             raise
         created.append(name)
         topic = asked[name]
