@@ -396,7 +396,7 @@ def test_dockerfile():
 # --- deploy/k8s ------------------------------------------------------------------------------
 def test_k8s_manifests_parse():
     kinds = sorted(d["kind"] for d in _k8s_documents())
-    assert kinds == ["ConfigMap", "Kustomization", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Kustomization", "PodDisruptionBudget", "Service", "StatefulSet"]
     kustomization = _k8s("Kustomization")
     assert {(K8S / r).is_file() for r in kustomization["resources"]} == {True}
 
@@ -440,11 +440,12 @@ def test_k8s_statefulset_keeps_state_on_a_claim_and_probes_health(tmp_path):
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert pod["securityContext"]["runAsNonRoot"] is True
 
-    # The pod name is the stable transactional id.
+    # The transactional id: the group and the pod name (expanded by Kubernetes; checked
+    # expanded in tests/test_k8s.py), and the static group membership: the pod name.
     env = {e["name"]: e for e in container["env"]}
-    assert env["NEARDUP_TRANSACTIONAL_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    # ... and the static group membership (expanded by Kubernetes from that variable).
-    assert settings.kafka["group.instance.id"] == "$(NEARDUP_TRANSACTIONAL_ID)"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["NEARDUP_TRANSACTIONAL_ID"]["value"] == "neardup-$(NEARDUP_GROUP_ID)-$(POD_NAME)"
+    assert settings.kafka["group.instance.id"] == "$(POD_NAME)"
 
     # The service selects the pods and tells Prometheus where to scrape.
     service = _k8s("Service")
@@ -477,7 +478,7 @@ def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
     workloads = {d["spec"]["template"]["spec"]["containers"][0]["args"][1]: d
                  for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
     assert sorted(workloads) == ["decide", "prepare", "shard"]
-    assert workloads["prepare"]["kind"] == "Deployment"
+    assert {w["kind"] for w in workloads.values()} == {"StatefulSet"}  # stable pod names: the instances
     config_text = configmap["data"]["neardup.toml"]
     config = tomllib.loads(config_text)
     local = tmp_path / "neardup.toml"
@@ -505,11 +506,12 @@ def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
         assert pod["terminationGracePeriodSeconds"] >= 30
-        if w["kind"] == "StatefulSet":  # a stable pod name: the instance, hence the transactional id
-            service = services[w["spec"]["serviceName"]]
-            labels = w["spec"]["template"]["metadata"]["labels"]
-            assert service["spec"]["selector"].items() <= labels.items()
-            assert service["spec"]["clusterIP"] == "None"
+        # a stable pod name: the instance, hence the transactional id
+        assert settings.instance == "$(POD_NAME)"
+        service = services[w["spec"]["serviceName"]]
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert service["spec"]["clusterIP"] == "None"
         claims = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
         if role in ("shard", "decide"):  # its stores on the pod's own volume, kept across restarts
             assert settings.state_dir is not None and mounted.get(str(settings.state_dir)) in claims

@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     reset_state: bool = False
     changelog: Literal["on", "off"] = "on"
     changelog_topic: str | None = None
+    # topics neardup creates when missing (-1: the broker's default); existing ones are kept
+    topic_partitions: int = -1  # outputs and dead letters (run; decide)
+    topic_replication_factor: int = -1  # every topic created: outputs, dead letters, changelogs, internal
     # sharded stages (docs/scale-out.md)
     app: str | None = None  # prefix of the internal topics and consumer groups; default: group_id
     shards: int = Field(4, ge=1)
@@ -126,6 +129,13 @@ class Settings(BaseSettings):
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("topic_partitions", "topic_replication_factor")
+    @classmethod
+    def _topic_count(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be at least 1, or -1 for the broker's default")
         return value
 
     @field_validator("shingle")

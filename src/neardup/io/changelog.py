@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicCollection, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from neardup.config import Settings
 from neardup.io.bounded import CALL_TIMEOUT_S, bounded, discard
 from neardup.io.clients import admin_config
 from neardup.io.rdkafka_log import rdkafka_logger
+from neardup.io.topics import create_missing, new_topic
 from neardup.state import codec
 from neardup.state.base import StateError, StateUpdate
 
@@ -339,10 +340,12 @@ class ChangelogWriter:
 
     # --- the topic --------------------------------------------------------------------
     def _ensure_topic(self, admin: AdminClient) -> str:
-        """The changelog topic's id, the topic created (compacted, one partition) if missing.
+        """The changelog topic's id, the topic created (compacted, one partition,
+        ``--topic-replication-factor`` replicas) if missing.
 
         Raises:
             ChangelogError: it exists without ``cleanup.policy=compact``, or cannot be created.
+            TopicCreationError: the broker refused the creation for what was asked.
         """
         try:
             return self._describe(admin)
@@ -350,13 +353,10 @@ class ChangelogWriter:
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise
         config = {"cleanup.policy": "compact", "max.message.bytes": str(CHANGELOG_MAX_BYTES)}
-        future = admin.create_topics([NewTopic(self.topic, 1, -1, config=config)], request_timeout=30)[self.topic]
         try:
-            future.result()
-            log.info("created changelog topic %s (compacted, 1 partition)", self.topic)
+            create_missing(admin, [new_topic(self.topic, 1, self.settings.topic_replication_factor, config)])
         except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise ChangelogError(f"cannot create the changelog topic {self.topic}: {exc.args[0].str()}") from exc
+            raise ChangelogError(f"cannot create the changelog topic {self.topic}: {exc.args[0].str()}") from exc
         return self._describe(admin)
 
     def _describe(self, admin: AdminClient) -> str:

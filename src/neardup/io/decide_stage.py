@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
 from neardup.io.bounded import discard
@@ -48,6 +48,7 @@ from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.io.partition_log import catch_up, read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.io.topics import create_missing, new_topic
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
@@ -396,20 +397,22 @@ class DecideProcessor(StageHooks):
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there
         (a record produced to a topic being created was once seen lost, see
-        ``neardup.io.kafka``)."""
+        ``neardup.io.kafka``), with ``--topic-partitions`` and
+        ``--topic-replication-factor``.
+
+        Raises:
+            TopicCreationError: the broker refused a creation for what was asked.
+            KafkaException: the broker could not be asked.
+        """
         if topic in self._outputs:
             return
         admin = AdminClient(admin_config(self.settings))
         try:
             names = [f"{topic}.{suffix}" for suffix in ("unique", "duplicates", "dlq")]
             existing = admin.list_topics(timeout=10).topics
-            missing = [NewTopic(n) for n in names if n not in existing]
-            for name, future in (admin.create_topics(missing, request_timeout=30).items() if missing else ()):
-                try:
-                    future.result()
-                except KafkaException as exc:
-                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise
+            s = self.settings
+            create_missing(admin, [new_topic(n, s.topic_partitions, s.topic_replication_factor)
+                                   for n in names if n not in existing])
         finally:
             discard(admin)
         self._outputs.add(topic)

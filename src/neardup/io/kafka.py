@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicCollection, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
@@ -95,6 +95,7 @@ from neardup.io.messages import (
 )
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import TP, StageRuntime, fatal
+from neardup.io.topics import create_missing, new_topic
 from neardup.pipeline import PrepareWorker, WorkerDied
 from neardup.state.base import StateStore
 
@@ -297,11 +298,16 @@ class DedupProcessor:
         self._create_outputs(topics)
 
     def _create_outputs(self, input_topics: list[str]) -> None:
-        """Create the output topics of ``input_topics`` that are missing, with the
-        broker's defaults, before anything is produced to them: a transactional record
-        produced to a topic the broker is still creating was once seen lost although its
-        transaction committed (the first record of ``<input>.unique``; librdkafka forgets
-        a partition's message sequence while its topic is reported missing)."""
+        """Create the output topics of ``input_topics`` that are missing
+        (``--topic-partitions``, ``--topic-replication-factor``), before anything is
+        produced to them: a transactional record produced to a topic the broker is still
+        creating was once seen lost although its transaction committed (the first record
+        of ``<input>.unique``; librdkafka forgets a partition's message sequence while its
+        topic is reported missing).
+
+        Raises:
+            TopicCreationError: the broker refused a creation for what was asked.
+        """
         if self._admin is None:
             self._admin = AdminClient(admin_config(self.settings))
         names = sorted({self.target_topic(t, target) for t in input_topics for target in ("unique", "duplicate", "dlq")})
@@ -310,18 +316,14 @@ class DedupProcessor:
         except KafkaException as exc:
             log.warning("output topics not checked (%s); the broker may create them at the first record", exc)
             return
-        missing = [name for name in names if name not in existing]
-        if not missing:
-            return
-        futures = self._admin.create_topics([NewTopic(name) for name in missing], request_timeout=30)
-        for name, future in futures.items():
-            try:
-                future.result()
-                log.info("created output topic %s", name)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    log.warning("output topic %s not created (%s); the broker may create it at the first record",
-                                name, exc.args[0].str())
+        s = self.settings
+        missing = [new_topic(name, s.topic_partitions, s.topic_replication_factor)
+                   for name in names if name not in existing]
+        try:
+            create_missing(self._admin, missing)
+        except KafkaException as exc:
+            log.warning("output topics %s not created (%s); the broker may create them at the first record",
+                        ", ".join(t.topic for t in missing), exc.args[0].str())
 
     def _committed(self, consumer: Consumer, tps: list[TP]) -> dict[TP, int]:
         """The consumer group's committed offsets (none: left out); asked again while

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
+from neardup.io.topics import BROKER_DEFAULT, create_missing, new_topic
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,17 @@ class Topology:
             self.decide_changelog: (self.decide_partitions, compacted),
         }
 
-    def ensure(self, admin: AdminClient, timeout_s: float = 30.0) -> list[str]:
-        """Create the missing topics; check the partition counts of the others.
+    def ensure(self, admin: AdminClient, timeout_s: float = 30.0, replication_factor: int = BROKER_DEFAULT) -> list[str]:
+        """Create the missing topics (``replication_factor`` replicas, -1: the broker's
+        default); check the partition counts of the others.
 
         Returns:
             The names of the topics created.
 
         Raises:
             TopologyMismatchError: an existing topic has another partition count.
-            KafkaException: the broker could not be asked, or refused a creation.
+            TopicCreationError: the broker refused a creation for what was asked.
+            KafkaException: the broker could not be asked, or failed a creation.
         """
         wanted = self.topics()
         existing = admin.list_topics(timeout=timeout_s).topics
@@ -97,30 +99,22 @@ class Topology:
                 raise TopologyMismatchError(
                     f"topic {name} has {len(meta.partitions)} partitions, the topology asks for "
                     f"{partitions}; a sharded state cannot change its partition counts")
-        missing = [NewTopic(name, num_partitions=p, config=config)
+        missing = [new_topic(name, p, replication_factor, config)
                    for name, (p, config) in wanted.items() if name not in existing]
-        created = []
-        if missing:
-            for name, future in admin.create_topics(missing, request_timeout=timeout_s).items():
-                try:
-                    future.result()
-                    created.append(name)
-                    log.info("created topic %s", name)
-                except KafkaException as exc:
-                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise
-            if len(created) < len(missing):  # created meanwhile by another process: check it
-                return created + self.ensure(admin, timeout_s)
+        created = create_missing(admin, missing, timeout_s)
+        if len(created) < len(missing):  # created meanwhile by another process: check it
+            return created + self.ensure(admin, timeout_s, replication_factor)
         return created
 
     def ensure_with(self, settings: Settings) -> list[str]:
-        """``ensure`` with an admin client of ``settings`` (closed after).
+        """``ensure`` with an admin client of ``settings`` (closed after) and its
+        ``topic_replication_factor``.
 
         Raises:
-            TopologyMismatchError, KafkaException: as ``ensure``.
+            TopologyMismatchError, TopicCreationError, KafkaException: as ``ensure``.
         """
         admin = AdminClient(admin_config(settings))
         try:
-            return self.ensure(admin)
+            return self.ensure(admin, replication_factor=settings.topic_replication_factor)
         finally:
             discard(admin)

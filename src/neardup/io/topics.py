@@ -1,0 +1,99 @@
+"""Creating the topics neardup writes to when they are missing, with the operator's
+partition count and replication factor (``--topic-partitions``,
+``--topic-replication-factor``; -1: the broker's ``num.partitions`` and
+``default.replication.factor``). Existing topics are never changed.
+
+Every place that creates topics goes through ``create_missing``: the outputs and
+dead-letter topics of ``neardup run`` (``neardup.io.kafka``) and of the decide stage, the
+changelog of ``neardup run`` (``neardup.io.changelog``), and the internal topics of the
+sharded stages (``neardup.io.topology``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+log = logging.getLogger(__name__)
+
+#: A partition count or replication factor that leaves the choice to the broker.
+BROKER_DEFAULT = -1
+
+#: Errors of a creation that the broker refuses for what was asked (not a passing fault):
+#: asking again cannot help, so the command stops with one line.
+REFUSED = {
+    KafkaError.INVALID_REPLICATION_FACTOR,
+    KafkaError.INVALID_PARTITIONS,
+    KafkaError.INVALID_CONFIG,
+    KafkaError.INVALID_REPLICA_ASSIGNMENT,
+    KafkaError.POLICY_VIOLATION,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+}
+
+_HINTS = {
+    KafkaError.INVALID_REPLICATION_FACTOR: "give --topic-replication-factor at most the number of brokers",
+    KafkaError.INVALID_PARTITIONS: "give --topic-partitions of at least 1 (or -1 for the broker's default)",
+    KafkaError.POLICY_VIOLATION: "the broker's create.topic.policy refused it; create the topic beforehand",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "the principal needs Create on the topic (or on the cluster), "
+                                           "or create the topic beforehand (deploy/README.md, ACLs)",
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "the principal needs Create on the topic (or on the cluster), "
+                                             "or create the topic beforehand (deploy/README.md, ACLs)",
+}
+
+
+class TopicCreationError(ValueError):
+    """The broker refused to create a topic as asked (a replication factor larger than
+    the brokers, a partition count or topic setting it does not take, a missing Create
+    permission); the message says which topic, what was asked and what to change, in
+    one line."""
+
+
+def _count(value: int) -> str:
+    return "the broker's default" if value == BROKER_DEFAULT else str(value)
+
+
+def new_topic(name: str, partitions: int, replication_factor: int,
+              config: dict[str, str] | None = None) -> NewTopic:
+    """A topic to create: ``partitions`` and ``replication_factor`` counts (-1: the
+    broker's default), ``config`` its topic settings (e.g. ``cleanup.policy``)."""
+    return NewTopic(name, num_partitions=partitions, replication_factor=replication_factor, config=config or {})
+
+
+def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float = 30.0) -> list[str]:
+    """Create ``topics`` (all of them missing when asked; one created meanwhile by another
+    process counts as there).
+
+    Returns:
+        The names of the topics this call created.
+
+    Raises:
+        TopicCreationError: the broker refused one for what was asked (``REFUSED``).
+        KafkaException: another failure (the broker away, a timeout): may pass.
+    """
+    if not topics:
+        return []
+    asked = {t.topic: t for t in topics}
+    created = []
+    for name, future in admin.create_topics(topics, request_timeout=timeout_s).items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            error = exc.args[0]
+            if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            if error.code() in REFUSED:
+                topic = asked[name]
+                hint = _HINTS.get(error.code())
+                raise TopicCreationError(
+                    f"cannot create topic {name} (partitions {_count(topic.num_partitions)}, replication factor "
+                    f"{_count(topic.replication_factor)}): {error.str().rstrip('.')}" + (f"; {hint}" if hint else "")) from None
+            raise
+        created.append(name)
+        topic = asked[name]
+        log.info("created topic %s (%s partitions, replication factor %s%s)", name, _count(topic.num_partitions),
+                 _count(topic.replication_factor),
+                 ", " + ", ".join(f"{k}={v}" for k, v in sorted(topic.config.items())) if topic.config else "")
+    return created
