@@ -264,19 +264,27 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
                          + " (the variables are listed at the end of --help)")
 
 
-class _Given(Settings):
-    """Settings from the keyword arguments alone (no environment variable)."""
+def _sourced(environment: bool, table: dict[str, Any] | None = None) -> type[Settings]:
+    """``Settings`` read from the keyword arguments, then (``environment``) the
+    ``NEARDUP_*`` variables, then ``table`` (a TOML file's), in that order of priority."""
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: tuple[PydanticBaseSettingsSource, ...] = (
+                (init_settings, env_settings) if environment else (init_settings,))
+            if table is not None:
+                sources += (InitSettingsSource(settings_cls, init_kwargs=table),)
+            return sources
+
+    return _Sourced
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -299,7 +307,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: " + "; ".join(
             f"unknown key {key!r}{_did_you_mean(key.replace('-', '_').lower(), names, repr)}" for key in unknown))
     try:
-        _Given(**table)
+        _sourced(environment=False)(**table)
     except ValidationError as exc:
         parts = []
         for error in exc.errors():
@@ -326,25 +334,9 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
         raise FileNotFoundError(f"config file not found: {toml_file}")
     check_environment()
     table = read_toml(Path(toml_file)) if toml_file is not None else None
-
-    class _FromFile(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
-            if table is not None:
-                sources += (InitSettingsSource(settings_cls, init_kwargs=table),)
-            return sources
-
     given = {k: v for k, v in overrides.items() if v is not None}
     kafka = given.pop("kafka", None)
-    settings = _FromFile(**given)
+    settings = _sourced(environment=True, table=table)(**given)
     # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key; then
     # ``@PATH`` values are read from their files (neardup.io.kafka_config).
     merged = {**settings.kafka, **Settings._stringify(dict(kafka or {}))}
