@@ -200,13 +200,9 @@ class PrepareProcessor(StageHooks):
         if pause or resume:
             log.debug("reading in step: paused %s, resumed %s", sorted(pause), sorted(resume))
 
-    def _watermarks(self, messages: list[Message]) -> list[Record]:
-        """The watermark records after ``messages`` (one per shard partition; none while
-        no input partition has a watermark)."""
-        for m in messages:
-            tp, key = (m.topic(), m.partition()), self._order(m)
-            if key > self._sent.get(tp, b""):
-                self._sent[tp] = key
+    def _watermarks(self) -> list[Record]:
+        """The watermark records of what ``_sent`` holds (one per shard partition; none
+        while no input partition has a watermark)."""
         consumer = self._consumer
         if consumer is None or not self._start:
             return []
@@ -249,18 +245,24 @@ class PrepareProcessor(StageHooks):
 
 
     def compute(self, batch: PrepareBatch) -> tuple[PrepareBatch, list[Record]]:
-        """Every record of the batch, in input order (nothing produced)."""
+        """Every record of the batch, in input order, then the watermark records (nothing
+        produced); an idle batch (no message) has watermark records only."""
+        out = self._records(batch) if batch.messages else []
+        out += self._watermarks()
+        batch.sent = dict(self._sent)
+        return batch, out
+
+    def _records(self, batch: PrepareBatch) -> list[Record]:
+        """The band and document records of the batch's messages, in input order; the
+        largest order key of each partition goes to ``_sent``."""
         t = self.topology
-        if not batch.messages:  # idle: watermark records only
-            marks = self._watermarks([])
-            batch.sent = dict(self._sent)
-            return batch, marks
         p = self.preparer(batch.documents)
         buckets = p.buckets
         offsets = p.fingerprint_offsets
         by_message: dict[int, tuple[str, list[Record]]] = {}
         valid = iter(range(len(p.valid)))
         at = {id(m): i for i, m in enumerate(batch.messages)}
+        keys = [self._order(m) for m in batch.messages]  # order keys, by message index
         for doc, m, reason in zip(batch.documents, batch.decoded, p.rejected):
             i = at[id(m)]
             if reason is not None:
@@ -273,15 +275,17 @@ class PrepareProcessor(StageHooks):
                 next(valid)
                 continue
             v = next(valid)
-            key = self._order(m)
+            key = keys[i]
             fp = p.fingerprints[offsets[v]:offsets[v + 1]]
             bands = [(q, b) for q, b in enumerate(owned_bands(buckets[v], t.shards)) if len(b)]
             records = [(t.bands, q, key, BandRecord(key, doc.id, buckets[v][b], fp).value(),
                         [(ENGINE_HEADER, self.digest)]) for q, b in bands]
             by_message[i] = (doc.id, records)
         out: list[Record] = []
-        for i, m in enumerate(batch.messages):
-            key = self._order(m)
+        for i, (m, key) in enumerate(zip(batch.messages, keys)):
+            tp = (m.topic(), m.partition())
+            if key > self._sent.get(tp, b""):
+                self._sent[tp] = key
             headers = carried_headers(m.headers()) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
                                                       (TOPIC_HEADER, m.topic().encode("utf-8")),
                                                       (ENGINE_HEADER, self.digest)]
@@ -296,9 +300,7 @@ class PrepareProcessor(StageHooks):
                 headers.append((VALUE_BYTES_HEADER, str(len(value or b"")).encode()))
                 value = None
             out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), value, headers))
-        out += self._watermarks(batch.messages)
-        batch.sent = dict(self._sent)
-        return batch, out
+        return out
 
     def _findings_limit(self) -> int:
         """The largest record the findings topic takes, bytes (read once)."""
