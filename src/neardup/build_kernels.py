@@ -39,7 +39,7 @@ _WARM_TEXTS = (
 def build(target: Path) -> None:
     """Compile every kernel into ``target`` (a ``NUMBA_CACHE_DIR``) by running ``neardup
     dedup`` in this process over a few stories and their edited copies, once per variant
-    of :data:`WARM_VARIANTS`. The image build runs it (``python -m neardup.kernel_cache
+    of :data:`WARM_VARIANTS`. The image build runs it (``python -m neardup.build_kernels
     DIR``) with the runtime's ``NUMBA_CPU_NAME``.
 
     Raises:
