@@ -233,7 +233,43 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         result["verdict_agreement"] = sum(got.get(i, ("",))[0] == truth[i][0] for i in truth) / len(truth)
         result["cluster_agreement"] = sum(got.get(i, ("", "", ""))[2] == truth[i][2] for i in truth) / len(truth)
         result["differing"] = differ[:20]
+    if args.with_run:
+        result["run"] = one_run(bootstrap, topic, n, args.batch_size)
     return result
+
+
+def one_run(bootstrap: str, topic: str, n: int, batch_size: int) -> dict[str, float]:
+    """``neardup run`` over the same input topic right after the stages, as a whole
+    process (a group of its own, from the beginning, state on disk): its seconds from
+    launch to the commit of every input offset, and its CPU per document."""
+    group = f"bench-run-{uuid.uuid4().hex[:8]}"
+    state = Path(tempfile.mkdtemp(prefix="neardup-run-state-"))
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    parts = [TopicPartition(topic, q) for q in c.list_topics(topic, timeout=10).topics[topic].partitions]
+    ends = {tp.partition: c.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neardup.cli", "run", "--bootstrap-servers", bootstrap, "--input-topic", topic,
+         "--group-id", group, "--from-beginning", "--text-field", "text", "--id-field", "id",
+         "--unique-topic", f"{topic}.run-unique", "--duplicate-topic", f"{topic}.run-duplicates",
+         "--dlq-topic", f"{topic}.run-dlq", "--batch-size", str(batch_size), "--state-dir", str(state),
+         "--metrics-port", "0", "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            done = {tp.partition: tp.offset for tp in c.committed(parts, timeout=10)}
+            if all(done[q] >= end for q, end in ends.items()):
+                break
+            if proc.poll() is not None or time.perf_counter() - started > 900:
+                raise RuntimeError(f"neardup run stopped or took too long at {done} of {ends}")
+            time.sleep(0.2)
+        seconds = time.perf_counter() - started
+        cpu = benchlib.proc_cpu_seconds(proc.pid) or 0.0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        c.close()
+        shutil.rmtree(state, ignore_errors=True)
+    return {"seconds": seconds, "messages_per_second": n / seconds, "cpu_us_per_document": 1e6 * cpu / n}
 
 
 def main() -> None:
@@ -249,6 +285,8 @@ def main() -> None:
                          "0: the producer's clock")
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--with-run", action="store_true",
+                    help="then neardup run over the same input topic, a whole process: its time and CPU per document")
     ap.add_argument("--chaos", action="store_true",
                     help="at 30%% of the outputs, SIGKILL one process of each stage and restart it under its name "
                          "(static membership), and add a shard process")
@@ -278,6 +316,10 @@ def main() -> None:
               + "".join(f"; {role} state on disk {b / 1e6:,.1f} MB" for role, b in r["state_bytes"].items()))
         print("  records / bytes per document: " + ", ".join(
             f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
+        if "run" in r:
+            print(f"  neardup run over the same topic right after: {r['run']['messages_per_second']:,.0f} messages/s "
+                  f"({r['run']['seconds']:.1f} s from launch), CPU {r['run']['cpu_us_per_document']:,.0f} µs per document "
+                  f"(the stages together: {sum(r['cpu_us_per_document'].values()):,.0f})")
         if "agreement" in r:
             print(f"  agreement with one process (verdict, match, cluster): {r['agreement']:.5f}; "
                   f"verdicts {r['verdict_agreement']:.5f}, clusters {r['cluster_agreement']:.5f}; "
