@@ -214,6 +214,21 @@ def test_xxh3_spans_every_short_length() -> None:
         xxh3_spans(data, np.array([0]), np.array([601]))
 
 
+def test_xxh3_spans_compiles_one_kernel_for_every_layout() -> None:
+    """A batch of one token (a one-element, hence contiguous, slice of the word edges), of
+    many tokens (a strided slice) and a writable buffer all run the same compiled kernel,
+    so the kernels built into the image serve every batch `neardup run` sees."""
+    from neardup.core.xxh3 import _hash_spans
+
+    for texts in (["alone"], ["two words", "and three more"], [""]):
+        shingle_batch(texts, Shingling("word", 1))
+    data = np.arange(40, dtype=np.uint8)
+    edges = np.arange(0, 40, 5, dtype=np.int64)
+    xxh3_spans(data, edges[0::2], edges[1::2])
+    xxh3_spans(data, edges[:1], edges[1:2])
+    assert len(_hash_spans.signatures) == 1, _hash_spans.signatures
+
+
 @FAST
 @given(st.lists(ANY_TEXTS, max_size=8), SHINGLINGS)
 def test_shingle_counts_and_hashes_match_reference_ngrams(texts: list[str], sh: Shingling) -> None:

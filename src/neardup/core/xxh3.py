@@ -181,9 +181,12 @@ def xxh3_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
     Raises:
         ValueError: a span lies outside ``data`` or ends before it starts.
     """
-    data = np.ascontiguousarray(data, dtype=np.uint8)
-    starts = np.asarray(starts, dtype=np.int64)
-    ends = np.asarray(ends, dtype=np.int64)
+    # One layout whatever the caller passes (a strided or a one-element view, a writable or a
+    # read-only buffer), so that one compiled kernel serves every call, the prebuilt one too.
+    data = np.ascontiguousarray(data, dtype=np.uint8).view()
+    data.flags.writeable = False
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
     if len(starts) != len(ends):
         raise ValueError(f"{len(starts)} starts and {len(ends)} ends")
     if len(starts) and (starts.min() < 0 or (ends < starts).any() or ends.max() > len(data)):
