@@ -171,6 +171,38 @@ def test_run_gives_the_verdicts_of_dedup(pipeline, kafka_bootstrap, kafka_topic_
         assert o.topic == f"{topic}.{'duplicates' if o.headers['neardup-verdict'] == b'duplicate' else 'unique'}"
 
 
+def test_partitions_read_unevenly_give_the_verdicts_of_record_time_order(kafka_bootstrap, kafka_topic_factory,
+                                                                          tmp_path):
+    """A backlog over 4 partitions, 70% of it in partition 0 and none in partition 3, its
+    record times in file order: the client fetches the small partitions' records long
+    before partition 0's of the same record time, yet `neardup run` (batches of 50) gives
+    the verdicts of `dedup` over the file in order, and the empty partition holds nothing
+    back."""
+    from confluent_kafka import Producer
+
+    records = _edited_copies(excerpt(600), rounds=3)  # each story, then two edited copies
+    topic = kafka_topic_factory("uneven", partitions=4)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    first = int(time.time() * 1000) - len(records) * 1000
+    for i, (key, value) in enumerate(_json_messages(records)):  # 1 s of record time apart, in order
+        producer.produce(topic, key=key, value=value, partition=0 if i % 10 < 7 else 1 + i % 2,
+                         timestamp=first + i * 1000)
+    assert producer.flush(60) == 0
+    ends = _partition_ends(kafka_bootstrap, topic, 4)
+    assert ends[3] == 0 and ends[0] > ends[1] + ends[2]
+    log = tmp_path / "run.log"
+    group = f"g-{topic}"  # and so a changelog of its own
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS,
+                     "--batch-size", "50", log=log)
+    try:
+        _wait(lambda: all(committed_offset(kafka_bootstrap, group, topic, p) >= end
+                          for p, end in enumerate(ends) if end), proc, timeout_s=240)
+    finally:
+        assert stop(proc) == 0
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+    assert sum(v[0] == "duplicate" for v in _expected(records).values()) >= 1000  # the copies
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -426,10 +458,10 @@ def _wait(condition, proc, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _partition_ends(bootstrap: str, topic: str) -> list[int]:
+def _partition_ends(bootstrap: str, topic: str, partitions: int = 2) -> list[int]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "ends"})
     try:
-        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in (0, 1)]
+        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
     finally:
         c.close()
 

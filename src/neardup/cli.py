@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-message-bytes", type=int, help=f"larger values go to the dead-letter topic, bytes ({_d('max_message_bytes')})")
     k.add_argument("--from-beginning", action=argparse.BooleanOptionalAction, default=None, help=f"a new group starts at the earliest offset ({_d('from_beginning')}: at the latest)")
     k.add_argument("--transactional-id", help="one per instance, stable across restarts (default neardup-<group-id>)")
+    k.add_argument("--partition-wait-ms", type=int, help=f"with several input partitions, messages are processed in order of record time (then partition, offset): the next is the earliest head among the partitions, and the others wait at most this long, ms, for a partition with records still to fetch (0: no wait, each batch in order) ({_d('partition_wait_ms')})")
     k.add_argument("--changelog", choices=["on", "off"], help=f"keep the state's changelog in a compacted Kafka topic, written in each batch's transaction and restored from when the state directory is missing, empty or behind ({_d('changelog')})")
     k.add_argument("--changelog-topic", help="the changelog topic (default <group-id>.neardup-changelog; created compacted, with one partition, if missing)")
     k.add_argument("--topic-partitions", type=int, metavar="N", help=f"partitions of the output and dead-letter topics when neardup creates them ({_d('topic_partitions')}: the broker's num.partitions); existing topics are kept as they are")

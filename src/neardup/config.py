@@ -102,6 +102,7 @@ class Settings(BaseSettings):
     duplicate_topic: str | None = None
     dlq_topic: str | None = None
     batch_max_ms: int = Field(200, ge=1)
+    partition_wait_ms: int = Field(2000, ge=0)  # run: timestamp synchronisation (neardup.io.intake)
     max_message_bytes: int = Field(1 << 20, ge=1)
     from_beginning: bool = False
     transactional_id: str | None = None

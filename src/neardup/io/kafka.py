@@ -205,6 +205,7 @@ class DedupProcessor:
                 self.changelog.on_restore = on_restore
             self.store.log = self.changelog  # opened without it: the start writes the whole state
         self.reads_ahead = settings.pipeline
+        self.orders_partitions = True  # several input partitions are read in order-key order
         self._positions: dict[TP, int] = {}
         self._committed_keys: list[bytes] = []
         self._delivery_errors: list[str] = []

@@ -108,6 +108,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 from neardup.config import Settings
 from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
 from neardup.io.clients import consumer_config, init_transactions, producer_config, retriable
+from neardup.io.intake import OrderedIntake
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class Processor(Protocol):
     transaction), ``committed`` (after step 5)."""
 
     reads_ahead: bool  # a full batch's successor is read ahead and handed to ``ahead``
+    orders_partitions: bool  # messages of several partitions read in order-key order (``neardup.io.intake``)
 
     def open(self) -> None:
         """Before connecting (start what takes long)."""
@@ -238,6 +240,7 @@ class StageHooks:
     processors that need only some of the steps (the sharded stages)."""
 
     reads_ahead = False
+    orders_partitions = False
 
     def open(self) -> None:
         pass
@@ -388,6 +391,9 @@ class StageRuntime:
         self._backoff, self._resets = 0.5, 0
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
+        # consumed messages not in a batch yet, released in order-key order (a processor that orders partitions)
+        self._intake = (OrderedIntake(settings.batch_size, settings.partition_wait_ms / 1000)
+                        if getattr(processor, "orders_partitions", False) else None)
 
     # --- lifecycle ------------------------------------------------------------------
     def stop(self, *_: Any) -> None:
@@ -455,7 +461,10 @@ class StageRuntime:
         self._subscribe()
 
     def _consumer_config(self) -> dict[str, Any]:
-        return consumer_config(self.settings, self.transactional_id, self._statistics)
+        config = consumer_config(self.settings, self.transactional_id, self._statistics)
+        if self._intake is not None:  # a partition read to its end holds nothing back
+            config["enable.partition.eof"] = True
+        return config
 
     def _subscribe(self) -> None:
         assert self.consumer is not None
@@ -536,6 +545,8 @@ class StageRuntime:
         held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
         self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
         self._unchecked += [(p.topic, p.partition) for p in partitions]
+        if self._intake is not None:
+            self._intake.assigned((p.topic, p.partition) for p in partitions)
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
         if self.on_assignment:
             self.on_assignment(self.assignment)
@@ -550,6 +561,8 @@ class StageRuntime:
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         self._unchecked = [tp for tp in self._unchecked if tp not in gone]
         self.processor.revoked(gone)
+        if self._intake is not None:
+            self._intake.revoked(gone)
         if not self.assignment and self._unassigned_since is None:
             self._unassigned_since = time.monotonic()  # until the next assignment, even an empty one
         if self._revoked_while_reading is not None:
@@ -644,9 +657,30 @@ class StageRuntime:
             tps = list(dict.fromkeys(self._unchecked))
             self.processor.check(self.consumer, tps)
             self._unchecked = []
+            if self._intake is not None:  # librdkafka keeps a partition paused across a rebalance
+                self.consumer.resume([TopicPartition(t, p) for t, p in tps])
         full = len(messages) == self.settings.batch_size
-        messages = self._usable(messages)
-        return self.processor.read(messages, full) if messages else None
+        usable = self._usable(messages)
+        if self._intake is not None:
+            usable, full = self._in_order(messages, usable)
+        return self.processor.read(usable, full) if usable else None
+
+    def _in_order(self, consumed: list[Message], usable: list[Message]) -> tuple[list[Message], bool]:
+        """The messages of a batch in order-key order, from those held and ``usable``
+        (consumed now; the partition-EOF events among ``consumed`` say which partitions
+        are read to their end), and whether it is full; pauses the partitions whose held
+        messages reach the intake's capacity, resumes the others."""
+        assert self._intake is not None and self.consumer is not None
+        keep = {id(m) for m in usable}
+        self._intake.add(m for m in consumed if id(m) in keep
+                         or (m.error() is not None and m.error().code() == KafkaError._PARTITION_EOF))
+        released = self._intake.release(self.settings.batch_size)
+        pause, resume = self._intake.flow()
+        if pause:
+            self.consumer.pause([TopicPartition(t, p) for t, p in pause])
+        if resume:
+            self.consumer.resume([TopicPartition(t, p) for t, p in resume])
+        return released, len(released) == self.settings.batch_size
 
     def _usable(self, messages: list[Message]) -> list[Message]:
         out = []
@@ -864,3 +898,5 @@ class StageRuntime:
         for (topic, partition), offset in first.items():
             if (topic, partition) in assigned:
                 self.consumer.seek(TopicPartition(topic, partition, offset))
+        if self._intake is not None:  # held messages after the seek are consumed again
+            self._intake.drop(first)
