@@ -164,9 +164,11 @@ def start_broker(shared: bool) -> tuple[str, str, Path | None]:
     return lines[-1], "reused" if already else "started", home
 
 
-def create_topics(bootstrap: str, names: list[str], timeout: float = 30.0) -> None:
+def create_topics(bootstrap: str, names: list[str], timeout: float = 30.0, partitions: int = 1) -> None:
+    """``names[0]`` with ``partitions`` partitions, the others with one."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics([NewTopic(n, num_partitions=1, replication_factor=1) for n in names],
+    futures = admin.create_topics([NewTopic(n, num_partitions=partitions if i == 0 else 1, replication_factor=1)
+                                   for i, n in enumerate(names)],
                                   operation_timeout=timeout, request_timeout=timeout)
     for fut in futures.values():
         fut.result(timeout=timeout)
@@ -219,8 +221,9 @@ def new_producer(bootstrap: str) -> Producer:
 
 
 def produce_all(producer: Producer, topic: str, messages: list[tuple[bytes, bytes]], sent: Sent,
-                rate: float | None = None) -> float:
-    """Produce in order (at ``rate`` messages/s if given); returns the seconds taken."""
+                rate: float | None = None, partitions: int = 1) -> float:
+    """Produce in order (at ``rate`` messages/s if given), message i to partition
+    i % ``partitions``; returns the seconds taken."""
     started = time.perf_counter()
     for i, (key, value) in enumerate(messages):
         if rate:
@@ -230,7 +233,8 @@ def produce_all(producer: Producer, topic: str, messages: list[tuple[bytes, byte
         sent.digest[key] = hashlib.blake2b(value, digest_size=16).digest()
         while True:
             try:
-                producer.produce(topic, key=key, value=value, on_delivery=sent.delivered)
+                producer.produce(topic, key=key, value=value, partition=i % partitions,
+                                 on_delivery=sent.delivered)
                 break
             except BufferError:
                 producer.poll(0.05)
@@ -409,16 +413,18 @@ def first_consumed_at(log_lines: list[str]) -> float:
 
 
 class OffsetWatch:
-    """Polls the group's committed offset of partition 0 of ``topic``."""
+    """Polls the group's committed offsets of ``topic``'s first ``partitions`` partitions;
+    their sum is the messages committed (one partition: its offset)."""
 
-    def __init__(self, bootstrap: str, group: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int = 1) -> None:
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-        self.tp = TopicPartition(topic, 0)
+        self.tps = [TopicPartition(topic, p) for p in range(partitions)]
         self.timeline: list[tuple[float, int]] = []
 
     def poll(self) -> int:
         try:
-            offset = self.consumer.committed([self.tp], timeout=10)[0].offset
+            offsets = [tp.offset for tp in self.consumer.committed(self.tps, timeout=10)]
+            offset = sum(max(o, 0) for o in offsets) if any(o >= 0 for o in offsets) else -1
         except KafkaException:
             offset = -1
         self.timeline.append((time.time(), offset))
@@ -480,6 +486,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paced", type=int, default=5_000, help="messages produced at --rate after the backlog (default 5,000; 0: none)")
     p.add_argument("--rate", type=float, default=500.0, help="paced messages per second (default 500)")
     p.add_argument("--batch-size", type=int, help="neardup run --batch-size (default: neardup's, 2000)")
+    p.add_argument("--partitions", type=int, default=1, help="partitions of the input topic (default 1)")
+    p.add_argument("--idle-partitions", type=int, default=0,
+                   help="of them, how many get no message (default 0); message i goes to partition "
+                        "i %% (partitions - idle)")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="neardup run --pipeline / --no-pipeline (default: neardup's, on)")
     p.add_argument("--changelog", choices=["on", "off"],
@@ -501,6 +511,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path,
                    help="run neardup under cProfile and write its stats here (main process only; slows it)")
     args = p.parse_args(argv)
+    if not 0 <= args.idle_partitions < args.partitions:
+        p.error("--idle-partitions must be at least 0 and below --partitions")
     if args.messages < 1 or args.paced < 0 or args.rate <= 0:
         p.error("--messages must be at least 1, --paced at least 0, --rate positive")
     return args
@@ -608,10 +620,12 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
     report: dict[str, object] = {"benchmark": "kafka_e2e", "broker": how, "topic": topic, "group": group}
     proc = None
     try:
-        create_topics(bootstrap, [topic, *outputs.values()])
+        create_topics(bootstrap, [topic, *outputs.values()], partitions=args.partitions)
+        fed = args.partitions - args.idle_partitions
+        report["partitions"], report["idle_partitions"] = args.partitions, args.idle_partitions
         sent = Sent()
         producer = new_producer(bootstrap)
-        produce_s = produce_all(producer, topic, backlog, sent)
+        produce_s = produce_all(producer, topic, backlog, sent, partitions=fed)
         mb = sum(len(v) for _, v in backlog) / 1e6
         print(f"pre-produced {n:,} messages ({mb:.1f} MB of JSON values) to {topic} in {produce_s:.1f} s", flush=True)
 
@@ -623,7 +637,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             print(f"neardup at {benchlib.describe_git(git)}")
             print("$ " + " ".join(cmd[:1] + [c if c != str(Path(tmp) / "state") else "<tmp>/state" for c in cmd[1:]]),
                   flush=True)
-            watch = OffsetWatch(bootstrap, group, topic)
+            watch = OffsetWatch(bootstrap, group, topic, args.partitions)
             peak, cpu = [0.0], [0.0]
             load_start = os.getloadavg()
             launched = time.time()
@@ -643,7 +657,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
                 reader.start()
                 time.sleep(0.5)
                 print(f"producing {m:,} paced messages at {args.rate:,.0f}/s ...", file=sys.stderr, flush=True)
-                paced_s = produce_all(producer, topic, paced, sent, rate=args.rate)
+                paced_s = produce_all(producer, topic, paced, sent, rate=args.rate, partitions=fed)
                 wait_for(watch, n + m, proc, args.poll_ms / 1000, args.timeout, log, peak, cpu)
                 deadline = time.monotonic() + 30
                 while len(reader.got) < m and time.monotonic() < deadline:
