@@ -347,9 +347,10 @@ def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive)
 
 
 def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list,
-                    dead_letters: set[bytes] = frozenset({b"bad", b"empty"})) -> None:
+                    dead_letters: set[bytes] = frozenset({b"bad", b"empty"}),
+                    engine: EngineSettings | None = None) -> None:
     """Every input message once in the outputs, with the verdicts of the sharded rules
-    run in one process in order-key order."""
+    run in one process in order-key order (``engine``: the stages' settings)."""
     from neardup.sharded.reference import ShardedReference
 
     ordered = _in_order(bootstrap, topic)
@@ -363,7 +364,7 @@ def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list,
             docs.append(Document(str(r["id"]), r["text"]))
         except json.JSONDecodeError:
             continue
-    reference = {v.id: v for v in ShardedReference(EngineSettings(), topology.shards).process(docs)
+    reference = {v.id: v for v in ShardedReference(engine or EngineSettings(), topology.shards).process(docs)
                  if hasattr(v, "verdict")}
     got = {o.key.decode(): o for o in out if o.topic != f"{topic}.dlq"}
     assert set(got) == set(reference)
@@ -432,6 +433,51 @@ def test_a_backlog_read_unevenly_gives_the_verdicts_of_order_key_order(kafka_boo
     assert len(out) == len(messages), log[-4000:]
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set())
     assert "processed late" not in log
+
+
+def test_containment_in_both_directions_through_the_stages(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """`--measure containment --containment-direction both`: stories, then their first
+    halves (a cut: the new text inside an earlier one) and the stories quoted inside a
+    longer article (an earlier text inside the new one). The stages give the verdicts of
+    the sharded rules in one process, and agree with one process (the detector) on at
+    least 99% of the documents."""
+    from neardup.detector import Detector
+    from neardup.state.memory import MemoryStateStore
+
+    records = excerpt(400)
+    stories = [r for r in records if len(r["text"].split()) >= 60][:150]
+    fillers = [r for r in records if r not in stories]
+    messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in stories]
+    for i, r in enumerate(stories):
+        words = r["text"].split()
+        if i % 2:  # a cut
+            doc = {"id": f"{r['id']}~cut", "text": " ".join(words[:len(words) // 2 + 5])}
+        else:  # quoted inside a longer article, about twice as long
+            doc = {"id": f"{r['id']}~quoted", "text": fillers[i % len(fillers)]["text"][:len(r["text"])] + " "
+                   + r["text"]}
+        messages.append((doc["id"].encode(), json.dumps(doc).encode()))
+    topic = kafka_topic_factory("sharded-containment", partitions=2)
+    produce(kafka_bootstrap, topic, messages)
+    flags = ("--measure", "containment", "--containment-direction", "both")
+    engine = EngineSettings(measure="containment", containment_direction="both")
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", extra=flags)
+    try:
+        for role in ("prepare", "shard", "decide"):
+            stages.start(role)
+        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
+    finally:
+        stages.stop()
+    assert len(out) == len(messages), (tmp_path / "stages.log").read_text()[-4000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), engine=engine)
+    got = {o.key.decode(): o.headers["neardup-verdict"].decode() for o in out}
+    assert sum(v == "duplicate" for k, v in got.items() if k.endswith("~cut")) >= 60
+    assert sum(v == "duplicate" for k, v in got.items() if k.endswith("~quoted")) >= 60
+    ordered = [json.loads(v) for _, v in _in_order(kafka_bootstrap, topic)]
+    one = {v.id: v.verdict for v in Detector(engine, MemoryStateStore(engine.state_shape())).process(
+        [Document(str(r["id"]), r["text"]) for r in ordered])}
+    agree = sum(got[k] == v for k, v in one.items()) / len(one)
+    assert agree >= 0.99, agree
 
 
 @pytest.mark.parametrize("shard_state", ["memory", "disk"])

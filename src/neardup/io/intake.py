@@ -12,9 +12,13 @@ that still has records to fetch):
 - The next message released is the head of the partition whose head has the smallest
   order key, taken only while no assigned partition is *behind*: its buffer empty, and
   neither at its end (the consumer's partition-EOF event, ``enable.partition.eof``) nor
-  waited for longer than ``wait_s`` since it became so. A partition at its end holds
-  nothing back: in a live stream a record that arrives later is processed when it
-  arrives (Kafka Streams does the same), so a caught-up consumer adds no latency.
+  waited for longer than ``wait_s`` since it became so (since its assignment was
+  checked, for a new one). A partition the client knows to have records still to fetch
+  (``pending``: its cached high watermark past its position) is waited for up to
+  ``PENDING_WAIT_S`` however short ``wait_s`` is, as Kafka Streams waits for a fetch in
+  flight. A partition at its end holds nothing back: in a live stream a record that
+  arrives later is processed when it arrives (Kafka Streams does the same), so a
+  caught-up consumer adds no latency.
 - A partition whose buffer holds ``capacity`` messages is paused (the consumer stops
   fetching it) and resumed once its buffer is down to half: what is held stays bounded
   (at most ``capacity`` messages per assigned partition, plus the client's own queue)
@@ -31,13 +35,16 @@ import heapq
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import KafkaError, Message
 
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
+
+#: Seconds a partition with records known to be still to fetch is waited for at most.
+PENDING_WAIT_S = 60.0
 
 
 def order_key(m: Message) -> tuple[int, int, int, str]:
@@ -54,15 +61,17 @@ class OrderedIntake:
         capacity: messages held per partition before it is paused (>= 1).
         wait_s: longest time, seconds, the other partitions wait for a partition that is
             behind (empty, not at its end).
+        pending: whether the client knows a partition to have records still to fetch.
         clock: a monotonic clock, seconds (``time.monotonic``).
 
     Not thread-safe: call it from the consumer's thread.
     """
 
-    def __init__(self, capacity: int, wait_s: float, clock=time.monotonic) -> None:
+    def __init__(self, capacity: int, wait_s: float, pending: Callable[[TP], bool] = lambda tp: False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, not {capacity}")
-        self.capacity, self.wait_s, self._clock = capacity, wait_s, clock
+        self.capacity, self.wait_s, self._pending, self._clock = capacity, wait_s, pending, clock
         self._held: dict[TP, deque[Message]] = {}
         self._at_end: set[TP] = set()
         self._empty_since: dict[TP, float] = {}
@@ -142,7 +151,7 @@ class OrderedIntake:
         for tp, since in self._empty_since.items():
             if tp in self._at_end or self._held[tp]:
                 continue
-            if now - since < self.wait_s:
+            if now - since < self.wait_s or (now - since < PENDING_WAIT_S and self._pending(tp)):
                 behind = True
             else:
                 self._at_end.add(tp)

@@ -392,7 +392,7 @@ class StageRuntime:
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
         # consumed messages not in a batch yet, released in order-key order (a processor that orders partitions)
-        self._intake = (OrderedIntake(settings.batch_size, settings.partition_wait_ms / 1000)
+        self._intake = (OrderedIntake(settings.batch_size, settings.partition_wait_ms / 1000, self._pending)
                         if getattr(processor, "orders_partitions", False) else None)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -545,8 +545,6 @@ class StageRuntime:
         held = {(p.topic, p.partition) for p in self.assignment}  # empty unless cooperative
         self.assignment += [p for p in partitions if (p.topic, p.partition) not in held]
         self._unchecked += [(p.topic, p.partition) for p in partitions]
-        if self._intake is not None:
-            self._intake.assigned((p.topic, p.partition) for p in partitions)
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing")
         if self.on_assignment:
             self.on_assignment(self.assignment)
@@ -584,6 +582,18 @@ class StageRuntime:
         if any(b.get("nodeid", -1) >= 0 and b.get("state") == "UP" for b in brokers.values()):
             self._broker_up_at = time.monotonic()
             self._broker_answered()
+
+    def _pending(self, tp: TP) -> bool:
+        """Whether the consumer knows ``tp`` to have records past its position (its cached
+        high watermark; no broker request)."""
+        if self.consumer is None:
+            return False
+        try:
+            position = self.consumer.position([TopicPartition(*tp)])[0].offset
+            _, high = self.consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+        except KafkaException:
+            return False
+        return position >= 0 and high > position
 
     def lag(self) -> dict[TP, int]:
         """Messages behind per assigned partition: cached high watermark minus position.
@@ -640,7 +650,32 @@ class StageRuntime:
 
     def _consume(self, timeout: float) -> Batch | None:
         """Up to ``batch_size`` messages, waiting at most ``timeout`` s, read by the
-        processor; None if none."""
+        processor; None if none. With a processor that orders partitions, the messages
+        released in order-key order (``neardup.io.intake``), consumed until the batch is
+        full or ``timeout`` has passed: a partition waited for must not cut batches short."""
+        size = self.settings.batch_size
+        if self._intake is None:
+            got = self._consume_once(timeout)
+            if got is None or not got[1]:
+                return None
+            return self.processor.read(got[1], len(got[0]) == size)
+        deadline = time.monotonic() + timeout
+        released: list[Message] = []
+        while True:
+            got = self._consume_once(max(0.0, deadline - time.monotonic()))
+            if got is None:  # a new consumer: what was consumed is read again from the committed offsets
+                return None
+            if released:  # a rebalance served in this consume: messages of partitions revoked go
+                assigned = {(p.topic, p.partition) for p in self.assignment}
+                released = [m for m in released if (m.topic(), m.partition()) in assigned]
+            released += self._in_order(got[0], got[1], size - len(released))
+            if len(released) >= size or time.monotonic() >= deadline or self._stop.is_set():
+                break
+        return self.processor.read(released, len(released) == size) if released else None
+
+    def _consume_once(self, timeout: float) -> tuple[list[Message], list[Message]] | None:
+        """One ``consume`` call: (what it returned, the messages usable); None when the
+        consumer failed and was replaced."""
         assert self.consumer is not None
         messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
         fatal_error = next((m.error() for m in messages if _consumer_fatal(m.error())), None)
@@ -659,28 +694,25 @@ class StageRuntime:
             self._unchecked = []
             if self._intake is not None:  # librdkafka keeps a partition paused across a rebalance
                 self.consumer.resume([TopicPartition(t, p) for t, p in tps])
-        full = len(messages) == self.settings.batch_size
-        usable = self._usable(messages)
-        if self._intake is not None:
-            usable, full = self._in_order(messages, usable)
-        return self.processor.read(usable, full) if usable else None
+                self._intake.assigned(tps)  # their wait starts now, their messages are taken from now
+        return messages, self._usable(messages)
 
-    def _in_order(self, consumed: list[Message], usable: list[Message]) -> tuple[list[Message], bool]:
-        """The messages of a batch in order-key order, from those held and ``usable``
+    def _in_order(self, consumed: list[Message], usable: list[Message], limit: int) -> list[Message]:
+        """Up to ``limit`` messages in order-key order, from those held and ``usable``
         (consumed now; the partition-EOF events among ``consumed`` say which partitions
-        are read to their end), and whether it is full; pauses the partitions whose held
-        messages reach the intake's capacity, resumes the others."""
+        are read to their end); pauses the partitions whose held messages reach the
+        intake's capacity, resumes the others."""
         assert self._intake is not None and self.consumer is not None
         keep = {id(m) for m in usable}
         self._intake.add(m for m in consumed if id(m) in keep
                          or (m.error() is not None and m.error().code() == KafkaError._PARTITION_EOF))
-        released = self._intake.release(self.settings.batch_size)
+        released = self._intake.release(limit)
         pause, resume = self._intake.flow()
         if pause:
             self.consumer.pause([TopicPartition(t, p) for t, p in pause])
         if resume:
             self.consumer.resume([TopicPartition(t, p) for t, p in resume])
-        return released, len(released) == self.settings.batch_size
+        return released
 
     def _usable(self, messages: list[Message]) -> list[Message]:
         out = []
