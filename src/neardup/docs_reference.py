@@ -62,7 +62,9 @@ def _value(action: argparse.Action) -> str:
     return "text"
 
 
-def _arguments(parser: argparse.ArgumentParser) -> list[str]:
+def _arguments(parser: argparse.ArgumentParser, helps: dict[str, str]) -> list[str]:
+    """Tables of a command's arguments, one per argument group; a flag without a help
+    text of its own takes that of the same flag in another command (``helps``)."""
     lines: list[str] = []
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
@@ -79,7 +81,7 @@ def _arguments(parser: argparse.ArgumentParser) -> list[str]:
                 names = f"`{action.metavar or action.dest}`" + (" ..." if action.nargs in ("+", "*") else "")
             if isinstance(action, argparse.BooleanOptionalAction):
                 names = ", ".join(f"`{s}`" for s in action.option_strings)
-            help_text = action.help or ""
+            help_text = action.help or helps.get(action.option_strings[0] if action.option_strings else "", "")
             if isinstance(action, argparse._AppendAction):
                 help_text += " (repeatable)" if "repeat" not in help_text else ""
             if getattr(action, "required", False) and action.option_strings:
@@ -95,11 +97,16 @@ def cli_page() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help or "" for c in sub._choices_actions}
+    flag_helps: dict[str, str] = {}
+    for command in sub.choices.values():
+        for action in command._actions:
+            if action.option_strings and action.help:
+                flag_helps.setdefault(action.option_strings[0], action.help)
     lines = [GENERATED.format(source="neardup.cli.build_parser"), "", "# Command-line reference", "",
              CLI_INTRO, "", "Commands: " + ", ".join(f"[`{n}`](#neardup-{n})" for n in sub.choices) + "."]
     for name, command in sub.choices.items():
         lines += ["", f"## neardup {name}", "", f"{helps[name][0].upper()}{helps[name][1:]}."]
-        lines += _arguments(command)
+        lines += _arguments(command, flag_helps)
         if command.epilog:
             lines += ["", "```text", command.epilog.strip(), "```"]
     return "\n".join(lines) + "\n"
