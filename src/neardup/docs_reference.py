@@ -41,8 +41,9 @@ the start, at 0. What to watch and alert on: [Deploying and watching](deploy.md)
 METRICS_NOTES = """\
 The state gauges are read from RocksDB at most every 5 s. In `neardup dedup` the state,
 lag and transaction metrics stay empty, and only empty texts count as dead letters
-(malformed lines go to `rejects.jsonl` without a metric). `process_resident_memory_bytes`
-is what to size a pod on."""
+(malformed lines go to `rejects.jsonl` without a metric). `neardup_documents_expired_total`
+is read from the state, so it goes on from its count after a restart.
+`process_resident_memory_bytes` is what to size a pod on."""
 
 
 def _cell(text: str) -> str:
