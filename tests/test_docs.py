@@ -5,7 +5,8 @@
   it), and exits 0 without a traceback. ``pip`` stands for the install already made from
   this checkout (installing over it would change the environment of every other test).
   A block that calls ``kafka.sh`` starts its own broker, with a broker home of its own
-  (the fetched jars linked) so that its ``kafka.sh stop`` stops that broker only.
+  (the fetched jars linked) so that its ``kafka.sh stop`` stops that broker only; a page
+  that uses ``$BOOTSTRAP`` without setting it gets the tests' broker there.
 - A ```console block is a transcript: each ``$ command`` is run, and the lines shown
   after it must appear in its output, in that order (lines may be left out).
 - A block not meant to run is marked by the line just before it,
@@ -133,9 +134,12 @@ def _in_order(shown: list[str], output: str) -> bool:
 def test_command_blocks_run_as_written(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     todo = [b for b in blocks(page) if b.lang in RUNNABLE | {"console"} and not b.no_run]
     uses_broker = any("kafka.sh" in b.text for b in todo)
-    if uses_broker:
-        request.getfixturevalue("kafka_bootstrap")  # the jars are fetched (the blocks start their own broker)
+    needs_broker = any("$BOOTSTRAP" in b.text for b in todo) and not any("BOOTSTRAP=" in b.text for b in todo)
+    if uses_broker or needs_broker:
+        bootstrap = request.getfixturevalue("kafka_bootstrap")  # and the jars are fetched
     work, env = _scratch(tmp_path)
+    if needs_broker:
+        env["BOOTSTRAP"] = bootstrap
     outputs: dict[Block, str] = {}
     try:
         for block in todo:
