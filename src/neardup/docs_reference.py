@@ -196,6 +196,8 @@ PAGES = {"cli.md": cli_page, "metrics.md": metrics_page}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the pages (or, with ``--check``, compare them); return the exit status: 0, or
+    1 when ``--check`` found a page missing or different (named on stderr)."""
     parser = argparse.ArgumentParser(prog="python -m neardup.docs_reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs-dir", type=Path, default=Path("docs"), help="where the pages go (default ./docs)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
