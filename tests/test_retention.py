@@ -319,3 +319,24 @@ def test_dedup_with_a_time_window_by_timestamp_field(tmp_path: Path) -> None:
         "neardup: error: not a duration: '3 parsecs' (e.g. 72h, 7d, 30m, 3600)"]
     bad = _cli("dedup", "in.jsonl", "--out-dir", "out2", "--retention-documents", "0", cwd=tmp_path)
     assert bad.returncode == 2 and "--retention-documents" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dedup_resumes_on_a_state_whose_documents_expired(tmp_path: Path) -> None:
+    """A second `dedup` on a state dir from which the count window removed documents starts
+    (the ids of the expired documents are no longer known, and not needed), and a rerun
+    over the same file adds nothing."""
+    rows = [{"id": f"d{i}", "text": f"story number {i} " + " ".join(f"w{i}x{j}" for j in range(20))}
+            for i in range(6)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "more.jsonl").write_text(json.dumps({"id": "d0", "text": rows[0]["text"]}) + "\n")
+    first = _cli("dedup", "in.jsonl", "--state-dir", "st", "--out-dir", "out", "--retention-documents", "2",
+                 "--no-pipeline", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = _cli("dedup", "in.jsonl", "--state-dir", "st", "--out-dir", "out", "--no-pipeline", cwd=tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert len((tmp_path / "out" / "unique.jsonl").read_text().splitlines()) == 6
+    more = _cli("dedup", "more.jsonl", "--state-dir", "st", "--out-dir", "out", "--no-pipeline", cwd=tmp_path)
+    assert more.returncode == 0 and "Traceback" not in more.stderr, more.stderr
+    # d0 expired: its copy is unique again, and keeps its id (the expired one's is forgotten)
+    unique = [json.loads(line)["id"] for line in (tmp_path / "out" / "unique.jsonl").read_text().splitlines()]
+    assert unique == [f"d{i}" for i in range(6)] + ["d0"]

@@ -117,7 +117,9 @@ class DistinctIds:
     that every record can be told apart in the outputs' ``cluster`` and ``match``.
 
     Ids are remembered as 64-bit XXH3 hashes; the state's ids are read once when a run
-    starts, so a resumed run names documents as an uninterrupted one would.
+    starts, so a resumed run names documents as an uninterrupted one would, save for the
+    ids of documents that expired from a retention window: the state no longer holds them,
+    so a later document with such an id keeps it.
     """
 
     warnings = 5  # the first renames are logged one by one, the rest counted
@@ -126,7 +128,7 @@ class DistinctIds:
         self._seen: set[int] = set()
         n = store.next_seq()
         for first in range(0, n, chunk):
-            self._seen.update(_hash64(i) for i in store.get_ids(range(first, min(n, first + chunk))))
+            self._seen.update(_hash64(i) for i in store.stored_ids(range(first, min(n, first + chunk))))
         self.renamed = 0
 
     def __call__(self, line: Line, source: str) -> Line:

@@ -255,6 +255,12 @@ class KeyValueStateStore(ChangelogMixin):
     def get_ids(self, seqs: Sequence[int]) -> list[str]:
         return [doc_id for _, doc_id in self._documents(seqs)]
 
+    def stored_ids(self, seqs: Sequence[int]) -> list[str]:
+        """The ids of those of ``seqs`` whose documents are stored (the others expired
+        from the retention window, or never were)."""
+        raws = self._get_many("documents", codec.seq_keys(list(seqs)))
+        return [codec.decode_document(raw)[1] for raw in raws if raw is not None]
+
     def get_sizes(self, seqs: Sequence[int]) -> np.ndarray:
         return np.array([size for size, _ in self._documents(seqs)], dtype=np.int64)
 
