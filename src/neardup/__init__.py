@@ -11,6 +11,13 @@ from neardup import kernel_cache as _kernel_cache
 
 _kernel_cache.choose()  # before any compiled kernel is defined: numba needs a writable cache
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names the lazy ``__getattr__`` below gives, for type checkers
+    from neardup.api import Deduplicator
+    from neardup.core.types import Rejected, Verdict
+    from neardup.query import Neighbour
+
 __all__ = ["Deduplicator", "Neighbour", "Rejected", "Verdict", "__version__"]
 
 _API = {"Deduplicator": "neardup.api", "Neighbour": "neardup.query", "Rejected": "neardup.core.types",

@@ -70,7 +70,8 @@ def _clusters(store: KeyValueStateStore, seqs: np.ndarray) -> np.ndarray:
         if np.array_equal(up, at):
             break
         at = up
-    return reach[canonical[at]].astype(np.int64)
+    roots: np.ndarray = reach[canonical[at]].astype(np.int64)
+    return roots
 
 
 def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence[str],

@@ -123,7 +123,7 @@ class KeyValueStateStore(ChangelogMixin):
         raw = self._get("default", codec.SETTINGS_KEY)
         if raw is None and requested is None:
             self.close()
-            raise StateError(f"{getattr(self, 'path', 'the store')} is not a neardup state directory "
+            raise StateError(f"state directory {getattr(self, 'path', '')} is not a neardup state directory "
                              "(no settings stored)")
         if requested is None:
             requested = codec.decode_settings(raw)

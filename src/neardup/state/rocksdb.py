@@ -177,9 +177,9 @@ class RocksDBStateStore(KeyValueStateStore):
             self._db = Rdict(str(self.path), _options(cache), column_families=families,
                              access_type=AccessType.read_only())
         except Exception as exc:  # rocksdict raises plain Exception
-            if "Invalid column family" in str(exc) or "Column family not found" in str(exc):
+            if str(exc).startswith("Invalid argument"):  # another comparator, no such families
                 raise StateError(f"state directory {self.path} is not a neardup state directory "
-                                 f"(a RocksDB database without its column families)") from exc
+                                 f"(a RocksDB database neardup did not write: {exc})") from exc
             raise _open_error(self.path, exc) from exc
         self._families = {"default": self._db}
         self._handles = {"default": self._db.get_column_family_handle("default")}
