@@ -301,7 +301,7 @@ class Deduplicator:
                 raise DocumentTypeError(f"query text {i}: must be a str, not {type(text).__name__}")
         with self._lock:
             self._check_open()
-            return nearest(self._store, self._engine, texts, k)
+            return nearest(self._store, self._engine, texts, k, self._detector.prepare)
 
     def close(self) -> None:
         """Close the state (a state directory's files are then complete); calling it

@@ -75,7 +75,7 @@ def _clusters(store: KeyValueStateStore, seqs: np.ndarray) -> np.ndarray:
 
 
 def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence[str],
-            k: int = 5) -> list[list[Neighbour]]:
+            k: int = 5, prepare: Preparer | None = None) -> list[list[Neighbour]]:
     """The ``k`` stored documents most similar to each text, most similar first (the
     earliest first among equals); an empty list for a text with no candidate or no
     shingle. Reads ``store`` only.
@@ -88,6 +88,8 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
         k: neighbours per text, at least 1. At most ``max(k, settings.max_candidates +
             settings.extra_candidates)`` candidates are verified per text, those sharing
             the most buckets first.
+        prepare: ``Preparer(settings)``, kept by a caller that queries often (building
+            one costs about 10 ms: the hash functions' constants).
 
     Returns:
         One list of at most ``k`` ``Neighbour`` per text, in the order of ``texts``.
@@ -100,7 +102,7 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
     out: list[list[Neighbour]] = [[] for _ in texts]
     if not texts:
         return out
-    p = Preparer(settings).texts(list(texts))
+    p = (prepare if prepare is not None else Preparer(settings)).texts(list(texts))
     n = len(p.valid)
     if not n or not store.next_seq():
         return out
