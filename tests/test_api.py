@@ -256,3 +256,15 @@ def test_the_python_api_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, str(DOCS), "exec"), namespace)  # noqa: S102 - the page's own code
+
+
+def test_query_finds_the_copies_behind_a_story() -> None:
+    # w2 is a duplicate of w1: with duplicate_buckets="new" it joins w1's copy bucket, not
+    # the band buckets w1 holds, and a query reaches it through w1 as the detector does
+    story = "Wheat exports from Canada rose 12 pct in the week to March 20, the grain board said on Friday."
+    with Deduplicator() as index:
+        index.add("w1", story)
+        assert index.add("w2", story + " Reuter").verdict == "duplicate"  # type: ignore[union-attr]
+        found = index.query("CORRECTED - " + story, k=3)
+    assert [(n.id, n.cluster) for n in found] == [("w1", "w1"), ("w2", "w1")]
+    assert found[0].similarity > found[1].similarity > 0.8

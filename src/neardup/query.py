@@ -5,7 +5,7 @@ the text is prepared as the detector prepares a document (normalised, shingled,
 MinHashed, cut into LSH band buckets, ``neardup.detector.Preparer``), its candidates
 are the stored members of its buckets ranked by the buckets they share
 (``neardup.core.candidates.batch_candidates``, the detector's first pass, with no
-bucket joins), and each candidate's similarity is computed from the stored shingle
+bucket joins) and the copies stored behind them (their copy buckets), and each candidate's similarity is computed from the stored shingle
 fingerprints as the detector verifies it (``neardup.core.cluster.pair_similarities``:
 exact with ``verify="exact"``, estimated from bottom-k samples with ``"estimate"``).
 Nothing is written: the store is only read (Leskovec, Rajaraman, Ullman, *Mining of
@@ -24,6 +24,7 @@ import numpy as np
 
 from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import Sets, pair_similarities
+from neardup.core.lsh import copy_bucket_ids
 from neardup.core.settings import EngineSettings
 from neardup.detector import Preparer, measure_code
 from neardup.state.kv import KeyValueStateStore
@@ -74,6 +75,32 @@ def _clusters(store: KeyValueStateStore, seqs: np.ndarray) -> np.ndarray:
     return roots
 
 
+def _with_copies(store: KeyValueStateStore, bounds: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (``bounds``, ``seqs`` as ``Candidates`` holds them) and the members
+    of their copy buckets: a duplicate stored with ``duplicate_buckets="new"`` joins no
+    band bucket that holds its match, only its match's copy bucket
+    (``neardup.core.decide.CopyBuckets``), where the detector finds it too. Each text's
+    seqs come out distinct and ascending."""
+    if not len(seqs):
+        return bounds, seqs
+    keys = copy_bucket_ids(seqs)
+    copies = store.bucket_members(np.unique(keys))
+    if not len(copies.seqs):
+        return bounds, seqs
+    at = np.searchsorted(np.unique(keys), keys)
+    starts = np.zeros(len(copies.counts), dtype=np.int64)
+    np.cumsum(copies.counts[:-1], out=starts[1:])
+    out_bounds = [0]
+    out: list[np.ndarray] = []
+    for i in range(len(bounds) - 1):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        parts = [seqs[lo:hi]] + [copies.seqs[starts[b]:starts[b] + copies.counts[b]] for b in at[lo:hi].tolist()]
+        mine = np.unique(np.concatenate(parts).astype(np.uint64))
+        out.append(mine)
+        out_bounds.append(out_bounds[-1] + len(mine))
+    return np.array(out_bounds, dtype=np.int64), np.concatenate(out)
+
+
 def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence[str],
             k: int = 5, prepare: Preparer | None = None) -> list[list[Neighbour]]:
     """The ``k`` stored documents most similar to each text, most similar first (the
@@ -115,7 +142,7 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
     # max_bucket_size 0: the texts join no bucket, so they do not meet one another
     found = batch_candidates(entries, bands, starts, members.counts, members.seqs, 0,
                              store.next_seq(), limit)
-    bounds, seqs = found.bounds, found.seqs
+    bounds, seqs = _with_copies(store, found.bounds, found.seqs)
     stored = np.unique(seqs)
     if not len(stored):
         return out
