@@ -268,3 +268,16 @@ def test_query_finds_the_copies_behind_a_story() -> None:
         found = index.query("CORRECTED - " + story, k=3)
     assert [(n.id, n.cluster) for n in found] == [("w1", "w1"), ("w2", "w1")]
     assert found[0].similarity > found[1].similarity > 0.8
+
+
+def test_a_read_only_index_opens_beside_the_writer(tmp_path: Path) -> None:
+    text = "the quick brown fox jumps over the lazy dog by the river bank"
+    with Deduplicator(tmp_path / "state") as writer:
+        writer.add("a", text)
+        with pytest.raises(StateError):  # a second writer: RocksDB's lock
+            Deduplicator(tmp_path / "state")
+        with Deduplicator(tmp_path / "state", read_only=True) as reader:
+            assert len(reader) == 1 and [n.id for n in reader.query(text)] == ["a"]
+        writer.add("b", "an entirely different story about grain exports from canada this week")
+        with Deduplicator(tmp_path / "state", read_only=True) as reader:  # sees what was committed
+            assert len(reader) == 2
