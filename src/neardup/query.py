@@ -87,18 +87,22 @@ def _with_copies(store: KeyValueStateStore, bounds: np.ndarray, seqs: np.ndarray
     copies = store.bucket_members(np.unique(keys))
     if not len(copies.seqs):
         return bounds, seqs
-    at = np.searchsorted(np.unique(keys), keys)
+    bucket = np.searchsorted(np.unique(keys), keys)
     starts = np.zeros(len(copies.counts), dtype=np.int64)
     np.cumsum(copies.counts[:-1], out=starts[1:])
-    out_bounds = [0]
-    out: list[np.ndarray] = []
-    for i in range(len(bounds) - 1):
-        lo, hi = int(bounds[i]), int(bounds[i + 1])
-        parts = [seqs[lo:hi]] + [copies.seqs[starts[b]:starts[b] + copies.counts[b]] for b in at[lo:hi].tolist()]
-        mine = np.unique(np.concatenate(parts).astype(np.uint64))
-        out.append(mine)
-        out_bounds.append(out_bounds[-1] + len(mine))
-    return np.array(out_bounds, dtype=np.int64), np.concatenate(out)
+    n = len(bounds) - 1
+    owner = np.repeat(np.arange(n), np.diff(bounds))
+    per_pair = copies.counts[bucket]
+    first = np.cumsum(per_pair) - per_pair  # each pair's first copy in the expansion
+    at = np.arange(int(per_pair.sum())) - np.repeat(first, per_pair) + np.repeat(starts[bucket], per_pair)
+    owners = np.concatenate([owner, np.repeat(owner, per_pair)])
+    all_seqs = np.concatenate([seqs.astype(np.uint64), copies.seqs[at].astype(np.uint64)])
+    order = np.lexsort((all_seqs, owners))
+    owners, all_seqs = owners[order], all_seqs[order]
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = (owners[1:] != owners[:-1]) | (all_seqs[1:] != all_seqs[:-1])
+    owners, all_seqs = owners[keep], all_seqs[keep]
+    return np.searchsorted(owners, np.arange(n + 1)).astype(np.int64), all_seqs
 
 
 def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence[str],
