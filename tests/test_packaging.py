@@ -1,5 +1,5 @@
 """The package as an index would receive it: an SPDX license expression with its file,
-classifiers, no deprecated metadata."""
+classifiers, no deprecated metadata, the ``py.typed`` marker."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def test_the_wheel_carries_an_spdx_license_and_its_text(tmp_path: Path) -> None:
         info = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = z.read(info).decode()
         license_text = z.read(next(n for n in z.namelist() if n.endswith("licenses/LICENSE"))).decode()
+        assert "neardup/py.typed" in z.namelist()  # PEP 561: type checkers read the package's hints
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert "License-File: LICENSE" in metadata.splitlines()
     assert not [line for line in metadata.splitlines() if line.startswith("Classifier: License ::")]

@@ -1,7 +1,8 @@
 """The ``neardup`` command: parsing and wiring only.
 
 Subcommands: ``dedup`` (JSONL files, the embedded mode), ``run`` (the Kafka consumer),
-``produce`` (replay JSONL into a topic), ``params`` (the LSH banding for a threshold).
+``query`` (the nearest stored documents of texts, read-only), ``produce`` (replay JSONL
+into a topic), ``params`` (the LSH banding for a threshold).
 """
 
 from __future__ import annotations
@@ -206,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     _record_flags(ev)
     _common_flags(ev)
 
+    query = sub.add_parser("query", help="print the stored documents nearest to texts, without changing the state",
+                           epilog="Prints one JSON line per text: {\"query\": N, \"nearest\": [{\"id\", \"similarity\", "
+                                  "\"jaccard\", \"containment\", \"cluster\"}, ...]}, most similar first. The engine "
+                                  "settings are the state's own; the state is opened read-only (beside a running "
+                                  "neardup run or dedup, it sees what they had committed). Exit status 2 when the "
+                                  "state directory is missing or not a neardup state.")
+    query.add_argument("texts", nargs="*", metavar="TEXT", help="texts to look up (default: --file, else stdin)")
+    query.add_argument("--state-dir", type=Path, required=True, help="the state directory of neardup dedup or run")
+    query.add_argument("--file", type=Path, action="append", help="read a text from this file (- for stdin); repeatable")
+    query.add_argument("--lines", action="store_true", help="each line of --file or stdin is a text (default: the whole file is one)")
+    query.add_argument("-k", "--top", type=int, default=5, help="neighbours per text (default 5)")
+    query.add_argument("--measure", choices=["jaccard", "containment"], help=f"the similarity reported and ranked by ({_d('measure')})")
+    query.add_argument("--containment-direction", choices=["new-in-earlier", "earlier-in-new", "both"], help=f"with --measure containment ({_d('containment_direction')})")
+
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
     for flag, kind in (("--threshold", float), ("--num-perm", int), ("--bands", int), ("--rows", int),
                        ("--candidate-threshold", float), ("--containment-ratio", float)):
@@ -213,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--measure", choices=["jaccard", "containment"], default=default("measure"))
     params.add_argument("--verify", choices=["exact", "estimate"], default=default("verify"))
     params.add_argument("--json", action="store_true", help="print JSON")
+    query.formatter_class = argparse.RawDescriptionHelpFormatter
+    query.epilog = "\n".join(textwrap.wrap(query.epilog, 88))
     for command in (dedup, run, stage, ev):
         command.formatter_class = argparse.RawDescriptionHelpFormatter
         own = "\n".join(textwrap.wrap(command.epilog, 88)) + "\n\n" if command.epilog else ""
@@ -505,6 +522,35 @@ def cmd_produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _query_texts(args: argparse.Namespace) -> list[str]:
+    """The texts of ``neardup query``: the arguments, then each ``--file``; stdin when
+    neither is given."""
+    texts = list(args.texts)
+    sources = list(args.file or [])
+    if not texts and not sources:
+        sources = [Path("-")]
+    for source in sources:
+        if str(source) == "-":
+            content = sys.stdin.read()
+        else:
+            content = source.read_text(encoding="utf-8")
+        texts += [line for line in content.splitlines() if line.strip()] if args.lines else [content]
+    return texts
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    from neardup.api import Deduplicator
+
+    if args.top < 1:
+        raise ValueError(f"--top must be at least 1, not {args.top}")
+    texts = _query_texts(args)  # before the state opens: reading stdin may take a while
+    options = {"measure": args.measure, "containment_direction": args.containment_direction}
+    with Deduplicator(args.state_dir, read_only=True, **{k: v for k, v in options.items() if v}) as index:
+        for n, neighbours in enumerate(index.query_many(texts, args.top)):
+            sys.stdout.write(json.dumps({"query": n, "nearest": [x.to_dict() for x in neighbours]}) + "\n")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace, settings: Settings, engine: EngineSettings) -> int:
     try:
         from neardup.evaluate import evaluate, render
@@ -561,6 +607,9 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return cmd_params(args)
         if args.command == "produce":
             return cmd_produce(args)
+        if args.command == "query":
+            _setup_logging(Settings())
+            return cmd_query(args)
         settings = _settings(args)
         engine = settings.engine()  # built once; validated before anything starts
         retention_changes(settings)

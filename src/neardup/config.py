@@ -320,6 +320,23 @@ def read_toml(path: Path) -> dict[str, Any]:
     return table
 
 
+def library_settings(options: Mapping[str, Any], toml_file: Path | None = None) -> Settings:
+    """Settings for the Python API (``neardup.api``): ``options`` (keyword arguments,
+    None values ignored) win over ``toml_file``, which wins over the defaults. The
+    ``NEARDUP_*`` variables are not read: a program's settings do not change with the
+    environment it runs in.
+
+    Raises:
+        FileNotFoundError: ``toml_file`` does not exist.
+        pydantic.ValidationError: a value is invalid, or a name is no setting.
+        ValueError: the TOML file has an unknown key or an invalid value.
+    """
+    if toml_file is not None and not Path(toml_file).is_file():
+        raise FileNotFoundError(f"config file not found: {toml_file}")
+    table = read_toml(Path(toml_file)) if toml_file is not None else None
+    return _sourced(environment=False, table=table)(**{k: v for k, v in options.items() if v is not None})
+
+
 def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:
     """Settings from ``overrides`` (flags; None values ignored), the environment and
     ``toml_file``. A ``kafka`` override is merged into the lower sources' table.

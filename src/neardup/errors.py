@@ -23,6 +23,24 @@ if TYPE_CHECKING:
     from neardup.config import Settings
 
 
+class DuplicateIdError(ValueError):
+    """A document id that the index already holds, or that one call gives twice
+    (``neardup.api.Deduplicator.add``): ids name documents in verdicts and must be
+    distinct."""
+
+
+class DocumentTypeError(TypeError):
+    """A document's id or text that is not a ``str``, or a time that is not a number."""
+
+
+class ClosedError(ValueError):
+    """An operation on a closed ``neardup.api.Deduplicator`` (as on a closed file)."""
+
+
+class ReadOnlyError(ValueError):
+    """A document added to a ``neardup.api.Deduplicator`` opened read-only."""
+
+
 def _flag(field: str) -> str:
     return f"--{field.replace('_', '-')}"
 

@@ -94,19 +94,22 @@ class KeyValueStateStore(ChangelogMixin):
     def _get(self, family: str, key: bytes) -> bytes | None:
         return self._get_many(family, [key])[0]
 
-    def _open_settings(self, requested: dict[str, Any], set_cache_bytes: int = 0,
+    def _open_settings(self, requested: dict[str, Any] | None, set_cache_bytes: int = 0,
                        retention: Retention | Mapping[str, Any] | None = None) -> None:
         """Store or check the settings, then load the counters and the bucket index, and
         start an empty set cache of ``set_cache_bytes`` (``neardup.state.setcache``).
         ``retention`` replaces the stored retention window (a mapping changes only the
-        bounds it names; None keeps it); a shorter one expires documents at once. A store
+        bounds it names; None keeps it); a shorter one expires documents at once.
+        ``requested`` None takes the stored settings (a store that has none raises
+        ``StateError``: it holds no neardup state). A store
         whose restore was interrupted (``restoring()``) is left unloaded: it takes no
         commit until ``wipe``, ``apply`` and ``finish_restore``.
 
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
         """
-        self._requested = ({**requested, "layout": codec.LAYOUT}, set_cache_bytes, retention)
+        self._requested = (None if requested is None else {**requested, "layout": codec.LAYOUT},
+                           set_cache_bytes, retention)
         self._unconfirmed: set[bytes] = set()
         self._ready = not self.restoring()
         if self._ready:
@@ -118,6 +121,15 @@ class KeyValueStateStore(ChangelogMixin):
         raw = self._get("default", codec.UNCONFIRMED_KEY)
         self._unconfirmed = codec.decode_key_set(raw) if raw else set()
         raw = self._get("default", codec.SETTINGS_KEY)
+        if raw is None and requested is None:
+            self.close()
+            raise StateError(f"state directory {getattr(self, 'path', '')} is not a neardup state directory "
+                             "(no settings stored)")
+        if requested is None:
+            requested = codec.decode_settings(raw)
+            if requested.get("layout") != codec.LAYOUT:
+                self.close()
+                raise SettingsMismatchError({"layout": (requested.get("layout"), codec.LAYOUT)})
         if raw is None:
             # next_seq stays absent (0): replayed after a restored state, a fresh store's
             # records must not reset it

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, BlockBasedOptions, Cache, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from neardup.core.retention import Retention
 from neardup.state import codec
@@ -114,26 +114,38 @@ class RocksDBStateStore(KeyValueStateStore):
             its process (a temporary directory): a crash then loses the writes not yet
             flushed to SST files, and each write is cheaper (about 3% of ``neardup
             dedup``'s time without ``--state-dir``).
+        read_only: open RocksDB read-only (no ``LOCK`` taken, so beside a running
+            writer; it sees the writes made before the open): the directory must hold
+            a neardup state, nothing is created and any write raises ``StateError``.
+            ``settings`` None then takes the stored settings (``self.settings``).
 
     Raises:
         SettingsMismatchError: the directory holds state built with other settings.
         StateLockedError: another process (or store) holds the directory's LOCK.
         StateCorruptedError: RocksDB reports the files as corrupted.
         StateError: the directory cannot be created or opened otherwise (read-only file
-            system); later, a write fails (full disk).
+            system); later, a write fails (full disk); with ``read_only``, the directory
+            is missing or holds no neardup state, or a write was attempted.
     """
 
-    def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any],
+    def __init__(self, path: str | os.PathLike[str], settings: dict[str, Any] | None,
                  set_cache_bytes: int = SET_CACHE_BYTES, retention: Retention | Mapping[str, Any] | None = None,
-                 log: Callable[[list[Record]], None] | None = None, wal: bool = True) -> None:
+                 log: Callable[[list[Record]], None] | None = None, wal: bool = True,
+                 read_only: bool = False) -> None:
         self.path = Path(path)
         self.log = log
+        self.read_only = read_only
+        if settings is None and not read_only:
+            raise ValueError("settings are required unless the store is opened read-only")
         self._write_options = WriteOptions()
         self._write_options.disable_wal = not wal
         self._open_db()
         self._open_settings(settings, set_cache_bytes, retention)
 
     def _open_db(self) -> None:
+        if self.read_only:
+            self._open_read_only()
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -145,6 +157,29 @@ class RocksDBStateStore(KeyValueStateStore):
         try:
             self._db = Rdict(str(self.path), _options(cache), column_families=families)
         except Exception as exc:  # rocksdict raises plain Exception
+            raise _open_error(self.path, exc) from exc
+        self._families = {"default": self._db}
+        self._handles = {"default": self._db.get_column_family_handle("default")}
+        for name in codec.FAMILIES:
+            self._families[name] = self._db.get_column_family(name)
+            self._handles[name] = self._db.get_column_family_handle(name)
+        self._closed = False
+
+    def _open_read_only(self) -> None:
+        """Open an existing state read-only (``read_only``): no directory, LOCK or file
+        is created."""
+        if not (self.path / "CURRENT").is_file():
+            what = "does not exist" if not self.path.exists() else "is not a neardup state directory (no RocksDB files)"
+            raise StateError(f"state directory {self.path} {what}")
+        cache = Cache(BLOCK_CACHE_BYTES)
+        families = {name: _options(cache, compress=name not in INCOMPRESSIBLE) for name in codec.FAMILIES}
+        try:
+            self._db = Rdict(str(self.path), _options(cache), column_families=families,
+                             access_type=AccessType.read_only())
+        except Exception as exc:  # rocksdict raises plain Exception
+            if str(exc).startswith("Invalid argument"):  # another comparator, no such families
+                raise StateError(f"state directory {self.path} is not a neardup state directory "
+                                 f"(a RocksDB database neardup did not write: {exc})") from exc
             raise _open_error(self.path, exc) from exc
         self._families = {"default": self._db}
         self._handles = {"default": self._db.get_column_family_handle("default")}
@@ -187,6 +222,8 @@ class RocksDBStateStore(KeyValueStateStore):
             raise StateError(f"cannot wipe the state store {self.path}: {exc}") from exc
 
     def _write_batch(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+        if self.read_only:
+            raise StateError(f"the state store {self.path} is open read-only")
         batch = WriteBatch(raw_mode=True)
         for family, (begin, end) in (ranges or {}).items():
             batch.delete_range(begin, end, self._handles[family])
