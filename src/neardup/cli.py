@@ -89,6 +89,7 @@ def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
     g = p.add_argument_group("retention (stored with the state; given again, it changes: shorter expires at once, longer cannot bring back what expired)")
     g.add_argument("--retention", metavar="DURATION", help="documents older than this stop being candidates, e.g. 72h, 7d, 30m (run: by Kafka record timestamp; dedup: by --timestamp-field, else arrival); none removes it (default: keep everything)")
     g.add_argument("--retention-documents", metavar="N", help="only the N most recent documents are candidates; none removes it (default: keep everything)")
+    g.add_argument("--future-tolerance", metavar="DURATION", help="a record time later than now plus this is taken as now (counted, logged): one record stamped in the future cannot expire the window early; 0 allows none (default 1h)")
     if timestamp_field:
         g.add_argument("--timestamp-field", help="JSON field holding a record's time, ISO 8601 or epoch seconds (default: the time a line is read)")
 

@@ -120,6 +120,7 @@ class BatchStats:
     duplicate: int = 0
     dead_letter: dict[str, int] = field(default_factory=dict)
     value_left_out: int = 0  # dead letters without the message's value (a topic too small)
+    future_times: int = 0  # timestamps beyond now + --future-tolerance, taken as now
     verdicts: list[Verdict] = field(default_factory=list)
     timestamps_ms: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -445,6 +446,7 @@ class DedupProcessor:
         stats.replayed = len(replays)
 
         result = self.detector.detect(batch.documents, prepared=batch.prepared)
+        stats.future_times = result.future_times
         for it, res in zip(batch.fresh, result.results):
             m = it.message
             if isinstance(res, Rejected):
