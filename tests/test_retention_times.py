@@ -66,3 +66,36 @@ def test_the_tolerance_is_a_setting() -> None:
     assert Settings(future_tolerance="0").engine().future_tolerance_s == 0.0
     with pytest.raises(ValueError, match="--future-tolerance"):
         Settings(future_tolerance="soon").engine()
+
+
+def _held_back(path: Path, ahead: float) -> tuple[int, int]:
+    """Documents one a second (times 1000 + k s, a 100 s window, batches of 50), document
+    200 stamped ``ahead`` seconds later than its neighbours: the most documents that had
+    expired but were still in the store after a commit, and the store's first document
+    (its base) at the end."""
+    settings = EngineSettings()
+    worst = 0
+    with RocksDBStateStore(path, settings.state_shape(), retention=Retention(seconds=100.0)) as store:
+        detector = Detector(settings, store)
+        docs = [Document(f"s{k}", _story(k), 1000.0 + k + (ahead if k == 200 else 0.0)) for k in range(1000)]
+        for start in range(0, len(docs), 50):
+            store.commit(detector.detect(docs[start:start + 50]).update)
+            stats = store.stats()
+            worst = max(worst, stats["documents_expired"] - stats["expired_removed"])
+        base = store.stats()["expired_removed"]
+    return worst, base
+
+
+def test_a_document_held_long_holds_back_removal_by_its_lead_at_most(tmp_path: Path) -> None:
+    """The bound of the documented limit: expired documents are removed from the front of
+    the arrival order, so one held longer than its neighbours (its time ``ahead`` of
+    theirs) keeps those after it in the store (not as candidates) until it expires in
+    turn: about ``ahead`` seconds of documents more, never more. Its lead is at most
+    --future-tolerance when the times follow the wall clock (a later one is taken as
+    now)."""
+    plain, plain_base = _held_back(tmp_path / "plain", 0.0)
+    held, held_base = _held_back(tmp_path / "held", 300.0)
+    step = 100 // 8 + 50  # removal waits for an eighth of the window; a batch's documents
+    assert plain <= step
+    assert 300 - step <= held - plain <= 300 + step  # its lead of 300 s: about 300 documents more
+    assert held_base == plain_base > 200  # and once it has expired, all of them go
