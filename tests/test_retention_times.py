@@ -63,7 +63,7 @@ def test_a_time_within_the_tolerance_is_kept() -> None:
 def test_the_tolerance_is_a_setting() -> None:
     assert Settings().engine().future_tolerance_s == 3600.0
     assert Settings(future_tolerance="15m").engine().future_tolerance_s == 900.0
-    assert Settings(future_tolerance="0").engine().future_tolerance_s == 0.0
+    assert Settings(future_tolerance="0").engine().future_tolerance_s == Settings(future_tolerance="0m").engine().future_tolerance_s == 0.0
     with pytest.raises(ValueError, match="--future-tolerance"):
         Settings(future_tolerance="soon").engine()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -199,7 +200,7 @@ def _tolerance(text: str) -> float:
     Raises:
         ValueError: not a duration.
     """
-    if str(text).strip() in ("0", "0s"):
+    if re.fullmatch(r"\s*0+(\.0*)?\s*(ms|s|m|h|d|w)?\s*", str(text)):
         return 0.0
     try:
         return parse_duration(text)
