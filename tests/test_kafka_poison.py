@@ -22,7 +22,7 @@ from kafka_util import committed_offset, create_topic, excerpt, produce, read_al
 from test_messages import POISON
 
 from neardup.config import load_settings
-from neardup.io.limits import TopicLimits
+from neardup.io.limits import HEADERS_ALLOWANCE, TopicLimits
 
 JSON = {"text_field": ["text"], "id_field": "id"}
 #: max.message.bytes of the input topics here: 10 MiB, ten times the broker's default.
@@ -75,11 +75,10 @@ def test_poison_values_land_once_between_good_messages(kafka_bootstrap, tmp_path
             reason = o.headers["neardup-error"].decode()
             assert {"invalid_json": "invalid JSON: ", "missing_field": ", not a"}[kind] in reason, (name, reason)
     assert all(by_key[key].topic != f"{topic}.dlq" for key, _ in good)
-    # the 2 MB value exceeds the dead-letter topic's max.message.bytes (the broker's
-    # default): its dead letter has no value, and says so
+    # the 2 MB value: the dead-letter topic neardup created takes what the 10 MiB input
+    # takes, so its dead letter carries it
     deep = by_key[b"deeper-than-orjson-allows"]
-    assert deep.value is None and deep.headers["neardup-value-bytes"] == b"2000000"
-    assert "value (2000000 bytes) left out to fit max.message.bytes 1048588 of topic" in deep.headers["neardup-error"].decode()
+    assert deep.value == POISON["deeper-than-orjson-allows"][0] and "neardup-value-bytes" not in deep.headers
 
 
 WORDS = [f"w{i}" for i in range(100_000)]
@@ -101,30 +100,33 @@ def _read_limit(bootstrap: str, topic: str) -> int:
     return int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
 
 
-@pytest.mark.parametrize("dlq_max", [None, INPUT_MAX_BYTES], ids=["dlq-default", "dlq-10MiB"])
-def test_records_too_large_for_their_topic_are_dead_lettered(dlq_max, kafka_bootstrap, tmp_path):
+@pytest.mark.parametrize("outputs_max", [None, 1_048_588], ids=["created-by-neardup", "existing-1MiB"])
+def test_records_too_large_for_their_topic_are_dead_lettered(outputs_max, kafka_bootstrap, tmp_path):
     """Values of 1,000,100 bytes (processed: the producer's own limit no longer
-    interferes), 1,048,576 (processed, but its record exceeds the output topic's
-    max.message.bytes), 1,048,577 and 5 MiB (over --max-message-bytes) between good
-    messages: each lands once, no batch is aborted; a dead letter carries the value
-    only if the dead-letter topic (as configured on the broker) takes it."""
+    interferes), 1,048,576 (processed; its record exceeds the output topic's
+    max.message.bytes only when that topic exists beforehand with the broker's 1 MiB
+    default), 1,048,577 and 5 MiB (over --max-message-bytes) between good messages: each
+    lands once, no batch is aborted; a dead letter carries the value, unless the
+    dead-letter topic existed beforehand with a limit too small for it."""
     topic = _input_topic(kafka_bootstrap, "big")
-    if dlq_max:
-        create_topic(kafka_bootstrap, f"{topic}.dlq", {"max.message.bytes": str(dlq_max)})
+    if outputs_max:
+        for suffix in ("unique", "duplicates", "dlq"):
+            create_topic(kafka_bootstrap, f"{topic}.{suffix}", {"max.message.bytes": str(outputs_max)})
     sizes = {"v1000100": 1_000_100, "v1048576": 1 << 20, "v1048577": (1 << 20) + 1, "v5MiB": 5 << 20}
     good = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in excerpt(len(sizes) + 1)]
     messages = [good[0]]
     for i, ((name, size), next_good) in enumerate(zip(sizes.items(), good[1:])):
         messages += [(name.encode(), _json_of_size(name, size, i)), next_good]
     produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
-    settings = _settings(kafka_bootstrap, topic, f"g-big-{dlq_max}", batch_size=3)
+    settings = _settings(kafka_bootstrap, topic, f"g-big-{outputs_max}", batch_size=3)
     batches = []
     _, aborts = run_until_committed(settings, tmp_path / "state", len(messages),
                                     on_batch=lambda dedup, stats: batches.append(stats))
     assert aborts == []
     # each message counted once, by its verdict or as a dead letter
-    assert sum(len(b.verdicts) for b in batches) == len(messages) - 3
-    assert sum((Counter(b.dead_letter) for b in batches), Counter()) == {"too_large": 2, "output_too_large": 1}
+    dead = {"too_large": 2, "output_too_large": 1} if outputs_max else {"too_large": 2}
+    assert sum(len(b.verdicts) for b in batches) == len(messages) - sum(dead.values())
+    assert sum((Counter(b.dead_letter) for b in batches), Counter()) == dead
 
     outs = _outputs(kafka_bootstrap, topic, len(messages))
     key_offsets = {key: offset for offset, (key, _) in enumerate(messages)}
@@ -134,8 +136,13 @@ def test_records_too_large_for_their_topic_are_dead_lettered(dlq_max, kafka_boot
     assert by_key[b"v1000100"].topic != f"{topic}.dlq"
     assert by_key[b"v1000100"].value == messages[key_offsets[b"v1000100"]][1]
     dlq_limit = _read_limit(kafka_bootstrap, f"{topic}.dlq")
-    assert dlq_limit == (dlq_max or 1_048_588)
-    kinds = {b"v1048576": "output_too_large", b"v1048577": "too_large", b"v5MiB": "too_large"}
+    assert dlq_limit == (outputs_max or INPUT_MAX_BYTES + HEADERS_ALLOWANCE)
+    kinds = {b"v1048577": "too_large", b"v5MiB": "too_large"}
+    if outputs_max:
+        kinds[b"v1048576"] = "output_too_large"
+    else:
+        assert by_key[b"v1048576"].topic in (f"{topic}.unique", f"{topic}.duplicates")
+        assert by_key[b"v1048576"].value == messages[key_offsets[b"v1048576"]][1]
     for key, kind in kinds.items():
         o = by_key[key]
         reason = o.headers["neardup-error"].decode()

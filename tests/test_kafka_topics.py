@@ -17,9 +17,10 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kafka_util import produce, start_run, stop, wait_committed
+from kafka_util import create_topic, produce, start_run, stop, wait_committed
 from test_sharded_kafka import _outputs, _Stages
 
+from neardup.io.limits import HEADERS_ALLOWANCE, SET_BYTES_PER_TEXT_BYTE
 from neardup.io.topology import Topology
 
 
@@ -34,6 +35,14 @@ def _described(bootstrap: str, names: list[str]) -> dict[str, tuple[int, int, st
         config = admin.describe_configs([resource], request_timeout=30)[resource].result()
         out[name] = (len(meta.partitions), len(meta.partitions[0].replicas), config["cleanup.policy"].value)
     return out
+
+
+def _max_bytes(bootstrap: str, names: list[str]) -> dict[str, int]:
+    """max.message.bytes of each topic."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, name) for name in names]
+    return {r.name: int(f.result()["max.message.bytes"].value)
+            for r, f in admin.describe_configs(resources, request_timeout=30).items()}
 
 
 def _messages(n: int) -> list[tuple[bytes, bytes]]:
@@ -83,7 +92,9 @@ def test_run_with_a_replication_factor_the_cluster_cannot_give_stops_with_one_li
 
 
 def test_stages_create_internal_and_output_topics_as_asked(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    topic = kafka_topic_factory("topics-stages")
+    # an input that takes records of 32 MiB: the topics created take them (and their sets)
+    topic = create_topic(kafka_bootstrap, f"topics-stages-{uuid.uuid4().hex[:12]}",
+                         {"max.message.bytes": str(32 << 20)})
     messages = _messages(10)
     produce(kafka_bootstrap, topic, messages)
     topology = Topology(f"topics-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
@@ -103,6 +114,9 @@ def test_stages_create_internal_and_output_topics_as_asked(kafka_bootstrap, kafk
         assert described[name] == (partitions, 1, config["cleanup.policy"]), name
     for suffix in ("unique", "duplicates", "dlq"):
         assert described[f"{topic}.{suffix}"] == (3, 1, "delete")
+    sizes = _max_bytes(kafka_bootstrap, [*topology.topics(), f"{topic}.unique", f"{topic}.dlq"])
+    assert sizes == {**{name: SET_BYTES_PER_TEXT_BYTE * (32 << 20) + HEADERS_ALLOWANCE for name in topology.topics()},
+                     f"{topic}.unique": (32 << 20) + HEADERS_ALLOWANCE, f"{topic}.dlq": (32 << 20) + HEADERS_ALLOWANCE}
 
 
 def test_a_stage_with_a_replication_factor_the_cluster_cannot_give_stops_with_one_line(

@@ -90,6 +90,7 @@ def _retention_flags(p: argparse.ArgumentParser, timestamp_field: bool) -> None:
     g = p.add_argument_group("retention (stored with the state; given again, it changes: shorter expires at once, longer cannot bring back what expired)")
     g.add_argument("--retention", metavar="DURATION", help="documents older than this stop being candidates, e.g. 72h, 7d, 30m (run: by Kafka record timestamp; dedup: by --timestamp-field, else arrival); none removes it (default: keep everything)")
     g.add_argument("--retention-documents", metavar="N", help="only the N most recent documents are candidates; none removes it (default: keep everything)")
+    g.add_argument("--future-tolerance", metavar="DURATION", help="a record time later than now plus this is taken as now (counted, logged): one record stamped in the future cannot expire the window early; 0 allows none (default 1h)")
     if timestamp_field:
         g.add_argument("--timestamp-field", help="JSON field holding a record's time, ISO 8601 or epoch seconds (default: the time a line is read)")
 
@@ -470,7 +471,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if settings.state_dir is not None and role == "prepare":
         raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
-    topology = Topology(app, settings.shards, settings.decide_partitions)
+    topology = Topology(app, settings.shards, settings.decide_partitions, tuple(settings.input_topics))
     instance = settings.instance or socket.gethostname()
     stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
     if role != "prepare":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -88,6 +89,7 @@ class Settings(BaseSettings):
     retention: str | None = None  # duration, e.g. 72h; "none": no time bound
     retention_documents: int | str | None = None  # count; "none": no count bound
     timestamp_field: str | None = None  # dedup: the field holding each record's time
+    future_tolerance: str = "1h"  # a time later than now + this is taken as now (duration)
     # records
     text_field: Annotated[list[str], NoDecode] | None = None  # dedup: FILE_TEXT_FIELD; run: whole value
     id_field: str | None = None  # dedup: FILE_ID_FIELD; run: the message key
@@ -189,7 +191,22 @@ class Settings(BaseSettings):
             verify=self.verify,
             cluster_policy=self.cluster_policy,
             candidate_threshold=self.candidate_threshold,
+            future_tolerance_s=_tolerance(self.future_tolerance),
         )
+
+
+def _tolerance(text: str) -> float:
+    """Seconds of ``--future-tolerance`` (a duration, or 0).
+
+    Raises:
+        ValueError: not a duration.
+    """
+    if re.fullmatch(r"\s*0+(\.0*)?\s*(ms|s|m|h|d|w)?\s*", str(text)):
+        return 0.0
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise ValueError(f"--future-tolerance must be a duration such as 1h, 15m or 0, not {text!r}") from None
 
 
 def default(name: str) -> Any:

@@ -35,6 +35,7 @@ Nothing is written until the caller commits the batch's ``StateUpdate``, atomica
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,8 @@ from neardup.core.settings import SAMPLE_PER_PERM, EngineSettings
 from neardup.core.shingle import ShingleBatch, shingle_batch
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.state.base import StateStore, StateUpdate
+
+log = logging.getLogger(__name__)
 
 EMPTY_TEXT = "empty text after normalisation"
 NO_TOKENS = "no word tokens after normalisation"
@@ -139,6 +142,8 @@ class BatchResult:
         signatures: uint64, shape (n_valid, num_perm).
         accepted: every accepted pair as three arrays of one length: earlier seq and
             later seq (uint64), similarity (float64); see ``links``.
+        future_times: documents whose time lay beyond now plus the future tolerance,
+            taken as now (``document_times``).
     """
 
     results: list[Verdict | Rejected]
@@ -147,6 +152,7 @@ class BatchResult:
     accepted: tuple[np.ndarray, np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0)),
         repr=False)
+    future_times: int = 0
 
     @property
     def verdicts(self) -> list[Verdict]:
@@ -277,7 +283,12 @@ class Detector:
         bands = p.bucket_entries.shape[1]
         entries = p.bucket_entries.ravel()
         members = self.store.bucket_members(p.bucket_keys)
-        times = document_times(documents, p.valid)
+        times, future = document_times(documents, p.valid, s.future_tolerance_s)
+        if future:
+            log.warning("%d document(s) stamped more than %gs after now (the latest %s, at seq %d or later) "
+                        "taken as now: their times would move the retention window (--future-tolerance)",
+                        future, s.future_tolerance_s,
+                        max((d.time for d in documents if d.time is not None), default=None), first_seq)
         retention = self.store.retention
         window = None
         if retention.active:  # which members each document may meet (neardup.core.retention)
@@ -397,7 +408,8 @@ class Detector:
             largest_bucket=joined.largest_bucket,
             nodes=nodes,
         )
-        return BatchResult(results=results, update=update, signatures=p.signatures, accepted=links)
+        return BatchResult(results=results, update=update, signatures=p.signatures, accepted=links,
+                           future_times=future)
 
     def _sets(self, p: PreparedBatch, local: np.ndarray, first: int, needed: np.ndarray) -> Sets:
         """The sets (or bottom-k samples) of the batch's documents (local ids ``first``
@@ -465,12 +477,29 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return starts
 
 
-def document_times(documents: Sequence[Document], valid: np.ndarray) -> np.ndarray:
-    """int64, shape (len(valid),): the times of ``documents[valid]`` in ms since the Unix
-    epoch; a document without one gets the time now (its arrival)."""
+def document_times(documents: Sequence[Document], valid: np.ndarray,
+                   tolerance_s: float = float("inf")) -> tuple[np.ndarray, int]:
+    """The times of ``documents[valid]``: int64, shape (len(valid),), ms since the Unix
+    epoch, and how many lay beyond now plus ``tolerance_s`` (seconds).
+
+    A document without a time gets the time now (its arrival), and so does one whose time
+    lies more than ``tolerance_s`` after now (a clock gone wrong, a bad timestamp field):
+    its time would become the retention window's watermark, which only grows, and expire
+    every document held before it (``neardup.core.retention``).
+    """
     now = time.time()
-    return np.array([round(1000 * (now if t is None else t)) for t in
-                     (documents[i].time for i in valid.tolist())], dtype=np.int64)
+    latest = now + tolerance_s
+    future = 0
+    out = np.empty(len(valid), dtype=np.int64)
+    for k, i in enumerate(valid.tolist()):
+        t = documents[i].time
+        if t is None:
+            t = now
+        elif t > latest:
+            t = now
+            future += 1
+        out[k] = round(1000 * t)
+    return out, future
 
 
 def warm_up(settings: EngineSettings) -> None:

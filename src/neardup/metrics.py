@@ -133,6 +133,15 @@ class Metrics:
         self.dead_letter = Counter(
             "neardup_dead_letter", "Messages or lines sent to the dead-letter topic (rejects), by reason.",
             ["reason"], registry=r)
+        self.value_left_out = Counter(
+            "neardup_dead_letter_value_left_out",
+            "Dead letters produced without the message's value (and perhaps key and headers): the dead-letter "
+            "topic's max.message.bytes is too small for the message; its neardup-source-* headers point at it.",
+            registry=r)
+        self.future_times = Counter(
+            "neardup_future_timestamps",
+            "Documents whose time lay beyond now plus --future-tolerance, taken as now (they would have moved "
+            "the retention window).", registry=r)
         self.replayed = Counter(
             "neardup_replayed", "Messages produced again from their stored outcome after a restart.", registry=r)
         self.batch_seconds = Histogram(
@@ -238,6 +247,10 @@ class Metrics:
         self.documents.labels("duplicate").inc(stats.duplicate)
         for reason, count in stats.dead_letter.items():
             self.dead_letter.labels(reason).inc(count)
+        if stats.value_left_out:
+            self.value_left_out.inc(stats.value_left_out)
+        if stats.future_times:
+            self.future_times.inc(stats.future_times)
         if stats.replayed:
             self.replayed.inc(stats.replayed)
         self.batch_seconds.observe(stats.seconds)

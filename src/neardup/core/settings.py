@@ -83,6 +83,10 @@ class EngineSettings:
             them (the ``SAMPLE_PER_PERM * num_perm`` smallest, Broder 1997) and decides
             on the estimate from the samples: exact for sets no larger than that,
             bounded bytes per document for long texts, noisier.
+        future_tolerance_s: a document time more than this many seconds after now
+            (the wall clock) is taken as now instead (``Detector.detect``), so that one
+            record stamped far in the future cannot move the retention window's
+            watermark and expire every document before it.
         cluster_policy: ``"canonical"`` lets a document join a cluster only when its
             similarity to the cluster's canonical (earliest) document reaches the
             threshold, so clusters cannot chain; ``"components"`` joins every verified
@@ -133,9 +137,12 @@ class EngineSettings:
     max_candidates: int = 8
     extra_candidates: int | None = None
     duplicate_buckets: DuplicateBuckets = "new"
+    future_tolerance_s: float = 3600.0
     _resolved: LshParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.future_tolerance_s >= 0.0:
+            raise ValueError(f"future tolerance must be at least 0 seconds, not {self.future_tolerance_s}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must lie in (0, 1], not {self.threshold}")
         if self.minhash not in ("oph", "classic"):

@@ -54,6 +54,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from neardup.config import Settings
 from neardup.io.bounded import CALL_TIMEOUT_S, bounded, discard
 from neardup.io.clients import admin_config
+from neardup.io.limits import TopicLimits, input_limits, internal_max_bytes
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.topics import create_missing, new_topic
 from neardup.state import codec
@@ -352,7 +353,13 @@ class ChangelogWriter:
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise
-        config = {"cleanup.policy": "compact", "max.message.bytes": str(CHANGELOG_MAX_BYTES)}
+        try:  # a record holds a document's shingle set: sized for the input topics' largest
+            largest = input_limits(TopicLimits(admin_config(self.settings)), self.settings.input_topics)
+        except KafkaException as exc:
+            log.warning("max.message.bytes of the input topics not read (%s)", exc.args[0].str())
+            largest = []
+        config = {"cleanup.policy": "compact",
+                  "max.message.bytes": str(internal_max_bytes(largest, CHANGELOG_MAX_BYTES))}
         try:
             create_missing(admin, [new_topic(self.topic, 1, self.settings.topic_replication_factor, config)])
         except KafkaException as exc:

@@ -48,7 +48,7 @@ from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.io.partition_log import catch_up, read_to_end, with_retries
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
-from neardup.io.topics import create_missing, new_topic
+from neardup.io.topics import create_missing, new_topic, sized_outputs
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
@@ -397,8 +397,8 @@ class DecideProcessor(StageHooks):
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there
         (a record produced to a topic being created was once seen lost, see
-        ``neardup.io.kafka``), with ``--topic-partitions`` and
-        ``--topic-replication-factor``.
+        ``neardup.io.kafka``), with ``--topic-partitions``, ``--topic-replication-factor``
+        and a ``max.message.bytes`` that takes any record of ``topic`` (``sized_outputs``).
 
         Raises:
             TopicCreationError: the broker refused a creation for what was asked.
@@ -411,7 +411,8 @@ class DecideProcessor(StageHooks):
             names = [f"{topic}.{suffix}" for suffix in ("unique", "duplicates", "dlq")]
             existing = admin.list_topics(timeout=10).topics
             s = self.settings
-            create_missing(admin, [new_topic(n, s.topic_partitions, s.topic_replication_factor)
+            config = sized_outputs(self._limits, [topic], names, existing)
+            create_missing(admin, [new_topic(n, s.topic_partitions, s.topic_replication_factor, config)
                                    for n in names if n not in existing])
         finally:
             discard(admin)

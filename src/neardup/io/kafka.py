@@ -95,7 +95,7 @@ from neardup.io.messages import (
 )
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import TP, StageRuntime, fatal
-from neardup.io.topics import create_missing, new_topic
+from neardup.io.topics import create_missing, new_topic, sized_outputs
 from neardup.pipeline import PrepareWorker, WorkerDied
 from neardup.state.base import StateStore
 
@@ -119,6 +119,8 @@ class BatchStats:
     unique: int = 0
     duplicate: int = 0
     dead_letter: dict[str, int] = field(default_factory=dict)
+    value_left_out: int = 0  # dead letters without the message's value (a topic too small)
+    future_times: int = 0  # timestamps beyond now + --future-tolerance, taken as now
     verdicts: list[Verdict] = field(default_factory=list)
     timestamps_ms: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -300,7 +302,8 @@ class DedupProcessor:
 
     def _create_outputs(self, input_topics: list[str]) -> None:
         """Create the output topics of ``input_topics`` that are missing
-        (``--topic-partitions``, ``--topic-replication-factor``), before anything is
+        (``--topic-partitions``, ``--topic-replication-factor``, a ``max.message.bytes``
+        that takes any record of ``input_topics``: ``sized_outputs``), before anything is
         produced to them: a transactional record produced to a topic the broker is still
         creating was once seen lost although its transaction committed (the first record
         of ``<input>.unique``; librdkafka forgets a partition's message sequence while its
@@ -318,7 +321,13 @@ class DedupProcessor:
             log.warning("output topics not checked (%s); the broker may create them at the first record", exc)
             return
         s = self.settings
-        missing = [new_topic(name, s.topic_partitions, s.topic_replication_factor)
+        try:
+            config = sized_outputs(self._limits, input_topics, names, existing)
+        except KafkaException as exc:
+            log.warning("max.message.bytes of %s not read (%s); outputs created with the broker's",
+                        ", ".join(input_topics), exc.args[0].str())
+            config = {}
+        missing = [new_topic(name, s.topic_partitions, s.topic_replication_factor, config)
                    for name in names if name not in existing]
         try:
             create_missing(self._admin, missing)
@@ -438,6 +447,7 @@ class DedupProcessor:
         stats.replayed = len(replays)
 
         result = self.detector.detect(batch.documents, prepared=batch.prepared)
+        stats.future_times = result.future_times
         for it, res in zip(batch.fresh, result.results):
             m = it.message
             if isinstance(res, Rejected):
@@ -501,6 +511,8 @@ class DedupProcessor:
             else:
                 kind = outcome.error_kind or "unknown"
                 dead_letter[kind] = dead_letter.get(kind, 0) + 1
+                if outcome.content != "whole":
+                    stats.value_left_out += 1
                 if it.verdict is not None:  # its record did not fit: a dead letter, not a verdict
                     stats.verdicts.remove(it.verdict)
             ts_type, ts = m.timestamp()

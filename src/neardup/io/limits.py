@@ -10,6 +10,7 @@ record batch it receives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
@@ -25,6 +26,15 @@ KAFKA_DEFAULT_MAX_BYTES = 1_048_588
 PRODUCER_MAX_BYTES = 1_000_000_000
 #: librdkafka's default ``batch.size``: the most bytes of records it puts in one batch.
 PRODUCER_BATCH_BYTES = 1_000_000
+#: What neardup adds to an input record on its way out (its headers: verdict, cluster,
+#: match, related and nearest ids, scores, source topic, partition and offset, a dead
+#: letter's reason), bytes: the margin of the topics neardup creates over the largest
+#: record of their input topics. A record whose ids alone are longer (ids of 10,000s of
+#: characters) may still not fit its verdict's topic: it goes to the dead-letter topic,
+#: whose own headers are far smaller, with its value.
+HEADERS_ALLOWANCE = 64 << 10
+#: Bytes of a shingle set (band and changelog records) per byte of text, at most.
+SET_BYTES_PER_TEXT_BYTE = 4
 _DENIED = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED,
            KafkaError.TOPIC_EXCEPTION}
 
@@ -99,3 +109,31 @@ class TopicLimits:
                 raise KafkaException(KafkaError(KafkaError._TRANSPORT, "no broker known", retriable=True))
             self._broker_default = self._read(ResourceType.BROKER, str(min(brokers)), "message.max.bytes")
         return self._broker_default
+
+
+def output_max_bytes(input_limits: Iterable[int]) -> int:
+    """``max.message.bytes`` of an output or dead-letter topic neardup creates, bytes: the
+    largest of ``input_limits`` (the input topics' ``max.message.bytes``, bytes; Kafka's
+    default when none is known) plus ``HEADERS_ALLOWANCE``, so that any record an input
+    topic accepts reaches its verdict's topic, or its dead letter, with its value
+    (uncompressed: a record batch compressed by its producer may hold a record larger
+    than its topic's limit, see the README)."""
+    return max([KAFKA_DEFAULT_MAX_BYTES, *input_limits]) + HEADERS_ALLOWANCE
+
+
+def internal_max_bytes(input_limits: Iterable[int], floor: int) -> int:
+    """``max.message.bytes`` of an internal topic (a changelog, the stages' band and
+    document records), bytes: ``floor``, or more when the input topics take records
+    whose shingle sets (``SET_BYTES_PER_TEXT_BYTE`` per byte of text) would not fit it."""
+    largest = max([KAFKA_DEFAULT_MAX_BYTES, *input_limits])
+    return max(floor, SET_BYTES_PER_TEXT_BYTE * largest + HEADERS_ALLOWANCE)
+
+
+def input_limits(limits: TopicLimits, topics: Iterable[str]) -> list[int]:
+    """The ``max.message.bytes`` of each named topic of ``topics`` (bytes); a regex
+    (``^...``) is left out, its topics are read when they are assigned.
+
+    Raises:
+        KafkaException: as ``TopicLimits.get``.
+    """
+    return [limits.get(topic) for topic in topics if not topic.startswith("^")]

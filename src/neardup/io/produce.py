@@ -20,6 +20,7 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
 from neardup.config import FILE_ID_FIELD
+from neardup.io.limits import PRODUCER_MAX_BYTES
 from neardup.records import RecordError, record_id
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ def produce_files(
         if err is not None:
             failures.append(f"{msg.topic()}: {err}")
 
-    producer = Producer(
-        {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 20, **(kafka or {})}
+    producer = Producer(  # the topic's max.message.bytes, not the client's 1 MB, decides what fits
+        {"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 20,
+         "message.max.bytes": PRODUCER_MAX_BYTES, **(kafka or {})}
     )
     summary = ProduceSummary()
     started = time.perf_counter()

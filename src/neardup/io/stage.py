@@ -415,8 +415,15 @@ class StageRuntime:
             self._loop()
         except InterruptedError:  # stopped while waiting for the broker
             pass
-        finally:
-            self.close()
+        except BaseException as exc:
+            # A close that fails too (the state's memtables cannot be flushed to the
+            # full disk that stopped the loop) must not hide the error naming the cause.
+            try:
+                self.close()
+            except Exception as failed:
+                log.warning("closing after an error failed too: %s (after: %s)", failed, exc)
+            raise
+        self.close()
 
     def close(self) -> None:
         """Leave the group and close the processor; a batch read ahead is dropped (the

@@ -3,6 +3,16 @@ partition count and replication factor (``--topic-partitions``,
 ``--topic-replication-factor``; -1: the broker's ``num.partitions`` and
 ``default.replication.factor``). Existing topics are never changed.
 
+Each output and dead-letter topic is created with a ``max.message.bytes`` that fits any
+record its input topics accept plus neardup's headers (``sized_outputs``), read from the
+input topics when their partitions are assigned: a topic that a regex subscription adds
+later gets outputs sized for it when it is first assigned. An output topic that exists
+already (created beforehand, or shared by input topics of which one added later takes
+larger records) keeps its limit; a smaller one than needed is logged at assignment, with
+the command that raises it, and a record it cannot take goes to the dead-letter topic,
+or, if that is too small as well, goes there without its value (``neardup.io.messages.fit``,
+counted by ``neardup_dead_letter_value_left_out``).
+
 Every place that creates topics goes through ``create_missing``: the outputs and
 dead-letter topics of ``neardup run`` (``neardup.io.kafka``) and of the decide stage, the
 changelog of ``neardup run`` (``neardup.io.changelog``), and the internal topics of the
@@ -15,6 +25,8 @@ import logging
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from neardup.io.limits import TopicLimits, input_limits, output_max_bytes
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +109,26 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
                  _count(topic.replication_factor),
                  ", " + ", ".join(f"{k}={v}" for k, v in sorted(topic.config.items())) if topic.config else "")
     return created
+
+
+def sized_outputs(limits: TopicLimits, input_topics: list[str], outputs: list[str],
+                  existing: set[str] | dict[str, object]) -> dict[str, str]:
+    """The topic config (``max.message.bytes``, ``output_max_bytes`` of the input
+    topics' limits) to create the missing ones of ``outputs`` (the output and dead-letter
+    topics of ``input_topics``) with; each one of ``existing`` that takes less is logged
+    (a warning naming the setting to raise).
+
+    Raises:
+        KafkaException: a topic's limit could not be read.
+    """
+    needed = output_max_bytes(input_limits(limits, input_topics))
+    for name in outputs:
+        if name in existing:
+            have = limits.get(name)
+            if have < needed:
+                log.warning("topic %s takes records of at most %d bytes, less than its inputs %s may bring "
+                            "(%d with neardup's headers): larger ones go to the dead-letter topic, or without "
+                            "their value if it is too small too; raise it with kafka-configs.sh --alter "
+                            "--entity-type topics --entity-name %s --add-config max.message.bytes=%d",
+                            name, have, ", ".join(input_topics), needed, name, needed)
+    return {"max.message.bytes": str(needed)}

@@ -11,6 +11,7 @@ from confluent_kafka.admin import AdminClient
 from neardup.config import Settings
 from neardup.io.bounded import discard
 from neardup.io.clients import admin_config
+from neardup.io.limits import TopicLimits, input_limits, internal_max_bytes
 from neardup.io.topics import BROKER_DEFAULT, create_missing, new_topic
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,14 @@ class Topology:
             state is logged to changelog partition p): the number of shard partitions,
             fixed for the life of the state.
         decide_partitions: partitions of the findings topic and of decide's changelog.
+        sources: the input topics the prepare stage reads (``--input-topic``): the
+            internal topics are created large enough for their records' shingle sets.
     """
 
     app: str
     shards: int
     decide_partitions: int
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.decide_partitions < 1:
@@ -64,11 +68,12 @@ class Topology:
     def decide_changelog(self) -> str:
         return f"{self.app}.decide-changelog"
 
-    def topics(self) -> dict[str, tuple[int, dict[str, str]]]:
-        """Every internal topic: (partitions, topic config)."""
+    def topics(self, max_bytes: int = INTERNAL_MAX_BYTES) -> dict[str, tuple[int, dict[str, str]]]:
+        """Every internal topic: (partitions, topic config), ``max_bytes`` its
+        ``max.message.bytes`` when created."""
         # A band record and a member's changelog record hold a shingle set (about 4 bytes a
         # character of text); a document record and a waiting document hold the input value.
-        large = {"max.message.bytes": str(INTERNAL_MAX_BYTES)}
+        large = {"max.message.bytes": str(max_bytes)}
         deleted = {"cleanup.policy": "delete", **large}
         compacted = {"cleanup.policy": "compact", **large}
         return {
@@ -79,9 +84,11 @@ class Topology:
             self.decide_changelog: (self.decide_partitions, compacted),
         }
 
-    def ensure(self, admin: AdminClient, timeout_s: float = 30.0, replication_factor: int = BROKER_DEFAULT) -> list[str]:
+    def ensure(self, admin: AdminClient, timeout_s: float = 30.0, replication_factor: int = BROKER_DEFAULT,
+               max_bytes: int = INTERNAL_MAX_BYTES) -> list[str]:
         """Create the missing topics (``replication_factor`` replicas, -1: the broker's
-        default); check the partition counts of the others.
+        default; ``max_bytes`` their ``max.message.bytes``); check the partition counts
+        of the others.
 
         Returns:
             The names of the topics created.
@@ -91,7 +98,7 @@ class Topology:
             TopicCreationError: the broker refused a creation for what was asked.
             KafkaException: the broker could not be asked, or failed a creation.
         """
-        wanted = self.topics()
+        wanted = self.topics(max_bytes)
         existing = admin.list_topics(timeout=timeout_s).topics
         for name, (partitions, _) in wanted.items():
             meta = existing.get(name)
@@ -103,18 +110,22 @@ class Topology:
                    for name, (p, config) in wanted.items() if name not in existing]
         created = create_missing(admin, missing, timeout_s)
         if len(created) < len(missing):  # created meanwhile by another process: check it
-            return created + self.ensure(admin, timeout_s, replication_factor)
+            return created + self.ensure(admin, timeout_s, replication_factor, max_bytes)
         return created
 
     def ensure_with(self, settings: Settings) -> list[str]:
-        """``ensure`` with an admin client of ``settings`` (closed after) and its
-        ``topic_replication_factor``.
+        """``ensure`` with an admin client of ``settings`` (closed after), its
+        ``topic_replication_factor``, and a ``max.message.bytes`` that takes the shingle
+        set of any record of ``sources`` (``internal_max_bytes``; the topics a regex
+        matches are not known here: 64 MiB holds the sets of a 16 MiB text).
 
         Raises:
             TopologyMismatchError, TopicCreationError, KafkaException: as ``ensure``.
         """
         admin = AdminClient(admin_config(settings))
         try:
-            return self.ensure(admin, replication_factor=settings.topic_replication_factor)
+            largest = input_limits(TopicLimits(admin_config(settings)), self.sources)
+            return self.ensure(admin, replication_factor=settings.topic_replication_factor,
+                               max_bytes=internal_max_bytes(largest, INTERNAL_MAX_BYTES))
         finally:
             discard(admin)

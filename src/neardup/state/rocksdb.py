@@ -8,6 +8,7 @@ input positions stored in the same batches then replay.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,8 +18,10 @@ from rocksdict import AccessType, BlockBasedOptions, Cache, DBCompressionType, O
 
 from neardup.core.retention import Retention
 from neardup.state import codec
-from neardup.state.errors import StateCorruptedError, StateError, StateLockedError
+from neardup.state.errors import StateCorruptedError, StateError, StateLockedError, write_error
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges, Record
+
+log = logging.getLogger(__name__)
 
 
 #: Memory bounds: a block cache shared by every family, the set cache
@@ -235,10 +238,11 @@ class RocksDBStateStore(KeyValueStateStore):
             handle, put = self._handles[family], batch.put
             for key, value in pairs:
                 put(key, value, handle)
+        size = batch.size_in_bytes()  # the write consumes the batch
         try:
             self._db.write(batch, self._write_options)
         except Exception as exc:  # rocksdict raises plain Exception (e.g. a full disk)
-            raise StateError(f"cannot write the state store {self.path}: {exc}") from exc
+            raise write_error("write the state store", self.path, exc, size) from exc
 
     def _reclaim(self, end: bytes) -> None:
         """Compact the seq-keyed families below ``end``: the files wholly under a range
@@ -289,10 +293,20 @@ class RocksDBStateStore(KeyValueStateStore):
             except Exception as exc:  # rocksdict raises plain Exception
                 failed = failed or exc
         if failed is not None:
-            raise StateError(f"cannot close the state store {self.path}: {failed}") from failed
+            raise write_error("close the state store", self.path, failed) from failed
 
     def __enter__(self) -> RocksDBStateStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """Close the store; when an error is already on its way out (a write that failed
+        on a full disk, say), a close that fails too (its memtables cannot be flushed
+        either: "Writer has previous error") is logged, not raised, so that the first
+        error, which names the cause, is the one reported."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except StateError as failed:
+            log.warning("%s (after: %s)", failed, exc)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rocksdict import BlockBasedIndexType, BlockBasedOptions, Cache, Options, Rdict, WriteBatch
 
-from neardup.state.errors import StateError
+from neardup.state.errors import StateError, write_error
 from neardup.state.rocksdb import INFO_LOG_BYTES, INFO_LOG_FILES
 
 WRITE_BUFFER_BYTES = 8 << 20
@@ -91,9 +91,18 @@ class TopicView:
             raise StateError(f"cannot open {self.what} {self.path}: {exc}") from exc
 
     def close(self) -> None:
+        """Close the database.
+
+        Raises:
+            StateError: it failed to close (e.g. its memtable cannot be flushed to a full
+                disk; what ``write`` returned from is in the write-ahead log all the same).
+        """
         if self._db is not None:
-            self._db.close()
-            self._db = None
+            db, self._db = self._db, None
+            try:
+                db.close()
+            except Exception as exc:  # rocksdict raises plain Exception
+                raise write_error(f"close {self.what}", self.path, exc) from exc
 
     def wipe(self) -> None:
         """Drop everything (the directory is removed and created again).
@@ -127,7 +136,8 @@ class TopicView:
         """
         if position is not None:
             batch.put(POSITION_KEY, _Q.pack(position))
+        size = batch.size_in_bytes()  # the write consumes the batch
         try:
             self._db.write(batch)
         except Exception as exc:  # rocksdict raises plain Exception
-            raise StateError(f"cannot write {self.what} {self.path}: {exc}") from exc
+            raise write_error(f"write {self.what}", self.path, exc, size) from exc
