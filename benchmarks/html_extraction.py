@@ -3,7 +3,8 @@ on web pages with and without extraction.
 
 The corpus is ``neardup.sitepages.site_pages`` over the Reuters excerpt of the tests
 (tests/data/reuters_excerpt.jsonl.gz): the first ``--stories`` stories of at least
-``--min-chars`` characters, each a page of one of four site templates (navigation,
+``--min-chars`` characters, without the stories the wire re-issued under a new id
+(``neardup.sitepages.distinct_stories``; ``--keep-reissues`` keeps them), each a page of one of four site templates (navigation,
 ticker, related links, most read, newsletter box, cookie notice, footer) or, for 40 % of
 them, of 2 to 4 sites; seed 1.
 
@@ -47,15 +48,20 @@ from neardup.core.settings import EngineSettings  # noqa: E402
 from neardup.core.types import Document  # noqa: E402
 from neardup.embedded import dedup_files  # noqa: E402
 from neardup.extract import main_text  # noqa: E402
-from neardup.sitepages import Page, site_pages  # noqa: E402
+from neardup.sitepages import Page, distinct_stories, site_pages  # noqa: E402
 
 EXCERPT = Path(__file__).resolve().parent.parent / "tests" / "data" / "reuters_excerpt.jsonl.gz"
 
 
-def corpus(stories: int, min_chars: int, seed: int = 1) -> list[Page]:
+def corpus(stories: int, min_chars: int, seed: int = 1, distinct: bool = True) -> list[Page]:
     with gzip.open(EXCERPT, "rb") as f:
-        records = [r for r in map(orjson.loads, f) if len(r["text"]) >= min_chars][:stories]
-    return site_pages([Document(str(r["id"]), r["text"]) for r in records], [r["title"] for r in records], seed=seed)
+        records = [r for r in map(orjson.loads, f) if len(r["text"]) >= min_chars]
+    docs = [Document(str(r["id"]), r["text"]) for r in records]
+    if distinct:
+        docs = distinct_stories(docs, limit=stories)
+    docs = docs[:stories]
+    title = {str(r["id"]): r["title"] for r in records}
+    return site_pages(docs, [title[d.id] for d in docs], seed=seed)
 
 
 def extractors() -> dict[str, object]:
@@ -126,12 +132,14 @@ def main() -> int:
     parser.add_argument("--stories", type=int, default=400)
     parser.add_argument("--min-chars", type=int, default=400, help="shortest story text, characters")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep-reissues", action="store_true",
+                        help="keep stories the wire re-issued under a new id (their pages count as different stories)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     print(describe_git(git_state()))
     load_before = os.getloadavg()
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", flush=True)
-    pages = corpus(args.stories, args.min_chars)
+    pages = corpus(args.stories, args.min_chars, distinct=not args.keep_reissues)
     sites = len({p.site for p in pages})
     print(f"{len(pages)} pages of {args.stories} stories on {sites} sites, "
           f"mean {sum(len(p.html) for p in pages) / len(pages):,.0f} characters of HTML", flush=True)

@@ -25,7 +25,7 @@ from neardup.core.types import Document
 from neardup.extract import main_text
 from neardup.io.messages import MessageError, to_document
 from neardup.records import NoMainText, RecordError, record_text
-from neardup.sitepages import SITES, site_pages
+from neardup.sitepages import SITES, distinct_stories, site_pages
 
 #: A page of one site's template whose article holds nothing: menus, links, footer.
 EMPTY_PAGE = ('<html><body><nav><ul><li><a href="/a">World</a></li><li><a href="/b">Business</a></li></ul></nav>'
@@ -33,7 +33,9 @@ EMPTY_PAGE = ('<html><body><nav><ul><li><a href="/a">World</a></li><li><a href="
 
 
 def _pages(n_stories: int, seed: int = 1):
-    records = [r for r in excerpt(400) if len(r["text"]) >= 400][:n_stories]
+    records = [r for r in excerpt(400) if len(r["text"]) >= 400]
+    kept = {d.id for d in distinct_stories([Document(str(r["id"]), r["text"]) for r in records])}
+    records = [r for r in records if str(r["id"]) in kept][:n_stories]
     return records, site_pages([Document(str(r["id"]), r["text"]) for r in records],
                                [r["title"] for r in records], seed=seed)
 

@@ -214,6 +214,28 @@ def render_page(site: Site, title: str, body: str, related: Sequence[str], page_
     )
 
 
+def distinct_stories(stories: Sequence[Document], threshold: float = 0.5, n: int = 5,
+                     limit: int | None = None) -> list[Document]:
+    """``stories`` without those whose text is a near-duplicate of an earlier one kept:
+    the Reuters wire re-issued stories under new ids (a corrected headline, the same
+    text), and pages of two such ids are pages of one story. A story is dropped when the
+    Jaccard similarity of its casefolded white-space ``n``-word shingles with a kept
+    story's is at least ``threshold`` (exact, over every kept story: quadratic, for a
+    few thousand stories). Stops once ``limit`` stories are kept."""
+    kept: list[Document] = []
+    sets: list[frozenset[tuple[str, ...]]] = []
+    for doc in stories:
+        words = doc.text.casefold().split()
+        shingles = frozenset(tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1)))
+        if any(len(shingles & other) >= threshold * len(shingles | other) for other in sets):
+            continue
+        kept.append(doc)
+        sets.append(shingles)
+        if limit is not None and len(kept) >= limit:
+            break
+    return kept
+
+
 @dataclass(frozen=True)
 class Page:
     """A generated page: its id, its story's id (same story, same ``story``), its site's
