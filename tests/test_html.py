@@ -138,6 +138,20 @@ def test_dedup_flags_template_pages_without_extraction_and_same_stories_with_it(
     assert "1 of" in capsys.readouterr().err
 
 
+def test_a_page_holding_a_lone_surrogate_is_rejected(tmp_path):
+    """A ``\\ud800`` escape (read by json, not by orjson) is no Unicode text to parse:
+    the line is rejected, saying so, and the others are deduplicated."""
+    corpus = tmp_path / "pages.jsonl"
+    corpus.write_text('{"id": 1, "html": "<p>bad \\ud800 text</p>"}\n'
+                      '{"id": 2, "html": "<p>a page of some words</p>"}\n')
+    assert main(["dedup", str(corpus), "--out-dir", str(tmp_path / "out"), "--text-field", "html",
+                 "--text-format", "html", "--no-pipeline"]) == 0
+    [reject] = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["line"] == 1 and "lone surrogate" in reject["reason"]
+    [unique] = [json.loads(line) for line in (tmp_path / "out" / "unique.jsonl").read_text().splitlines()]
+    assert unique["id"] == 2
+
+
 def test_missing_extra_is_one_line_naming_it(tmp_path):
     """Without the html extra (its import made to fail), dedup and run stop with one line
     naming the extra, before reading anything."""

@@ -37,8 +37,8 @@ def record_text(record: Any, text_fields: Sequence[str], text_format: str = "pla
     (``neardup.extract.main_text``), those with some joined by blank lines.
 
     Raises:
-        RecordError: the record is not a JSON object, none of the fields is present, or a
-            present field is not a string.
+        RecordError: the record is not a JSON object, none of the fields is present, a
+            present field is not a string, or (HTML) holds a lone surrogate.
         NoMainText: HTML fields, none with a main text.
         neardup.extract.ExtraMissing: HTML, and the ``html`` extra is not installed.
     """
@@ -55,6 +55,12 @@ def record_text(record: Any, text_fields: Sequence[str], text_format: str = "pla
     if not parts:
         raise RecordError(f"missing field {' or '.join(map(repr, text_fields))}")
     if text_format == "html":
+        for part in parts:  # json reads "\ud800" escapes: no Unicode, no HTML to parse
+            try:
+                part.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RecordError(f"field {' or '.join(map(repr, text_fields))} holds a lone surrogate "
+                                  "(not Unicode text)") from None
         texts = [t for t in map(main_text, parts) if t]
         if not texts:
             raise NoMainText(f"no main text in the HTML of field {' or '.join(map(repr, text_fields))} "
