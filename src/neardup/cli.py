@@ -81,6 +81,7 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("records")
     g.add_argument("--text-field", action="append", help=f"JSON field holding text, dotted path; repeat to join several (dedup default: {FILE_TEXT_FIELD}; run default: the whole message value)")
     g.add_argument("--id-field", help=f"JSON field holding the document id (dedup default: {FILE_ID_FIELD}, else the line number; run default: the message key, else topic/partition/offset)")
+    g.add_argument("--text-format", choices=["plain", "html"], help=f"html: the text (each --text-field, or run's whole message value) is an HTML page and only its main text is deduplicated, without navigation, related links and footers; a page with none is rejected (dedup) or dead-lettered (run); needs pip install 'neardup[html]' ({_d('text_format')})")
     g.add_argument("--batch-size", type=int, help=f"documents per batch ({_d('batch_size')})")
     g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help=f"prepare the next batch (normalise, shingle, MinHash) in a second process while the current one is checked and written; run: when a backlog fills whole batches ({_d('pipeline')})")
     g.add_argument("--state-dir", type=Path, help=f"RocksDB state directory, kept between runs (run default ./{DEFAULT_STATE_DIR}; dedup default: a temporary one, removed at the end)")
@@ -363,6 +364,7 @@ def cmd_dedup(args: argparse.Namespace, settings: Settings, engine: EngineSettin
             parallel=settings.pipeline,
             time_field=settings.timestamp_field,
             retention=retention_changes(settings),
+            text_format=settings.text_format,
             append=args.append,
             overwrite=args.overwrite,
             progress=args.progress,
@@ -418,6 +420,10 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.io.kafka_config import check_kafka_settings
 
     check_kafka_settings(settings)  # before the metrics server or the state start
+    if settings.text_format == "html":
+        from neardup.extract import require_extractor
+
+        require_extractor()
     state_dir = settings.state_dir or DEFAULT_STATE_DIR
     readiness = Readiness()
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
@@ -468,6 +474,9 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if unbounded:
         raise ValueError(f"neardup stage keeps no retention window yet ({', '.join(unbounded)}): "
                          "its index grows with every document; use neardup run for a bounded index")
+    if settings.text_format != "plain":
+        raise ValueError(f"neardup stage reads plain text only (--text-format {settings.text_format}): "
+                         "extract the pages' main text before the input topic, or use neardup run")
     if settings.state_dir is not None and role == "prepare":
         raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
@@ -562,7 +571,8 @@ def cmd_eval(args: argparse.Namespace, settings: Settings, engine: EngineSetting
     from neardup.records import lookup
 
     with open_binary(args.corpus) as stream:
-        lines = [line for line in read_lines(stream, settings.text_field or [FILE_TEXT_FIELD], settings.id_field or FILE_ID_FIELD)
+        lines = [line for line in read_lines(stream, settings.text_field or [FILE_TEXT_FIELD], settings.id_field or FILE_ID_FIELD,
+                                             text_format=settings.text_format)
                  if line.document is not None]
     docs = [line.document for line in lines]
     labels = [lookup(line.record, args.label_field) for line in lines] if args.label_field else None

@@ -93,6 +93,7 @@ class Settings(BaseSettings):
     # records
     text_field: Annotated[list[str], NoDecode] | None = None  # dedup: FILE_TEXT_FIELD; run: whole value
     id_field: str | None = None  # dedup: FILE_ID_FIELD; run: the message key
+    text_format: Literal["plain", "html"] = "plain"  # html: the text is a page, its main text kept (neardup.extract)
     batch_size: int = Field(2000, ge=1)
     pipeline: bool = True
     state_dir: Path | None = None

@@ -26,6 +26,7 @@ from neardup.config import default
 from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
+from neardup.extract import require_extractor
 from neardup.detector import Detector
 from neardup.io.files import (
     READ_ERRORS,
@@ -214,6 +215,7 @@ def dedup_files(
     parallel: bool = default("pipeline"),
     time_field: str | None = None,
     retention: Retention | dict[str, Any] | None = None,
+    text_format: str = "plain",
 ) -> Summary:
     """Deduplicate ``inputs`` (JSONL, gzipped or not, or ``-``) in order, into ``out_dir``.
 
@@ -236,12 +238,16 @@ def dedup_files(
             8601 or epoch seconds); None: the time a line is read.
         retention: the retention window stored with the state (a mapping changes only
             the bounds it names); None keeps the stored one (``neardup.core.retention``).
+        text_format: ``"html"``: the text fields hold HTML pages and their main text is
+            deduplicated (``neardup.extract``); a page with none is rejected.
 
     Raises:
         InputError: an input is missing, a directory, unreadable or corrupt.
         OutputError: the outputs hold earlier output this run would destroy.
         SettingsMismatchError: ``state_dir`` holds state built with other settings.
     """
+    if text_format == "html":
+        require_extractor()
     sources = [check_input(path) for path in inputs]
     summary = Summary()
     clusters: set[str] = set()
@@ -259,7 +265,7 @@ def dedup_files(
             _commit_outputs(store, settings, outputs_key, outputs.flush())
             detector = Detector(settings, store)
             ids = DistinctIds(store)
-            parse = ParseLines(tuple(text_fields), id_field, time_field)
+            parse = ParseLines(tuple(text_fields), id_field, time_field, text_format)
             large = sum(source.size or 0 for source in sources) >= WORKER_AT_ONCE_BYTES
             worker_after = 0 if large else WORKER_AFTER_BATCHES
             started = time.perf_counter()

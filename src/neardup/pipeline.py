@@ -97,6 +97,7 @@ class ParseLines:
     text_fields: tuple[str, ...]
     id_field: str | None
     time_field: str | None
+    text_format: str = "plain"
 
     def payload(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         return batch
@@ -105,7 +106,8 @@ class ParseLines:
         parsed: list[_Parsed] = []
         texts = []
         for i, (number, data) in enumerate(batch):
-            line = parse_line(number, data, self.text_fields, self.id_field, self.time_field)
+            line = parse_line(number, data, self.text_fields, self.id_field, self.time_field,
+                              self.text_format)
             if line is None:
                 continue
             if (doc := line.document) is not None:

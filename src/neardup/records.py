@@ -7,9 +7,15 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from neardup.extract import main_text
+
 
 class RecordError(ValueError):
     """A record that cannot be deduplicated; ``str(error)`` is the reason."""
+
+
+class NoMainText(RecordError):
+    """HTML from which ``neardup.extract.main_text`` takes no text."""
 
 
 _MISSING = object()
@@ -25,12 +31,16 @@ def lookup(record: Any, path: str) -> Any:
     return value
 
 
-def record_text(record: Any, text_fields: Sequence[str]) -> str:
-    """The record's text: the given fields that are present, joined by newlines.
+def record_text(record: Any, text_fields: Sequence[str], text_format: str = "plain") -> str:
+    """The record's text: the given fields that are present, joined by newlines; with
+    ``text_format`` ``"html"``, the main text of each field's HTML
+    (``neardup.extract.main_text``), those with some joined by blank lines.
 
     Raises:
-        RecordError: the record is not a JSON object, none of the fields is present, or a
-            present field is not a string.
+        RecordError: the record is not a JSON object, none of the fields is present, a
+            present field is not a string, or (HTML) holds a lone surrogate.
+        NoMainText: HTML fields, none with a main text.
+        neardup.extract.ExtraMissing: HTML, and the ``html`` extra is not installed.
     """
     if not isinstance(record, dict):
         raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
@@ -44,6 +54,18 @@ def record_text(record: Any, text_fields: Sequence[str]) -> str:
         parts.append(value)
     if not parts:
         raise RecordError(f"missing field {' or '.join(map(repr, text_fields))}")
+    if text_format == "html":
+        for part in parts:  # json reads "\ud800" escapes: no Unicode, no HTML to parse
+            try:
+                part.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RecordError(f"field {' or '.join(map(repr, text_fields))} holds a lone surrogate "
+                                  "(not Unicode text)") from None
+        texts = [t for t in map(main_text, parts) if t]
+        if not texts:
+            raise NoMainText(f"no main text in the HTML of field {' or '.join(map(repr, text_fields))} "
+                             "(empty, or navigation, links and other boilerplate only)")
+        return "\n\n".join(texts)
     return "\n".join(parts)
 
 

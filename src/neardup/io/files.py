@@ -25,7 +25,7 @@ import xxhash
 from isal import igzip, isal_zlib
 
 from neardup.core.types import Document, Verdict
-from neardup.records import RecordError, record_id, record_text, record_time
+from neardup.records import NoMainText, RecordError, record_id, record_text, record_time
 
 GZIP_MAGIC = b"\x1f\x8b"
 #: What reading a corrupt or truncated input raises (gzip data is decompressed by ISA-L,
@@ -168,12 +168,13 @@ def read_lines(
     id_field: str | None,
     start: int = 0,
     time_field: str | None = None,
+    text_format: str = "plain",
 ) -> Iterator[Line]:
     """Parse JSONL from the byte lines of ``stream`` (``open_binary``), skipping the first
     ``start`` lines and blank ones (``parse_line``, which says how each line is read).
     """
     for number, data in numbered_lines(stream, start):
-        if (line := parse_line(number, data, text_fields, id_field, time_field)) is not None:
+        if (line := parse_line(number, data, text_fields, id_field, time_field, text_format)) is not None:
             yield line
 
 
@@ -186,13 +187,16 @@ def numbered_lines(stream: Iterable[bytes], start: int = 0) -> Iterator[tuple[in
 
 
 def parse_line(number: int, data: bytes, text_fields: Sequence[str], id_field: str | None,
-               time_field: str | None = None) -> Line | None:
+               time_field: str | None = None, text_format: str = "plain") -> Line | None:
     """One JSONL line (``data``, its bytes, line ``number``) as a ``Line``; None for a line
     blank by Unicode's white space.
 
     With ``time_field`` a document's time (for a retention window) is that field's
     value, ISO 8601 or epoch seconds (``neardup.records.record_time``); without it, its
     arrival.
+
+    With ``text_format`` ``"html"`` the text fields hold HTML and the text is their main
+    text (``neardup.records.record_text``); a page with none is rejected, saying so.
 
     A record's id is its ``id_field`` value, else its line number. Lines that are not
     valid UTF-8, not JSON, or lack the text field come out with ``document=None`` and
@@ -215,15 +219,17 @@ def parse_line(number: int, data: bytes, text_fields: Sequence[str], id_field: s
             return Line(number, None, None, f"invalid JSON: {exc}", raw)
     try:
         try:
-            text = record_text(record, text_fields)
+            text = record_text(record, text_fields, text_format)
             doc_id = record_id(record, id_field) or str(number)
+        except NoMainText:
+            raise
         except RecordError as refused:
             # orjson reads an integer beyond 64 bits as a float: json keeps it exact
             try:
                 record = json.loads(data)
             except (ValueError, RecursionError):
                 raise refused from None
-            text = record_text(record, text_fields)
+            text = record_text(record, text_fields, text_format)
             doc_id = record_id(record, id_field) or str(number)
         when = record_time(record, time_field) if time_field else None
         _check_unicode(id_field or "id", doc_id, text_fields, text)

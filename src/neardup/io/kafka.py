@@ -382,7 +382,7 @@ class DedupProcessor:
             m = it.message
             try:
                 doc = to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
-                                  s.text_field, s.id_field, s.max_message_bytes)
+                                  s.text_field, s.id_field, s.max_message_bytes, s.text_format)
                 ts_type, ts = m.timestamp()  # the retention window's clock; none: arrival
                 documents.append(Document(doc.id, doc.text, ts / 1000 if ts_type != 0 else None))
                 fresh.append(it)

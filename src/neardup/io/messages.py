@@ -14,7 +14,8 @@ from typing import Literal
 import orjson
 
 from neardup.core.types import Document, Verdict
-from neardup.records import RecordError, record_id, record_text
+from neardup.extract import main_text
+from neardup.records import NoMainText, RecordError, record_id, record_text
 
 Headers = list[tuple[str, bytes]]
 Target = Literal["unique", "duplicate", "dlq"]
@@ -377,10 +378,13 @@ def to_document(
     text_fields: Sequence[str] | None,
     id_field: str | None,
     max_bytes: int,
+    text_format: str = "plain",
 ) -> Document:
     """The document of one message.
 
-    The text is the whole value (UTF-8) or, with ``text_fields``, the JSON fields joined.
+    The text is the whole value (UTF-8) or, with ``text_fields``, the JSON fields joined;
+    with ``text_format`` ``"html"``, the main text of that HTML (``neardup.records.record_text``,
+    ``neardup.extract.main_text``).
     The id is ``id_field`` of the JSON value, else the key, else ``topic/partition/offset``.
 
     JSON is parsed by orjson (RFC 8259, strictly), which never recurses in Python and
@@ -391,7 +395,9 @@ def to_document(
 
     Raises:
         MessageError: null value (tombstone), value over ``max_bytes``, invalid UTF-8,
-            invalid JSON, or a missing text field.
+            invalid JSON, a missing text field, or HTML without main text (kind
+            ``empty_text``).
+        neardup.extract.ExtraMissing: HTML, and the ``html`` extra is not installed.
     """
     if value is None:
         raise MessageError("tombstone", "null value (tombstone)")
@@ -413,10 +419,17 @@ def to_document(
             record = None
         try:
             if text_fields:
-                text = record_text(record, text_fields)
+                text = record_text(record, text_fields, text_format)
             doc_id = record_id(record, id_field)
+        except NoMainText as exc:
+            raise MessageError("empty_text", str(exc)) from None
         except RecordError as exc:
             raise MessageError("missing_field", str(exc)) from None
+    if text_format == "html" and not text_fields:
+        text = main_text(text)
+        if not text:
+            raise MessageError("empty_text", "no main text in the HTML value "
+                                             "(empty, or navigation, links and other boilerplate only)")
     if doc_id is None and key is not None:
         doc_id = key.decode("utf-8", "backslashreplace")
     return Document(doc_id or f"{topic}/{partition}/{offset}", text)
