@@ -49,6 +49,7 @@ class Progress:
         self._since: float | None = None  # time.time() since which input waits
         self._failures = 0  # batches failed since the last commit
         self._last_error = ""
+        self._first_error = ""  # of the failures since the last commit: often the cause
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,6 +74,8 @@ class Progress:
                 self._since = time.time()
             self._failures += 1
             self._last_error = " ".join(str(error).split())
+            if self._failures == 1:
+                self._first_error = self._last_error
             return self._failures
 
     def idle(self, retrying: Callable[[], bool]) -> None:
@@ -99,7 +102,7 @@ class Progress:
         """The reason, in one line, when input has waited more than ``stall_after``
         seconds; else None."""
         with self._lock:
-            since, failures, error = self._since, self._failures, self._last_error
+            since, failures, first, error = self._since, self._failures, self._first_error, self._last_error
         if since is None:
             return None
         waited = time.time() - since
@@ -107,7 +110,10 @@ class Progress:
             return None
         reason = f"stalled: no batch committed for {waited:.0f} s while input waits"
         if failures:
-            reason += f"; {failures} attempt(s) failed, the last: {error}"
+            reason += f"; {failures} attempt(s) failed"
+            if first != error:
+                reason += f", the first: {first};"
+            reason += f" the last: {error}" if first != error else f", the last: {error}"
         return reason
 
     def check(self) -> tuple[bool, str]:

@@ -397,6 +397,7 @@ class StageRuntime:
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
         self._backoff, self._resets = 0.5, 0
+        self._input_failed = False  # a batch of messages failed since one last committed
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
 
@@ -770,7 +771,11 @@ class StageRuntime:
                 self._discard_producer()
             raise pending.error
         result = self.processor.committed(pending.written, pending.seconds)
-        self.progress.committed(more_in_hand)
+        if pending.messages or not self._input_failed:
+            # a batch of no messages (``Processor.due``) committing is no progress for
+            # input whose batch keeps failing
+            self.progress.committed(more_in_hand)
+            self._input_failed = False
         self._backoff, self._resets = 0.5, 0
         self.batches += 1
         self._broker_answered()
@@ -789,6 +794,7 @@ class StageRuntime:
         assert self._pending is None  # ``_process`` and the idle loop take it up first
         # The first failure since the last commit is logged; the retries of a batch that
         # keeps failing go to the debug log, the stall is logged once a minute (``Progress``).
+        self._input_failed = self._input_failed or bool(self._unsettled or messages)
         cause = getattr(self.processor, "cause", None)
         why = cause() if cause is not None else None
         level = logging.WARNING if self.progress.failed(f"{why} ({exc})" if why else exc) == 1 else logging.DEBUG
