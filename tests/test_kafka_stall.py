@@ -107,7 +107,8 @@ def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bo
             retries = [r for r in caplog.records if "batch failed" in r.getMessage()]
             assert len(retries) >= 2, [r.getMessage() for r in retries]
             assert [r.levelno for r in retries if r.levelno >= logging.WARNING] == [logging.WARNING]
-            refusals = [r for r in caplog.records if r.name == "neardup.io.kafka" and "headers alone was refused" in r.getMessage()]
+            refusals = [r for r in caplog.records
+                        if r.name == "neardup.io.kafka" and "headers alone was refused" in r.getMessage()]
             assert len(refusals) == 1, [r.getMessage() for r in refusals]
 
         finally:
@@ -136,7 +137,8 @@ def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, 
     topology = Topology(f"stall-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
     topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
     _set_limit(kafka_bootstrap, [topology.bands], 40)
-    produce(kafka_bootstrap, topic, [(b"1", json.dumps({"id": "1", "text": "a few words of text for the shards"}).encode())])
+    record = {"id": "1", "text": "a few words of text for the shards"}
+    produce(kafka_bootstrap, topic, [(b"1", json.dumps(record).encode())])
     settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic],
                               "group_id": f"{topology.app}.prepare", "from_beginning": True,
                               "text_field": ["text"], "id_field": "id", "batch_max_ms": 200})
@@ -174,7 +176,8 @@ def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, 
             stage.stop()
             runner.join(240)  # an abort in progress is retried for a minute first
     assert not runner.is_alive()
-    print(f"prepare stage: /readyz 503 {unready_after:.1f} s after the batch was consumed; reason: {reason.strip()[:200]}")
+    print(f"prepare stage: /readyz 503 {unready_after:.1f} s after the batch was consumed; "
+          f"reason: {reason.strip()[:200]}")
 
 
 def test_an_idle_consumer_is_not_stalled(kafka_bootstrap, tmp_path, caplog):

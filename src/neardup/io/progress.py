@@ -5,7 +5,9 @@ A consumer is *waiting* from the moment it holds a batch it has consumed (or a b
 its own, ``Processor.due``) until a batch commits with nothing else in hand, or until it
 is idle (nothing consumed) with no failed batch to take again. A failed batch keeps it
 waiting even through an idle ``consume`` (its partitions were rewound, it comes back),
-until a batch commits or the consumer has no partitions left. So an idle
+until a batch commits or the consumer has no partitions left. A batch of no messages
+(``Processor.due``) that commits while a batch of messages keeps failing does not end it
+(the runtime's rule, ``neardup.io.stage``). So an idle
 consumer with nothing to read is never stalled; one that retries a batch that cannot be
 committed (a dead-letter topic that refuses even neardup's headers alone, say) is, from
 the moment it first consumed that batch.
