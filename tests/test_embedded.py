@@ -280,3 +280,60 @@ def test_lines_parsed_and_prepared_in_the_worker_give_the_outputs_of_one_process
     assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")
     counts = _count(tmp_path / "one")
     assert counts["duplicates"] >= 129 and counts["rejects"] == 31
+
+
+def _stdin_command(state: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "neardup.cli", "dedup", "-", "--state-dir", str(state), "--out-dir", str(out),
+            "--batch-size", "100", "--no-pipeline", "--log-level", "INFO"]
+
+
+def test_a_rerun_over_stdin_of_an_interrupted_run_is_refused(tmp_path: Path) -> None:
+    """stdin has no identity, so a run over it cannot be resumed: the start says so in
+    one line; a run over stdin killed after 200 or 300 committed lines, run again over the whole
+    input, is refused with one line and leaves the outputs as they were (read again, those
+    lines would be duplicates of themselves). A run over stdin that ended does not
+    stop the next one."""
+    lines = _stories(600)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    state, out = tmp_path / "state", tmp_path / "out"
+    proc = subprocess.Popen(_stdin_command(state, out), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env, start_new_session=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(line.decode() for line in proc.stderr), daemon=True)
+    reader.start()
+    proc.stdin.write("".join(line + "\n" for line in lines[:300]).encode())
+    proc.stdin.flush()
+    deadline, last, stable_since = time.monotonic() + 300, None, time.monotonic()
+    while time.monotonic() - stable_since < 3:  # 3 batches written and committed, waiting for more
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(err)[-2000:]
+        sizes = _sizes(out)
+        if sizes != last or sum(sizes.values()) == 0:
+            last, stable_since = sizes, time.monotonic()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join(10)
+    starts = [line for line in err if "stdin cannot be resumed" in line]
+    assert len(starts) == 1 and "a rerun over stdin with --state-dir" in starts[0], "".join(err)[-2000:]
+    before = _outputs(out)
+    written = sum(len(data.splitlines()) for data in before.values())
+    assert written >= 200  # the batch of lines 201-300 may wait for the line after it
+
+    data = "".join(line + "\n" for line in lines).encode()
+    again = subprocess.run(_stdin_command(state, out), input=data, capture_output=True, env=env, timeout=600)
+    stderr = again.stderr.decode()
+    assert again.returncode == 2, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("neardup: error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert f"interrupted after line {written}" in errors[0] and "stdin cannot be resumed" in errors[0]
+    assert _outputs(out) == before
+
+    # a run over stdin that reaches its end leaves the state open to the next one
+    state2, out2 = tmp_path / "state2", tmp_path / "out2"
+    first = subprocess.run(_stdin_command(state2, out2), input="".join(l + "\n" for l in lines[:300]).encode(),
+                           capture_output=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    second = subprocess.run(_stdin_command(state2, out2), input="".join(l + "\n" for l in lines[300:]).encode(),
+                            capture_output=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr.decode()[-2000:]
+    assert sum(len(d.splitlines()) for d in _outputs(out2).values()) == 600

@@ -414,6 +414,7 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.detector import Detector
     from neardup.io.changelog import ChangelogWriter
     from neardup.io.kafka import KafkaDeduplicator
+    from neardup.io.progress import Progress
     from neardup.server import Readiness
     from neardup.state.rocksdb import RocksDBStateStore
 
@@ -425,9 +426,11 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
 
         require_extractor()
     state_dir = settings.state_dir or DEFAULT_STATE_DIR
-    readiness = Readiness()
+    progress = Progress(name="neardup run")
+    readiness = Readiness(progress=progress)
     port = DEFAULT_METRICS_PORT if settings.metrics_port is None else settings.metrics_port
     metrics, server = _metrics_server(settings, engine, port, readiness.check)
+    metrics.watch_progress(progress)
 
     def on_restore(event: Any) -> None:  # True when a restore begins, then its statistics
         readiness.set_restoring(event is True)
@@ -442,6 +445,7 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
                 settings, Detector(engine, store),
                 **_observed(metrics, readiness, lambda: consumer.lag(), metrics.observe_batch,
                             lambda: metrics.refresh_state(store)),
+                progress=progress,
             )
             consumer.run()
     finally:
@@ -486,14 +490,17 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if role != "prepare":
         stage_settings = stage_settings.model_copy(update={"from_beginning": True})
     from neardup.metrics import StageMetrics
+    from neardup.io.progress import Progress
     from neardup.server import MetricsServer, Readiness
 
-    metrics, readiness = StageMetrics(role), Readiness()
+    progress = Progress(name=f"the {role} stage")
+    metrics, readiness = StageMetrics(role), Readiness(progress=progress)
     metrics.set_build_info(engine)
+    metrics.watch_progress(progress)
     port = settings.metrics_port or 0  # off by default: several stage processes often share a host
     server = MetricsServer(metrics, settings.metrics_host, port, readiness.check).start() if port else None
 
-    callbacks = _observed(metrics, readiness, lambda: runtime.lag(), metrics.observe)
+    callbacks = {**_observed(metrics, readiness, lambda: runtime.lag(), metrics.observe), "progress": progress}
     try:
         if role == "prepare":
             from neardup.io.prepare_stage import PrepareStage

@@ -49,6 +49,9 @@ T = TypeVar("T")
 #: name holds no ``\\0``, so they cannot meet the consumer's keys).
 OUTPUTS_KEY = b"dedup:outputs\0"  # + resolved out dir: JSON {output name: bytes}
 PATH_KEY = b"dedup:path\0"  # + resolved input path: the Input.key last read under it
+#: Set (to the last line committed, ASCII) by every batch read from stdin, deleted when
+#: stdin ends: present at the start, a run over stdin was interrupted.
+STDIN_KEY = b"dedup:stdin\0"
 
 
 #: Inputs of at least this many bytes on disk (gzipped ones count as stored) start the
@@ -171,6 +174,34 @@ def _start_line(store: RocksDBStateStore, source: Input) -> int:
     return start
 
 
+def _check_stdin(store: RocksDBStateStore, sources: list[Input], state_dir: Path | None) -> None:
+    """A run over stdin cannot be resumed: stdin has no identity, so nothing tells the
+    lines read before from others. Say so (one line), and refuse a rerun over stdin of
+    a state whose run over stdin was interrupted: it would read again the lines already
+    in the state, and its outputs would not be those of an uninterrupted run.
+
+    Raises:
+        InputError: stdin is an input and the state holds an interrupted run over it.
+    """
+    if state_dir is None or all(source.resumable for source in sources):
+        return
+    [interrupted] = store.get_verdicts([STDIN_KEY])
+    if interrupted is not None:
+        raise InputError(
+            f"the state in {state_dir} holds a run over stdin interrupted after line {interrupted.decode()}, "
+            "and stdin cannot be resumed (it has no identity); give the input as a file, or start again "
+            "with an empty --state-dir and --overwrite")
+    log.info("stdin cannot be resumed (it has no identity): if this run is interrupted, a rerun over "
+             "stdin with --state-dir %s is refused", state_dir)
+
+
+def _commit_stdin_read(store: RocksDBStateStore, settings: EngineSettings) -> None:
+    """stdin was read to its end: the next run may read stdin again."""
+    store.commit(StateUpdate(first_seq=store.next_seq(), ids=[],
+                             signatures=np.empty((0, settings.num_perm), np.uint64),
+                             verdict_deletes=[STDIN_KEY]))
+
+
 def _numbered(source: Input, stream: Iterable[bytes], start: int) -> Iterator[tuple[int, bytes]]:
     try:
         yield from numbered_lines(stream, start)
@@ -259,6 +290,7 @@ def dedup_files(
         bar = tqdm(unit=" docs", disable=None if progress is None else not progress)
         try:
             outputs_key = OUTPUTS_KEY + str(out_dir.resolve()).encode("utf-8", "surrogateescape")
+            _check_stdin(store, sources, state_dir)  # before any output is touched
             [recorded] = store.get_verdicts([outputs_key])
             outputs = OutputFiles(out_dir, json.loads(recorded) if recorded else None,
                                   append=append, overwrite=overwrite)
@@ -308,10 +340,14 @@ def dedup_files(
                         if source.resumable:
                             result.update.positions[source.key] = last
                             result.update.verdicts[_path_key(source)] = source.key.encode()
+                        else:
+                            result.update.verdicts[STDIN_KEY] = str(last).encode()
                         store.commit(result.update)
                         bar.update(len(batch))
                         if on_batch is not None:
                             on_batch(result.results, time.perf_counter() - t0)
+                if not source.resumable:
+                    _commit_stdin_read(store, settings)
             summary.renamed_ids = ids.renamed
             if ids.renamed > DistinctIds.warnings:
                 log.warning("%d ids seen before were renamed (<id>@<file>:<line>)", ids.renamed)

@@ -17,6 +17,8 @@ Feeding it:
 - ``set_lag(lag)`` with ``KafkaDeduplicator.lag()``; ``set_assignment(partitions)`` on
   rebalances (drops the lag of partitions no longer assigned).
 - ``transaction_aborted()`` from ``on_abort``.
+- ``watch_progress(progress)`` once: ``neardup_input_waiting_since_timestamp_seconds``
+  reads the consumer's ``neardup.io.progress.Progress`` at every scrape.
 - ``observe_restore(event)`` from a changelog restore's ``on_restore``: True when it
   begins (``neardup_restore_in_progress`` 1), its ``RestoreStats`` when it ends.
 - ``refresh_state(store)`` after batches: reads ``store.stats()`` at most every
@@ -167,6 +169,11 @@ class Metrics:
             ["topic", "partition"], registry=r)
         self.assigned_partitions = Gauge(
             "neardup_assigned_partitions", "Input partitions assigned to this consumer.", registry=r)
+        self.waiting_since = Gauge(
+            "neardup_input_waiting_since_timestamp_seconds",
+            "Unix time since which input has waited (a batch in hand, or a failed one to retry) with no batch "
+            "committed; 0 while nothing waits. time() minus it: how long the consumer has been stuck.",
+            registry=r)
         self.transactions = Counter(
             "neardup_transactions", "Kafka transactions, by outcome (committed|aborted).", ["outcome"], registry=r)
         self.state_keys = Gauge(
@@ -295,6 +302,11 @@ class Metrics:
             self.consumer_lag.remove(*labels)
         self._lag_labels &= keep
 
+    def watch_progress(self, progress: Any) -> None:
+        """Read ``progress.waiting_since()`` (a ``neardup.io.progress.Progress``) into
+        ``neardup_input_waiting_since_timestamp_seconds`` at every scrape."""
+        self.waiting_since.set_function(progress.waiting_since)
+
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
         """Messages behind per (topic, partition)."""
         for (topic, partition), value in lag.items():
@@ -371,6 +383,11 @@ class StageMetrics:
             ["stage", "topic", "partition"], registry=r)
         self.assigned_partitions = Gauge(
             "neardup_stage_assigned_partitions", "Partitions assigned to this process.", ["stage"], registry=r)
+        self.waiting_since = Gauge(
+            "neardup_stage_input_waiting_since_timestamp_seconds",
+            "Unix time since which input has waited (a batch in hand, or a failed one to retry) with no batch "
+            "committed; 0 while nothing waits.", ["stage"], registry=r)
+        self.waiting_since.labels(stage).set(0)
         self.late = Counter(
             "neardup_reorder_late_records",
             "Band records that came after a later one of their shard was released (past the reorder window), processed at once.",
@@ -444,6 +461,10 @@ class StageMetrics:
         for topic, partition in self._lag_labels - keep:
             self.consumer_lag.remove(self.stage, topic, partition)
         self._lag_labels &= keep
+
+    def watch_progress(self, progress: Any) -> None:
+        """As ``Metrics.watch_progress``: ``neardup_stage_input_waiting_since_timestamp_seconds``."""
+        self.waiting_since.labels(self.stage).set_function(progress.waiting_since)
 
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
         """Records behind per (topic, partition)."""

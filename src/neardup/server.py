@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by every command
+    from neardup.io.progress import Progress
     from neardup.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,18 @@ class ServerError(RuntimeError):
 
 
 class Readiness:
-    """Readiness of a Kafka consumer: partitions assigned and the broker heard from within
-    ``broker_timeout`` seconds. Thread-safe; ``check`` is the ``/readyz`` test.
+    """Readiness of a Kafka consumer: partitions assigned, the broker heard from within
+    ``broker_timeout`` seconds, and not stalled (``progress``: input waiting with no batch
+    committed for longer than its ``stall_after``, ``neardup.io.progress``). Thread-safe;
+    ``check`` is the ``/readyz`` test.
 
     Feed it with ``set_assignment`` (``on_assignment``) and ``broker_answered``
-    (``on_broker``).
+    (``on_broker``); ``progress`` is fed by the consumer's runtime.
     """
 
-    def __init__(self, broker_timeout: float = 30.0) -> None:
+    def __init__(self, broker_timeout: float = 30.0, progress: Progress | None = None) -> None:
         self.broker_timeout = broker_timeout
+        self.progress = progress
         self._lock = threading.Lock()
         self._partitions = 0
         self._broker_at: float | None = None
@@ -75,6 +79,9 @@ class Readiness:
             return False, f"broker silent for {silent:.0f} s"
         if partitions == 0:
             return False, "no partitions assigned"
+        stalled = self.progress.stalled() if self.progress is not None else None
+        if stalled is not None:
+            return False, stalled
         return True, f"ready: {partitions} partition(s) assigned"
 
 

@@ -93,6 +93,7 @@ from neardup.io.messages import (
     verdict_key,
     verdict_key_prefix,
 )
+from neardup.io.progress import Progress
 from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.stage import TP, StageRuntime, fatal
 from neardup.io.topics import create_missing, new_topic, sized_outputs
@@ -215,6 +216,8 @@ class DedupProcessor:
         # fall back to, and why): their batch fails, and its retry produces them so.
         self._failed: dict[bytes, tuple[int, str]] = {}
         self._purged = False  # the open transaction's queue was purged (it must abort)
+        self._refused: set[bytes] = set()  # verdict keys whose last-stage refusal is logged
+        self._refusal: str | None = None  # the last one, until a batch commits
         common = {"bootstrap.servers": settings.bootstrap_servers, "logger": rdkafka_logger(), **settings.kafka}
         self._limits = TopicLimits(common, int(settings.kafka.get("batch.size", PRODUCER_BATCH_BYTES)))
         self._admin: AdminClient | None = None  # for topic ids
@@ -266,6 +269,11 @@ class DedupProcessor:
 
     def due(self) -> bool:
         return False
+
+    def cause(self) -> str | None:
+        """Why batches fail, when this processor knows better than the error of the
+        transaction (a record the dead-letter topic refuses at its last stage)."""
+        return self._refusal
 
     def aborted(self) -> None:
         """Nothing to undo: ``compute`` changes nothing (the state is written in step 4,
@@ -548,6 +556,8 @@ class DedupProcessor:
         if self._failed:
             for key in written.keys:
                 self._failed.pop(key, None)
+        self._refused.clear()
+        self._refusal = None
         self.batches_prepared_ahead += written.prepared
         written.stats.seconds = seconds
         return written.stats
@@ -616,7 +626,10 @@ class DedupProcessor:
         if stage < LAST_STAGE:
             self._failed[key] = (stage + 1, f"not produced to {msg.topic()}: {err.str()}")
         else:
-            log.error("a dead letter of neardup's headers alone was refused by %s: %s", msg.topic(), err)
+            self._refusal = f"a dead letter of neardup's headers alone was refused by {msg.topic()}: {err.str()}"
+            if key not in self._refused:  # once: the batch is retried until it commits
+                self._refused.add(key)
+                log.error("%s", self._refusal)
         self._limits.forget()  # a topic's max.message.bytes may have changed
         if not self._purged and self._producer is not None:
             self._purged = True
@@ -641,6 +654,7 @@ class KafkaDeduplicator(StageRuntime):
         on_batch: called after every committed batch with its ``BatchStats``.
         on_assignment, on_abort, on_broker: as ``StageRuntime``'s.
         on_restore: as ``DedupProcessor``'s.
+        progress: as ``StageRuntime``'s.
 
     Raises:
         ValueError: no bootstrap servers or no input topic.
@@ -655,9 +669,10 @@ class KafkaDeduplicator(StageRuntime):
         on_abort: Callable[[KafkaException], None] | None = None,
         on_broker: Callable[[], None] | None = None,
         on_restore: Callable[[bool | RestoreStats], None] | None = None,
+        progress: Progress | None = None,
     ) -> None:
         super().__init__(settings, DedupProcessor(settings, detector, on_restore), on_batch=on_batch,
-                         on_assignment=on_assignment, on_abort=on_abort, on_broker=on_broker)
+                         on_assignment=on_assignment, on_abort=on_abort, on_broker=on_broker, progress=progress)
         self.detector = detector
 
     @property

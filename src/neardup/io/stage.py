@@ -87,6 +87,12 @@ on it elsewhere, e.g. in another process). Batch k + 1 is only held in memory:
 - ``stop()`` finishes batch k and drops batch k + 1 (the next consumer resumes at the
   committed offset).
 
+Progress (``neardup.io.progress``): the runtime tells its ``Progress`` when a batch is in
+hand, committed or failed, and when it is idle; a consumer whose input has waited with no
+batch committed for ``STALL_AFTER_S`` is stalled (``/readyz``, a gauge, a log line once a
+minute). A failed batch's retry is logged at its first failure only, the stall then once
+a minute, so a batch that fails again and again does not flood the log.
+
 SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
 dropped, the consumer leaves its group, and ``run`` returns.
 """
@@ -109,6 +115,7 @@ from neardup.config import Settings
 from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
 from neardup.io.clients import consumer_config, init_transactions, producer_config, retriable
 from neardup.io.intake import OrderedIntake
+from neardup.io.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +360,8 @@ class StageRuntime:
         on_broker: called whenever the broker was heard from: transactions initialised,
             a batch committed, or librdkafka statistics (every ``statistics.interval.ms``,
             default 5000 here) showing a broker connection up. Readiness checks use it.
+        progress: told of every batch in hand, committed or failed (``neardup.io.progress``);
+            default: one of its own.
 
     Raises:
         ValueError: no bootstrap servers or no input topic.
@@ -366,6 +375,7 @@ class StageRuntime:
         on_assignment: Callable[[list[TopicPartition]], None] | None = None,
         on_abort: Callable[[KafkaException], None] | None = None,
         on_broker: Callable[[], None] | None = None,
+        progress: Progress | None = None,
     ) -> None:
         if not settings.bootstrap_servers:
             raise ValueError("--bootstrap-servers is required")
@@ -377,6 +387,7 @@ class StageRuntime:
         self.on_assignment = on_assignment
         self.on_abort = on_abort
         self.on_broker = on_broker
+        self.progress = progress or Progress()
         self.transactional_id = settings.transactional_id or f"neardup-{settings.group_id}"
         self._stop = threading.Event()
         self.assignment: list[TopicPartition] = []
@@ -389,6 +400,7 @@ class StageRuntime:
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
         self._backoff, self._resets = 0.5, 0
+        self._input_failed = False  # a batch of messages failed since one last committed
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
         # consumed messages not in a batch yet, released in order-key order (a processor that orders partitions)
@@ -409,6 +421,7 @@ class StageRuntime:
         if install_signal_handlers:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
+        self.progress.start()
         try:
             self.processor.open()
             self._connect()
@@ -422,8 +435,13 @@ class StageRuntime:
                 self.close()
             except Exception as failed:
                 log.warning("closing after an error failed too: %s (after: %s)", failed, exc)
+            finally:
+                self.progress.close()
             raise
-        self.close()
+        try:
+            self.close()
+        finally:
+            self.progress.close()
 
     def close(self) -> None:
         """Leave the group and close the processor; a batch read ahead is dropped (the
@@ -633,12 +651,16 @@ class StageRuntime:
                 except KafkaException as exc:
                     self._recover(exc, [])
                 self.processor.idle()
+                # a failed batch is retried while partitions are assigned (rewound, or due again)
+                self.progress.idle(lambda: bool(self.assignment))
                 if self.processor.due():
+                    self.progress.in_hand()
                     try:
                         self._process(self.processor.read([], False))
                     except KafkaException as exc:
                         self._recover(exc, [])
                 continue
+            self.progress.in_hand()
             if not self._consumed:
                 self._consumed = True
                 log.info("first messages consumed: %d", len(batch.messages))
@@ -772,7 +794,7 @@ class StageRuntime:
         started = time.perf_counter()
         work = self.processor.compute(batch)
         assert self.producer is not None and self.consumer is not None
-        self._finish_pending()  # the previous batch's transaction, committed meanwhile
+        self._finish_pending(more_in_hand=True)  # the previous batch's transaction, committed meanwhile
         self._call("begin_transaction", self.producer.begin_transaction)
         written = self.processor.write(work, self.producer)
         # Step 5 in a thread: the broker's answers are waited for while this thread
@@ -808,8 +830,9 @@ class StageRuntime:
         if pending.thread.is_alive() and pending.error is None:
             pending.error = ProducerWedged("step 5 (offsets and commit)", STEP5_WAIT_S)
 
-    def _finish_pending(self) -> None:
-        """Wait for the batch whose transaction is committing, then count it (or raise).
+    def _finish_pending(self, more_in_hand: bool = False) -> None:
+        """Wait for the batch whose transaction is committing, then count it (or raise);
+        ``more_in_hand``: a later batch is held (for ``Progress.committed``).
 
         Raises:
             KafkaException: its offsets or commit failed; its messages are rewound with
@@ -825,6 +848,11 @@ class StageRuntime:
                 self._discard_producer()
             raise pending.error
         result = self.processor.committed(pending.written, pending.seconds)
+        if pending.messages or not self._input_failed:
+            # a batch of no messages (``Processor.due``) committing is no progress for
+            # input whose batch keeps failing
+            self.progress.committed(more_in_hand)
+            self._input_failed = False
         self._backoff, self._resets = 0.5, 0
         self.batches += 1
         self._broker_answered()
@@ -841,6 +869,12 @@ class StageRuntime:
                 in a row.
         """
         assert self._pending is None  # ``_process`` and the idle loop take it up first
+        # The first failure since the last commit is logged; the retries of a batch that
+        # keeps failing go to the debug log, the stall is logged once a minute (``Progress``).
+        self._input_failed = self._input_failed or bool(self._unsettled or messages)
+        cause = getattr(self.processor, "cause", None)
+        why = cause() if cause is not None else None
+        level = logging.WARNING if self.progress.failed(f"{why} ({exc})" if why else exc) == 1 else logging.DEBUG
         if isinstance(exc, ProducerWedged) or self.producer is None:
             # librdkafka's own timeout did not hold (a broker restarted under a call):
             # the producer is dropped uncalled; a new one fences it and the broker aborts
@@ -857,7 +891,7 @@ class StageRuntime:
             log.warning("producer failed fatally (%s); starting a new one", exc)
             self._new_producer()
         else:
-            log.warning("batch failed (%s); aborting and retrying in %.1f s", exc, self._backoff)
+            log.log(level, "batch failed (%s); aborting and retrying in %.1f s", exc, self._backoff)
             self._abort()
         self._rewind(self._unsettled + messages)
         self._unsettled = []
