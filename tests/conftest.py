@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -81,6 +82,20 @@ def pytest_configure(config: pytest.Config) -> None:
     run_dir = tempfile.mkdtemp(prefix="neardup-tests-")
     os.environ[RUN_DIR_ENV] = run_dir
     config.stash[_RUN_DIR_KEY] = Path(run_dir)
+    if (config.getoption("numprocesses", None) or 0) > 0:
+        _warm_kernels()
+
+
+def _warm_kernels() -> None:
+    """Compile numba's kernel cache once, before the workers start (``neardup.build_kernels.warm``,
+    in a process of its own: this one must not import numba). On a cold cache every worker,
+    and every ``neardup`` process they start, would otherwise compile the same kernels at
+    once on a machine with fewer cores than workers; on a warm cache it only loads them."""
+    proc = subprocess.run([sys.executable, "-c", "from neardup.build_kernels import warm; warm()"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
+    if proc.returncode != 0:  # the tests that use the kernels compile them and report the error
+        print(f"conftest: the kernel warm-up failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+              file=sys.stderr)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
