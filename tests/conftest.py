@@ -1,10 +1,11 @@
 """Shared pytest fixtures.
 
-The suite runs in parallel (pytest-xdist, ``-n`` in pyproject's ``addopts``): the broker
-tests mostly wait, so several run at once. The processes of one run (the controller and
-its workers) share a folder, ``$PYTEST_NEARDUP_RUN_DIR`` (made by :func:`pytest_configure`
-in the controller, inherited by the workers), where the first worker that needs a broker
-records the one it started, so that every worker uses that one broker.
+The suite can run in parallel (pytest-xdist, ``pytest -n 4``): the broker tests mostly
+wait, so several can run at once. The processes of one run (the controller and its
+workers, or the one process of a serial run) share a folder, ``$PYTEST_NEARDUP_RUN_DIR``
+(made by :func:`pytest_configure` in the controller, inherited by the workers), where the
+first worker that needs a broker records the one it started, so that every worker uses
+that one broker.
 
 Kafka
 -----
