@@ -19,6 +19,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+import pytest
+
 from conftest import OwnBroker, create_topics
 from kafka_util import (SteadyInput, committed_offset, excerpt, produce, read_all, start_run, stop, unique,
                         wait_committed)
@@ -49,6 +51,7 @@ def _check_exactly_once(bootstrap, topic, records):
     assert set(keys) == {str(r["id"]) for r in records}, "a message is missing"
 
 
+@pytest.mark.xdist_group("outage-broker")  # one worker: one module-scoped own_broker
 def test_broker_frozen_mid_run(own_broker, tmp_path):
     kafka_bootstrap = own_broker.bootstrap
     topic = create_topics(kafka_bootstrap, [unique("outage")])[0]
@@ -86,6 +89,7 @@ def test_broker_frozen_mid_run(own_broker, tmp_path):
     assert set(keys) == steady.delivered, "a message is missing"
 
 
+@pytest.mark.xdist_group("outage-broker")  # one worker: one module-scoped own_broker
 def test_broker_down_at_start(own_broker, tmp_path):
     kafka_bootstrap = own_broker.bootstrap
     records = excerpt(500)

@@ -13,6 +13,7 @@ import subprocess
 import time
 from datetime import datetime
 
+import pytest
 from confluent_kafka import KafkaException
 
 from conftest import create_topics
@@ -47,6 +48,7 @@ def _check_exactly_once(bootstrap: str, topic: str, expected: set[str]) -> None:
     assert set(keys) == expected, "a message is missing"
 
 
+@pytest.mark.xdist_group("restart-broker")  # one worker: one module-scoped own_broker
 def test_broker_killed_and_restarted_in_place_mid_stream(own_broker, tmp_path):
     """SIGKILL the broker while ~300 messages/s arrive, start it again in place: the
     consumer commits again within ``RESUME_S`` of the broker answering, and every
@@ -89,6 +91,7 @@ def test_broker_killed_and_restarted_in_place_mid_stream(own_broker, tmp_path):
     _check_exactly_once(bs, topic, steady.delivered)
 
 
+@pytest.mark.xdist_group("restart-broker")  # one worker: one module-scoped own_broker
 def test_connection_refused_lines_are_rate_limited(own_broker, tmp_path):
     """With the broker down, librdkafka's failed connection attempts (about 20 a second
     per client without a limit) reach the log a bounded number of times."""

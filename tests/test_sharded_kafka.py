@@ -701,6 +701,7 @@ def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap,
     assert "Traceback" not in shard.stderr
 
 
+@pytest.mark.xdist_group("sharded-outage-broker")  # one worker: one module-scoped own_broker
 @pytest.mark.parametrize("shard_state", ["memory", "disk"])
 def test_stages_survive_a_broker_outage_mid_stream(own_broker, tmp_path, shard_state):
     # the broker frozen (SIGSTOP) for longer than the transaction and session timeouts
