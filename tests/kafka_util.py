@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EXCERPT = REPO_ROOT / "tests" / "data" / "reuters_excerpt.jsonl.gz"
 # Short sessions so that a restarted consumer gets the partitions of a killed one fast.
 FAST_GROUP = ["-X", "session.timeout.ms=3000", "-X", "heartbeat.interval.ms=500"]
+
+
+def unique(name: str) -> str:
+    """``name`` made unique (``<name>-<8 hex>``), for a consumer group or transactional id:
+    tests run at the same time on one broker, and a group's changelog topic outlives the
+    test, so that a fixed group used again would restore another run's state."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 def excerpt(limit: int | None = None) -> list[dict]:

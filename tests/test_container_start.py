@@ -92,6 +92,11 @@ class Image:
                 "--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search", *argv]
 
 
+#: In a parallel run (pytest-xdist, --dist loadgroup) the tests of the image run on one
+#: worker, so that it is built once: its kernels take minutes to compile on a busy machine.
+pytestmark = pytest.mark.xdist_group("container-image")
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     made = Image(tmp_path_factory.mktemp("image"))

@@ -10,7 +10,7 @@ import time
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from kafka_util import create_topic, excerpt, produce, start_run, stop, wait_committed
+from kafka_util import create_topic, excerpt, produce, start_run, stop, unique, wait_committed
 from test_kafka_run import JSON_FIELDS, _assert_once_with_dedup_verdicts, _edited_copies, _json_messages
 
 BATCHES = ["--batch-size", "100"]
@@ -63,7 +63,7 @@ def test_a_state_directory_deleted_mid_stream_is_restored(kafka_bootstrap, kafka
     the state comes back from the changelog and every verdict is the uninterrupted one."""
     records = _edited_copies(excerpt(600), rounds=3)  # 1,800 messages
     topic = kafka_topic_factory("cl-deleted")
-    group, state = "g-cl-deleted", tmp_path / "state"
+    group, state = unique("g-cl-deleted"), tmp_path / "state"
     produce(kafka_bootstrap, topic, _json_messages(records[:1000]))  # the rest after the kill: it lands mid-stream
     _first_part(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 700, signal.SIGKILL)
     produce(kafka_bootstrap, topic, _json_messages(records[1000:]))
@@ -77,7 +77,7 @@ def test_a_fresh_directory_is_restored(kafka_bootstrap, kafka_topic_factory, tmp
     """The consumer moved to another (empty) state directory between two runs."""
     records = _edited_copies(excerpt(600), rounds=3)
     topic = kafka_topic_factory("cl-fresh")
-    group = "g-cl-fresh"
+    group = unique("g-cl-fresh")
     produce(kafka_bootstrap, topic, _json_messages(records[:1200]))  # the rest after the first part
     _first_part(kafka_bootstrap, topic, group, tmp_path / "a", tmp_path / "first.log", 900, signal.SIGTERM)
     produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
@@ -92,7 +92,7 @@ def test_a_restore_killed_midway_starts_over(kafka_bootstrap, kafka_topic_factor
     more = [{**r, "id": f"{r['id']}-late"}  # edited copies, produced after the restore
             for r in _edited_copies(excerpt(500), rounds=2, seed=11)[500:]]
     topic = kafka_topic_factory("cl-kill")
-    group = "g-cl-kill"
+    group = unique("g-cl-kill")
     produce(kafka_bootstrap, topic, _json_messages(records))
     proc = start_run(kafka_bootstrap, topic, group, tmp_path / "a", *JSON_FIELDS, "--batch-size", "2000",
                      log=tmp_path / "first.log")
@@ -123,7 +123,7 @@ def test_a_compacted_changelog_restores_the_same_state(kafka_bootstrap, kafka_to
     batch); a restore from what is left gives the same verdicts."""
     records = _edited_copies(excerpt(600), rounds=3)
     topic = kafka_topic_factory("cl-compact")
-    group = "g-cl-compact"
+    group = unique("g-cl-compact")
     changelog = f"{group}.neardup-changelog"
     create_topic(kafka_bootstrap, changelog, config={
         "cleanup.policy": "compact", "segment.ms": "100", "min.cleanable.dirty.ratio": "0.001",
@@ -148,7 +148,7 @@ def test_an_older_copy_of_the_state_is_restored(kafka_bootstrap, kafka_topic_fac
     behind the changelog, so it is restored from it, not trusted nor refused."""
     records = _edited_copies(excerpt(600), rounds=3)
     topic = kafka_topic_factory("cl-older")
-    group, state, copy = "g-cl-older", tmp_path / "state", tmp_path / "copy"
+    group, state, copy = unique("g-cl-older"), tmp_path / "state", tmp_path / "copy"
     produce(kafka_bootstrap, topic, _json_messages(records[:600]))
     _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 600)
     shutil.copytree(state, copy)
@@ -167,7 +167,7 @@ def test_a_state_from_before_the_changelog_is_written_to_it(kafka_bootstrap, kaf
     written to the changelog at start, so a later loss of the directory is restored."""
     records = _edited_copies(excerpt(600), rounds=3)
     topic = kafka_topic_factory("cl-seed")
-    group, state = "g-cl-seed", tmp_path / "state"
+    group, state = unique("g-cl-seed"), tmp_path / "state"
     produce(kafka_bootstrap, topic, _json_messages(records[:600]))
     _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "first.log", 600, "--changelog", "off")
     produce(kafka_bootstrap, topic, _json_messages(records[600:1200]))

@@ -1,5 +1,8 @@
 """Broker outages: the real broker process is frozen (SIGSTOP) and thawed (SIGCONT).
 
+The broker frozen is one of the module's own (``own_broker`` of conftest), never the
+one the other tests use at the same moment.
+
 A frozen broker answers nothing, as one behind a network partition or in a long pause:
 requests time out, the open transaction outlives its timeout and is aborted by the
 broker, the consumer group's session expires. The consumer must retry with backoff and
@@ -15,28 +18,20 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
-from kafka_util import SteadyInput, committed_offset, excerpt, produce, read_all, start_run, stop, wait_committed
+import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import OwnBroker, create_topics
+from kafka_util import (SteadyInput, committed_offset, excerpt, produce, read_all, start_run, stop, unique,
+                        wait_committed)
+
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
 SHORT_TXN = ["-X", "transaction.timeout.ms=8000", "--batch-size", "200"]
 
 
-def _broker_pid() -> int:
-    home = Path(os.environ.get("NEARDUP_KAFKA_HOME", REPO_ROOT / ".cache" / "kafka"))
-    pid_file = home / "run" / "kafka.pid"
-    assert pid_file.is_file(), (
-        f"these tests freeze the local broker and need its pid file {pid_file} "
-        "(the broker of deploy/local/kafka.sh)"
-    )
-    return int(pid_file.read_text().strip())
-
-
 @contextmanager
-def frozen_broker():
-    pid = _broker_pid()
+def frozen_broker(broker: OwnBroker):
+    pid = broker.pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         yield
@@ -56,19 +51,22 @@ def _check_exactly_once(bootstrap, topic, records):
     assert set(keys) == {str(r["id"]) for r in records}, "a message is missing"
 
 
-def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    topic = kafka_topic_factory("outage")
+@pytest.mark.xdist_group("outage-broker")  # one worker: one module-scoped own_broker
+def test_broker_frozen_mid_run(own_broker, tmp_path):
+    kafka_bootstrap = own_broker.bootstrap
+    topic = create_topics(kafka_bootstrap, [unique("outage")])[0]
+    group = unique("g-outage")
     log = tmp_path / "run.log"
     # The input arrives at 100 messages/s for 30 s (the producer queues through the
     # outage), so the freeze lands while it is still being processed, however fast the
     # engine is; batches of 50 keep transactions under way.
     with SteadyInput(kafka_bootstrap, topic, rate=100) as steady:
-        proc = start_run(kafka_bootstrap, topic, "g-outage", tmp_path / "state", *JSON_FIELDS,
+        proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS,
                          *SHORT_TXN, "--batch-size", "50", log=log)
         try:
-            wait_committed(kafka_bootstrap, "g-outage", topic, 400, proc, log=log)
-            before, arrived = committed_offset(kafka_bootstrap, "g-outage", topic), steady.sent
-            with frozen_broker():
+            wait_committed(kafka_bootstrap, group, topic, 400, proc, log=log)
+            before, arrived = committed_offset(kafka_bootstrap, group, topic), steady.sent
+            with frozen_broker(own_broker):
                 time.sleep(15)  # longer than the transaction and session timeouts
                 assert proc.poll() is None, "the consumer must survive an outage"
             while steady.sent < 3000:
@@ -78,7 +76,7 @@ def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
             stop(proc)
             raise
     try:
-        wait_committed(kafka_bootstrap, "g-outage", topic, steady.sent, proc, timeout_s=240, log=log)
+        wait_committed(kafka_bootstrap, group, topic, steady.sent, proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
     print("committed offset when the broker froze:", before, "of", arrived, "arrived, of", steady.sent)
@@ -91,22 +89,25 @@ def test_broker_frozen_mid_run(kafka_bootstrap, kafka_topic_factory, tmp_path):
     assert set(keys) == steady.delivered, "a message is missing"
 
 
-def test_broker_down_at_start(kafka_bootstrap, kafka_topic_factory, tmp_path):
+@pytest.mark.xdist_group("outage-broker")  # one worker: one module-scoped own_broker
+def test_broker_down_at_start(own_broker, tmp_path):
+    kafka_bootstrap = own_broker.bootstrap
     records = excerpt(500)
-    topic = kafka_topic_factory("late")
+    topic = create_topics(kafka_bootstrap, [unique("late")])[0]
+    group = unique("g-late")
     produce(kafka_bootstrap, topic, _messages(records))
     log = tmp_path / "run.log"
-    with frozen_broker():
-        proc = start_run(kafka_bootstrap, topic, "g-late", tmp_path / "state", *JSON_FIELDS, log=log)
+    with frozen_broker(own_broker):
+        proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
         # Longer than init_transactions' 10 s timeout plus the start-up, so that the
         # first attempt surely fails and the retry is logged.
         time.sleep(25)
         assert proc.poll() is None, "the consumer must wait for the broker, not exit"
     try:
-        wait_committed(kafka_bootstrap, "g-late", topic, len(records), proc, timeout_s=240, log=log)
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240, log=log)
     finally:
         assert stop(proc) == 0
-    assert committed_offset(kafka_bootstrap, "g-late", topic) == len(records)
+    assert committed_offset(kafka_bootstrap, group, topic) == len(records)
     _check_exactly_once(kafka_bootstrap, topic, records)
     assert "retrying" in log.read_text()
 
@@ -134,7 +135,7 @@ def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_fact
     records = excerpt(300)
     topic = kafka_topic_factory("unassigned")
     produce(kafka_bootstrap, topic, _messages(records))
-    group = "g-unassigned"
+    group = unique("g-unassigned")
     # The other member is a process of its own, killed at the end: a consumer that stopped
     # polling in the middle of a rebalance can hang in close() (librdkafka's assign, called
     # from the rebalance callback close serves), which would hang the test.

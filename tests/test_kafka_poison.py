@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError
 
-from kafka_util import committed_offset, create_topic, excerpt, produce, read_all, run_until_committed
+from kafka_util import committed_offset, create_topic, excerpt, produce, read_all, run_until_committed, unique
 from test_messages import POISON
 
 from neardup.config import load_settings
@@ -58,7 +58,7 @@ def test_poison_values_land_once_between_good_messages(kafka_bootstrap, tmp_path
         messages += [(name.encode(), value), next_good]
     topic = _input_topic(kafka_bootstrap, "poison")
     produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
-    settings = _settings(kafka_bootstrap, topic, "g-poison", batch_size=4, max_message_bytes=4 << 20)
+    settings = _settings(kafka_bootstrap, topic, unique("g-poison"), batch_size=4, max_message_bytes=4 << 20)
     _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
     assert aborts == []
 
@@ -169,7 +169,7 @@ def test_incoming_neardup_headers_are_renamed(kafka_bootstrap, tmp_path):
                ("neardup-input-verdict", b"older"), ("neardup-error", b"nothing")]
     messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records] + [(b"bad", b"{not json")]
     produce(kafka_bootstrap, topic, messages, headers=spoofed)
-    _, aborts = run_until_committed(_settings(kafka_bootstrap, topic, "g-spoof"), tmp_path / "state", len(messages))
+    _, aborts = run_until_committed(_settings(kafka_bootstrap, topic, unique("g-spoof")), tmp_path / "state", len(messages))
     assert aborts == []
     outs = _outputs(kafka_bootstrap, topic, len(messages))
     assert len(outs) == len(messages)
@@ -219,7 +219,7 @@ def test_a_record_refused_by_the_broker_fails_its_batch_once(kafka_bootstrap, tm
             _set_limit(kafka_bootstrap, outputs, 1 << 20)
             produce(kafka_bootstrap, topic, messages[len(first):], max_bytes=INPUT_MAX_BYTES)
 
-    settings = _settings(kafka_bootstrap, topic, "g-refused", max_message_bytes=4 << 20, batch_size=50,
+    settings = _settings(kafka_bootstrap, topic, unique("g-refused"), max_message_bytes=4 << 20, batch_size=50,
                          batch_max_ms=2000)
     _, aborts = run_until_committed(settings, tmp_path / "state", len(messages), on_batch=on_batch)
     codes = [e.args[0].code() for e in aborts]
@@ -325,7 +325,7 @@ def test_fuzz_every_message_lands_exactly_once(kafka_bootstrap, tmp_path):
     messages = _fuzz_messages(rng, FUZZ_MESSAGES)
     topic = _input_topic(kafka_bootstrap, "fuzz")
     produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES)
-    settings = _settings(kafka_bootstrap, topic, "g-fuzz", batch_size=500)
+    settings = _settings(kafka_bootstrap, topic, unique("g-fuzz"), batch_size=500)
     _, aborts = run_until_committed(settings, tmp_path / "state", len(messages))
     assert aborts == [], f"seed {FUZZ_SEED}"
 
@@ -372,7 +372,7 @@ def test_a_replay_produces_the_stored_record_though_a_limit_changed(kafka_bootst
     good = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in excerpt(150)]
     messages = [(b"huge", _json_of_size("huge", 5 << 20, 0))] + good  # in the first batch, whatever its size
     produce(kafka_bootstrap, topic, messages, max_bytes=INPUT_MAX_BYTES + 1000)
-    group, state = "g-replay", tmp_path / "state"
+    group, state = unique("g-replay"), tmp_path / "state"
     crashed = subprocess.run([sys.executable, str(Path(__file__).parent / "crash_run.py"), "after_state_commit",
                               "1", kafka_bootstrap, topic, group, str(state)],
                              capture_output=True, text=True, timeout=120)

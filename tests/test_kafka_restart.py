@@ -1,76 +1,27 @@
 """Broker restarts: the broker process is SIGKILLed and started again in place (same data,
 same ports) while input keeps arriving.
 
-These tests use a broker of their own (``NEARDUP_KAFKA_HOME`` in a temporary directory,
-the jars linked from the worktree's cache), so the broker of the other tests is never
-disturbed. After the broker answers again, the consumer must commit again within a
-bounded time, and every message must come out exactly once.
+These tests use a broker of their own (``own_broker`` of conftest), so the broker of the
+other tests is never disturbed. After the broker answers again, the consumer must commit
+again within a bounded time, and every message must come out exactly once.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaException
 
 from conftest import create_topics
-from kafka_util import SteadyInput, committed_offset, excerpt, read_all, start_run, stop, wait_committed
+from kafka_util import SteadyInput, committed_offset, excerpt, read_all, start_run, stop, unique, wait_committed
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-KAFKA_SH = REPO_ROOT / "deploy" / "local" / "kafka.sh"
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
 #: Committing must resume this many seconds after the restarted broker answers.
 RESUME_S = 60.0
-
-
-@dataclass
-class OwnBroker:
-    """A broker of deploy/local/kafka.sh under its own ``NEARDUP_KAFKA_HOME``."""
-
-    home: Path
-    bootstrap: str = ""
-
-    def _sh(self, command: str) -> str:
-        proc = subprocess.run(["bash", str(KAFKA_SH), command], capture_output=True, text=True,
-                              timeout=300, stdin=subprocess.DEVNULL,
-                              env={**os.environ, "NEARDUP_KAFKA_HOME": str(self.home)})
-        assert proc.returncode == 0, f"kafka.sh {command} failed:\n{proc.stderr[-3000:]}"
-        lines = proc.stdout.split()
-        return lines[-1] if lines else ""
-
-    def start(self) -> None:
-        self.bootstrap = self._sh("start")
-
-    def kill(self) -> None:
-        self._sh("kill")
-
-    def restart(self) -> None:
-        assert self._sh("restart") == self.bootstrap, "the broker came back on other ports"
-
-    def stop(self) -> None:
-        self._sh("stop")
-
-
-@pytest.fixture(scope="module")
-def own_broker(tmp_path_factory) -> Iterator[OwnBroker]:
-    home = tmp_path_factory.mktemp("kafka-home")
-    libs = REPO_ROOT / ".cache" / "kafka" / "libs"
-    if libs.is_dir():
-        (home / "libs").symlink_to(libs)  # else kafka.sh fetches them
-    broker = OwnBroker(home)
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
 
 
 def _committed(bootstrap: str, group: str, topic: str) -> int:
@@ -97,13 +48,14 @@ def _check_exactly_once(bootstrap: str, topic: str, expected: set[str]) -> None:
     assert set(keys) == expected, "a message is missing"
 
 
+@pytest.mark.xdist_group("restart-broker")  # one worker: one module-scoped own_broker
 def test_broker_killed_and_restarted_in_place_mid_stream(own_broker, tmp_path):
     """SIGKILL the broker while ~300 messages/s arrive, start it again in place: the
     consumer commits again within ``RESUME_S`` of the broker answering, and every
     message comes out exactly once."""
     bs = own_broker.bootstrap
     topic = create_topics(bs, ["restart-mid-stream"])[0]
-    group = "g-restart"
+    group = unique("g-restart")
     log = tmp_path / "run.log"
     proc = start_run(bs, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
     try:
@@ -139,6 +91,7 @@ def test_broker_killed_and_restarted_in_place_mid_stream(own_broker, tmp_path):
     _check_exactly_once(bs, topic, steady.delivered)
 
 
+@pytest.mark.xdist_group("restart-broker")  # one worker: one module-scoped own_broker
 def test_connection_refused_lines_are_rate_limited(own_broker, tmp_path):
     """With the broker down, librdkafka's failed connection attempts (about 20 a second
     per client without a limit) reach the log a bounded number of times."""
@@ -147,7 +100,7 @@ def test_connection_refused_lines_are_rate_limited(own_broker, tmp_path):
     own_broker.kill()
     proc = None
     try:
-        proc = start_run(bs, "quiet-input", "g-quiet", tmp_path / "state", log=log)
+        proc = start_run(bs, "quiet-input", unique("g-quiet"), tmp_path / "state", log=log)
         time.sleep(20)
         assert proc.poll() is None, "the consumer must wait for the broker, not exit"
     finally:
@@ -177,7 +130,7 @@ def test_a_consumer_restarted_after_sigkill_gets_its_partition_at_once(kafka_boo
     records = excerpt(600)
     messages = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in records]
     produce(kafka_bootstrap, topic, messages[:400])
-    group, state = "g-static", tmp_path / "state"
+    group, state = unique("g-static"), tmp_path / "state"
     long_session = ["-X", "session.timeout.ms=120000"]
     first = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, *long_session,
                       log=tmp_path / "first.log")

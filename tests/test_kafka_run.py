@@ -24,6 +24,7 @@ from kafka_util import (
     read_all,
     start_run,
     stop,
+    unique,
     wait_committed,
 )
 
@@ -267,6 +268,7 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kaf
     # end of the input however fast the consumer is.
     held_back = 4_000
     topic = kafka_topic_factory("crash")
+    group = unique("g-crash")
     produce(kafka_bootstrap, topic, _json_messages(records[:-held_back]))
     expected = _expected(records)
 
@@ -275,9 +277,9 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kaf
     targets = sorted(rng.sample(range(1_000, len(records) - held_back - 1_000), 4))
     progress, seen = [], []
     for target in targets:  # kill right after a random offset is committed, plus a random delay
-        proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, "--batch-size", "500", log=log)
+        proc = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, "--batch-size", "500", log=log)
         try:
-            wait_committed(kafka_bootstrap, "g-crash", topic, target, proc)
+            wait_committed(kafka_bootstrap, group, topic, target, proc)
             time.sleep(rng.uniform(0.0, 0.4))
             assert proc.poll() is None, log.read_text()[-3000:]
             workers = _workers(proc)  # none yet if the target was reached before this start
@@ -289,14 +291,14 @@ def test_sigkill_at_random_points_loses_and_repeats_nothing(kafka_bootstrap, kaf
         while any(_alive(w) for w in workers):
             assert time.monotonic() < deadline, "the worker outlived a killed consumer"
             time.sleep(0.1)
-        progress.append(committed_offset(kafka_bootstrap, "g-crash", topic))
+        progress.append(committed_offset(kafka_bootstrap, group, topic))
     print("committed offsets after each SIGKILL:", progress, "; workers killed with the consumer:", seen)
     assert seen, "the pipeline's worker process was running"
     assert progress == sorted(progress) and progress[0] >= targets[0]
     produce(kafka_bootstrap, topic, _json_messages(records[-held_back:]))
-    proc = start_run(kafka_bootstrap, topic, "g-crash", state, *JSON_FIELDS, log=log)
+    proc = start_run(kafka_bootstrap, topic, group, state, *JSON_FIELDS, log=log)
     try:
-        wait_committed(kafka_bootstrap, "g-crash", topic, len(records), proc, timeout_s=600)
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=600)
     finally:
         assert stop(proc) == 0
 
@@ -326,11 +328,12 @@ def test_bad_input_goes_to_the_dead_letter_topic(kafka_bootstrap, kafka_topic_fa
     for i, (key, value) in enumerate(bad):  # spread among the good ones
         messages.insert(3 + 7 * i, (key, value))
     topic = kafka_topic_factory("dirty")
+    group = unique("g-dirty")
     produce(kafka_bootstrap, topic, messages, headers=[("origin", b"test")])
-    proc = start_run(kafka_bootstrap, topic, "g-dirty", tmp_path / "state", *JSON_FIELDS,
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS,
                      "--max-message-bytes", "16384")
     try:
-        wait_committed(kafka_bootstrap, "g-dirty", topic, len(messages), proc)
+        wait_committed(kafka_bootstrap, group, topic, len(messages), proc)
     finally:
         assert stop(proc) == 0
     outs = _outputs(kafka_bootstrap, topic, len(messages))
@@ -358,14 +361,15 @@ def test_sigterm_then_restart_has_no_gap_and_no_repeat(kafka_bootstrap, kafka_to
     records = excerpt(1200)
     first, second = records[:600], records[600:]
     topic = kafka_topic_factory("term")
+    group = unique("g-term")
     produce(kafka_bootstrap, topic, _json_messages(first))
-    proc = start_run(kafka_bootstrap, topic, "g-term", tmp_path / "state", *JSON_FIELDS)
-    wait_committed(kafka_bootstrap, "g-term", topic, len(first), proc)
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS)
+    wait_committed(kafka_bootstrap, group, topic, len(first), proc)
     assert stop(proc, signal.SIGTERM) == 0
     produce(kafka_bootstrap, topic, _json_messages(second))
-    proc = start_run(kafka_bootstrap, topic, "g-term", tmp_path / "state", *JSON_FIELDS)
+    proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS)
     try:
-        wait_committed(kafka_bootstrap, "g-term", topic, len(records), proc)
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc)
     finally:
         assert stop(proc, signal.SIGINT) == 0
     outs = _outputs(kafka_bootstrap, topic, len(records))
@@ -380,7 +384,7 @@ def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_f
     records = _edited_copies(excerpt(300), rounds=2)  # 600 messages, 6 batches of 100
     topic = kafka_topic_factory("step")
     produce(kafka_bootstrap, topic, _json_messages(records))
-    group, state = f"g-{step}", tmp_path / "state"
+    group, state = unique(f"g-{step}"), tmp_path / "state"
     crashed = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "crash_run.py"), step, "3",
          kafka_bootstrap, topic, group, str(state)],
@@ -400,15 +404,16 @@ def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_f
 
 def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_factory, tmp_path):
     prefix = f"feed{random.randrange(10**6)}"
+    group = unique("g-regex")
     first, second = kafka_topic_factory(f"{prefix}-a"), kafka_topic_factory(f"{prefix}-b")
     records = excerpt(200)
     produce(kafka_bootstrap, first, _json_messages(records[:100]))
     produce(kafka_bootstrap, second, _json_messages(records[100:]))
-    proc = start_run(kafka_bootstrap, f"^{prefix}-.*", "g-regex", tmp_path / "state", *JSON_FIELDS,
+    proc = start_run(kafka_bootstrap, f"^{prefix}-.*", group, tmp_path / "state", *JSON_FIELDS,
                      "-X", "topic.metadata.refresh.interval.ms=1000")
     try:
-        wait_committed(kafka_bootstrap, "g-regex", first, 100, proc)
-        wait_committed(kafka_bootstrap, "g-regex", second, 100, proc)
+        wait_committed(kafka_bootstrap, group, first, 100, proc)
+        wait_committed(kafka_bootstrap, group, second, 100, proc)
     finally:
         assert stop(proc) == 0
     for topic, part in ((first, records[:100]), (second, records[100:])):
@@ -423,22 +428,23 @@ def test_rebalance_to_a_second_instance_keeps_exactly_once(kafka_bootstrap, kafk
     records = _edited_copies(excerpt(1500), rounds=2)  # 3,000 messages over 2 partitions
     first, second = _json_messages(records[:1500]), _json_messages(records[1500:])
     topic = kafka_topic_factory("rebal", partitions=2)
+    group = unique("g-rebal")
     produce(kafka_bootstrap, topic, first)
-    a = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "a", *JSON_FIELDS,
-                  "--transactional-id", "rebal-a", "--batch-size", "200", log=tmp_path / "a.log")
+    a = start_run(kafka_bootstrap, topic, group, tmp_path / "a", *JSON_FIELDS,
+                  "--transactional-id", f"{group}-a", "--batch-size", "200", log=tmp_path / "a.log")
     b = None
     try:
-        _wait(lambda: sum(max(committed_offset(kafka_bootstrap, "g-rebal", topic, p), 0)
+        _wait(lambda: sum(max(committed_offset(kafka_bootstrap, group, topic, p), 0)
                           for p in (0, 1)) >= 600, a)
         # b's state has never seen the partitions a committed offsets for: accepted
         # knowingly (its index lacks a's documents)
-        b = start_run(kafka_bootstrap, topic, "g-rebal", tmp_path / "b", *JSON_FIELDS,
-                      "--transactional-id", "rebal-b", "--batch-size", "200", "--reset-state",
+        b = start_run(kafka_bootstrap, topic, group, tmp_path / "b", *JSON_FIELDS,
+                      "--transactional-id", f"{group}-b", "--batch-size", "200", "--reset-state",
                       log=tmp_path / "b.log")
         # b holds a partition: the group has rebalanced while a was working
         _wait(lambda: re.search(r"assigned \S+\[\d\]", (tmp_path / "b.log").read_text()), b)
         produce(kafka_bootstrap, topic, second)
-        _wait(lambda: [committed_offset(kafka_bootstrap, "g-rebal", topic, p) for p in (0, 1)]
+        _wait(lambda: [committed_offset(kafka_bootstrap, group, topic, p) for p in (0, 1)]
               == _partition_ends(kafka_bootstrap, topic), a, timeout_s=240)
     finally:
         assert stop(a) == 0
@@ -474,7 +480,7 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
     records = _edited_copies(excerpt(1000), rounds=2)  # 2,000 messages, one partition
     topic = kafka_topic_factory("ahead")
     produce(kafka_bootstrap, topic, _json_messages(records))
-    group = "g-ahead"
+    group = unique("g-ahead")
     fast = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "300"}
     settings = load_settings({
         "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
@@ -520,7 +526,7 @@ def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_to
     records = _edited_copies(excerpt(1000), rounds=2)  # 2,000 messages
     topic = kafka_topic_factory("worker")
     produce(kafka_bootstrap, topic, _json_messages(records))
-    group = "g-worker"
+    group = unique("g-worker")
     settings = load_settings({
         "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": group,
         "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 200,
@@ -575,7 +581,7 @@ def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, 
     topic = kafka_topic_factory("step5")
     produce(kafka_bootstrap, topic, _json_messages(records))
     settings = load_settings({
-        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": "g-step5",
+        "bootstrap_servers": kafka_bootstrap, "input_topics": [topic], "group_id": unique("g-step5"),
         "from_beginning": True, "text_field": ["text"], "id_field": "id", "batch_size": 100,
         "pipeline": False,
     })
@@ -595,7 +601,7 @@ def test_sigterm_while_starting_exits_0_without_a_traceback(tmp_path, role):
         closed = f"127.0.0.1:{s.getsockname()[1]}"
     log = tmp_path / "run.log"
     if role == "run":
-        proc = start_run(closed, "never", "g-never", tmp_path / "state", *JSON_FIELDS, log=log)
+        proc = start_run(closed, "never", unique("g-never"), tmp_path / "state", *JSON_FIELDS, log=log)
     else:
         proc = subprocess.Popen(
             [sys.executable, "-m", "neardup.cli", "stage", "shard", "--bootstrap-servers", closed,

@@ -12,7 +12,7 @@ import time
 from confluent_kafka.admin import AdminClient
 
 from conftest import create_topics
-from kafka_util import committed_offset, excerpt, produce, start_run, stop, wait_committed
+from kafka_util import committed_offset, excerpt, produce, start_run, stop, unique, wait_committed
 
 # The refusal applies without a changelog to restore from (with it, see test_kafka_changelog.py).
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id", "--changelog", "off"]
@@ -52,7 +52,7 @@ def _error_lines(out: str) -> list[str]:
 def test_a_deleted_state_directory_is_refused(kafka_bootstrap, kafka_topic_factory, tmp_path):
     records = excerpt(500)
     topic = kafka_topic_factory("lost-state")
-    group, state = "g-lost-state", tmp_path / "state"
+    group, state = unique("g-lost-state"), tmp_path / "state"
     _first_run(kafka_bootstrap, topic, group, state, tmp_path, _messages(records[:300]))
     shutil.rmtree(state)
     produce(kafka_bootstrap, topic, _messages(records[300:]))
@@ -95,7 +95,7 @@ def _recreate(bootstrap: str, topic: str) -> None:
 def test_a_topic_created_again_is_refused(kafka_bootstrap, kafka_topic_factory, tmp_path):
     records = excerpt(700)
     topic = kafka_topic_factory("recreated")
-    group, state = "g-recreated", tmp_path / "state"
+    group, state = unique("g-recreated"), tmp_path / "state"
     _first_run(kafka_bootstrap, topic, group, state, tmp_path, _messages(records[:300]))
     _recreate(kafka_bootstrap, topic)
     produce(kafka_bootstrap, topic, _messages(records[300:]))  # offsets 0..399 again

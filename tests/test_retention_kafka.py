@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from confluent_kafka import Producer
-from kafka_util import committed_offset, excerpt, read_all, start_run, stop, wait_committed
+from kafka_util import committed_offset, excerpt, read_all, start_run, stop, unique, wait_committed
 
 from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
@@ -72,6 +72,7 @@ def test_a_time_window_by_record_timestamp_survives_sigkills(kafka_bootstrap, ka
     assert sum(v[0] == "duplicate" for v in expected.values()) < sum(v[0] == "duplicate" for v in everything.values())
 
     state, log = tmp_path / "state", tmp_path / "run.log"
+    group = unique("g-ret")
     flags = ("--text-field", "text", "--id-field", "id", "--batch-size", "200", "--retention", "30m")
     rng = random.Random(7)
     # The input is produced a little ahead of each kill, so that every run has work left
@@ -81,20 +82,20 @@ def test_a_time_window_by_record_timestamp_survives_sigkills(kafka_bootstrap, ka
     for target in (rng.randrange(300, 700), rng.randrange(800, 1200), rng.randrange(1300, 1700)):
         _produce(kafka_bootstrap, topic, records[sent:target + 150])
         sent = target + 150
-        proc = start_run(kafka_bootstrap, topic, "g-ret", state, *flags, log=log)
+        proc = start_run(kafka_bootstrap, topic, group, state, *flags, log=log)
         try:
-            wait_committed(kafka_bootstrap, "g-ret", topic, target, proc, timeout_s=900, log=log)
+            wait_committed(kafka_bootstrap, group, topic, target, proc, timeout_s=900, log=log)
             time.sleep(rng.uniform(0.0, 0.3))
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
     _produce(kafka_bootstrap, topic, records[sent:])
-    proc = start_run(kafka_bootstrap, topic, "g-ret", state, *flags, log=log)
+    proc = start_run(kafka_bootstrap, topic, group, state, *flags, log=log)
     try:
-        wait_committed(kafka_bootstrap, "g-ret", topic, len(records), proc, timeout_s=900, log=log)
+        wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=900, log=log)
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
-    assert committed_offset(kafka_bootstrap, "g-ret", topic) == len(records)
+    assert committed_offset(kafka_bootstrap, group, topic) == len(records)
 
     outs = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"], expected=len(records))
     keys = [o.key.decode() for o in outs]

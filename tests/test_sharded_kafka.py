@@ -701,17 +701,21 @@ def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap,
     assert "Traceback" not in shard.stderr
 
 
+@pytest.mark.xdist_group("sharded-outage-broker")  # one worker: one module-scoped own_broker
 @pytest.mark.parametrize("shard_state", ["memory", "disk"])
-def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_factory, tmp_path, shard_state):
+def test_stages_survive_a_broker_outage_mid_stream(own_broker, tmp_path, shard_state):
     # the broker frozen (SIGSTOP) for longer than the transaction and session timeouts
     # while the input arrives: every stage retries, and every message comes out once,
     # with the verdicts of the rules run in one process (on disk: a failed batch reopens
-    # the shard's stores at their positions)
+    # the shard's stores at their positions). A broker of the module's own: the one the
+    # other tests use at the same moment is never frozen.
     import threading
 
+    from conftest import create_topics
     from test_kafka_outage import frozen_broker
 
-    topic = kafka_topic_factory("sharded-outage", partitions=2)
+    kafka_bootstrap = own_broker.bootstrap
+    topic = create_topics(kafka_bootstrap, [f"sharded-outage-{uuid.uuid4().hex[:12]}"], partitions=2)[0]
     messages = _stories_and_copies(200)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
     # a window longer than the outage, so that no shard releases early while it lasts
@@ -731,7 +735,7 @@ def test_stages_survive_a_broker_outage_mid_stream(kafka_bootstrap, kafka_topic_
         feeder = threading.Thread(target=feed)
         feeder.start()
         time.sleep(4)
-        with frozen_broker():
+        with frozen_broker(own_broker):
             time.sleep(15)
             assert stages.alive(), "a stage must survive an outage"
         feeder.join()

@@ -1,7 +1,7 @@
 """The three sharded stages through a broker restart: the broker process is SIGKILLed and
 started again in place (same data, same ports) while the input keeps arriving.
 
-A broker of its own (``own_broker`` of ``test_kafka_restart``), so the other tests' broker
+A broker of its own (``own_broker`` of conftest), so the other tests' broker
 is never disturbed. Every input message must come out once, with the verdicts of the
 sharded rules run in one process, and no stage may stop or print a traceback.
 """
@@ -16,7 +16,6 @@ from confluent_kafka import Producer
 
 from conftest import create_topics
 from neardup.io.topology import Topology
-from test_kafka_restart import own_broker  # noqa: F401 - the fixture
 from test_sharded_kafka import _check_verdicts, _outputs, _Stages, _stories_and_copies
 
 
@@ -51,7 +50,7 @@ class PacedInput:
         assert self._producer.flush(300) == 0, "the test's input was not all delivered"
 
 
-def test_stages_survive_a_broker_restart_mid_stream(own_broker, tmp_path):  # noqa: F811 - the fixture
+def test_stages_survive_a_broker_restart_mid_stream(own_broker, tmp_path):
     bs = own_broker.bootstrap
     topic = create_topics(bs, [f"sharded-restart-{uuid.uuid4().hex[:6]}"], partitions=2)[0]
     messages = _stories_and_copies(200)

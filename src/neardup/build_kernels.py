@@ -37,10 +37,9 @@ _WARM_TEXTS = (
 
 
 def build(target: Path) -> None:
-    """Compile every kernel into ``target`` (a ``NUMBA_CACHE_DIR``) by running ``neardup
-    dedup`` in this process over a few stories and their edited copies, once per variant
-    of :data:`WARM_VARIANTS`. The image build runs it (``python -m neardup.build_kernels
-    DIR``) with the runtime's ``NUMBA_CPU_NAME``.
+    """Compile every kernel into ``target`` (a ``NUMBA_CACHE_DIR``) by running :func:`warm`.
+    The image build runs it (``python -m neardup.build_kernels DIR``) with the runtime's
+    ``NUMBA_CPU_NAME``.
 
     Raises:
         RuntimeError: numba was imported already (its cache folder is fixed then), or a
@@ -49,6 +48,19 @@ def build(target: Path) -> None:
     if "numba" in sys.modules:
         raise RuntimeError("build() must run before numba is imported")
     os.environ["NUMBA_CACHE_DIR"] = str(target)
+    warm()
+
+
+def warm() -> None:
+    """Compile every kernel into the cache in use (numba's own choice, or
+    ``NUMBA_CACHE_DIR``) by running ``neardup dedup`` in this process over a few stories
+    and their edited copies, once per variant of :data:`WARM_VARIANTS`; kernels already
+    cached are loaded, not compiled. The test suite runs it once before its parallel
+    workers start, so that a cold cache is compiled once, not once per worker.
+
+    Raises:
+        RuntimeError: a warm-up run failed.
+    """
     import contextlib  # noqa: PLC0415 - only here
     import json  # noqa: PLC0415
 
