@@ -161,6 +161,10 @@ class RocksDBStateStore(KeyValueStateStore):
             self._db = Rdict(str(self.path), _options(cache), column_families=families)
         except Exception as exc:  # rocksdict raises plain Exception
             raise _open_error(self.path, exc) from exc
+        self._take_families()
+
+    def _take_families(self) -> None:
+        """The column families (and their handles, for write batches) of the open database."""
         self._families = {"default": self._db}
         self._handles = {"default": self._db.get_column_family_handle("default")}
         for name in codec.FAMILIES:
@@ -184,12 +188,7 @@ class RocksDBStateStore(KeyValueStateStore):
                 raise StateError(f"state directory {self.path} is not a neardup state directory "
                                  f"(a RocksDB database neardup did not write: {exc})") from exc
             raise _open_error(self.path, exc) from exc
-        self._families = {"default": self._db}
-        self._handles = {"default": self._db.get_column_family_handle("default")}
-        for name in codec.FAMILIES:
-            self._families[name] = self._db.get_column_family(name)
-            self._handles[name] = self._db.get_column_family_handle(name)
-        self._closed = False
+        self._take_families()
 
     def _get_many(self, family: str, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
