@@ -325,10 +325,11 @@ def prepared_ahead(
     with PrepareWorker(settings, job) as worker:
         try:
             for batch in rest:
-                if not pending and not worker.ready():  # still starting: do not wait for it
+                pending.append(batch)  # first: a worker found dead below leaves it to be prepared here
+                if len(pending) == 1 and not worker.ready():  # still starting: do not wait for it
+                    pending.pop()
                     yield here(batch)
                     continue
-                pending.append(batch)
                 worker.submit(batch)
                 if len(pending) > max(depth, 1):
                     made, prepared = worker.outcome()
