@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -261,3 +263,17 @@ class SteadyInput:
         self._stop.set()
         self._thread.join(10)
         assert self._producer.flush(300) == 0, "the test's input was not all delivered"
+
+
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, no proxy
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET; (0, reason) when nothing listens yet."""
+    try:
+        with _HTTP.open(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except urllib.error.URLError as exc:
+        return 0, str(exc.reason)

@@ -15,11 +15,10 @@ import logging
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
+from contextlib import contextmanager
 
-from kafka_util import committed_offset, create_topic, produce
+from kafka_util import committed_offset, create_topic, http_get as _get, produce
 from test_kafka_poison import _set_limit
 
 from neardup.config import load_settings
@@ -30,17 +29,8 @@ from neardup.metrics import Metrics
 from neardup.server import MetricsServer, Readiness
 from neardup.state.rocksdb import RocksDBStateStore
 
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 STALL_AFTER_S = 5.0
 LOG_EVERY_S = 4.0
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with _HTTP.open(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def _waiting_since(base: str) -> float:
@@ -56,64 +46,75 @@ def _until(what, timeout: float = 120.0, step: float = 0.2):
     return value
 
 
-def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog):
-    topic = create_topic(kafka_bootstrap, f"stall-{uuid.uuid4().hex[:12]}")
-    # a record batch of one record is at least 61 bytes: nothing fits in 40
-    create_topic(kafka_bootstrap, f"{topic}.dlq", {"max.message.bytes": "40"})
-    produce(kafka_bootstrap, topic, [(b"bad", b"{not json")])
-    settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic],
+@contextmanager
+def _watched_run(bootstrap: str, topic: str, tmp_path, name: str):
+    """A ``KafkaDeduplicator`` of ``topic`` in a thread, watched by a ``Progress`` named
+    ``name`` (the test's stall threshold and log interval) behind a metrics server; yields
+    (settings, server, thread), then stops it (an abort in progress is retried for a
+    minute first) and asserts that it ended."""
+    settings = load_settings({"bootstrap_servers": bootstrap, "input_topics": [topic],
                               "group_id": f"g-{topic}", "from_beginning": True, "text_field": ["text"],
                               "id_field": "id", "batch_max_ms": 200, "pipeline": False})
     engine = settings.engine()
-    progress = Progress(stall_after=STALL_AFTER_S, log_every=LOG_EVERY_S, name="neardup run")
+    progress = Progress(stall_after=STALL_AFTER_S, log_every=LOG_EVERY_S, name=name)
     readiness = Readiness(progress=progress)
     metrics = Metrics()
     metrics.watch_progress(progress)
-    caplog.set_level(logging.DEBUG, logger="neardup")
     with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store, \
             MetricsServer(metrics, "127.0.0.1", 0, readiness.check) as server:
         dedup = KafkaDeduplicator(settings, Detector(engine, store), on_assignment=readiness.set_assignment,
                                   on_broker=readiness.broker_answered, progress=progress)
         runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
-        started = time.time()
         runner.start()
         try:
-            since = _until(lambda: _waiting_since(server.url))  # the bad message is in hand
-            assert started <= since <= time.time()
-            status, reason = _until(lambda: (r := _get(f"{server.url}/readyz"))[0] == 503 and r)
-            unready_after = time.time() - since
-            assert STALL_AFTER_S <= unready_after < STALL_AFTER_S + 3, unready_after
-            assert reason.startswith("stalled: no batch committed for "), reason
-            assert "attempt(s) failed, the last: " in reason and "\n" not in reason.strip(), reason
-            assert committed_offset(kafka_bootstrap, settings.group_id, topic) <= 0
-            assert _waiting_since(server.url) == since  # the retries do not move it
-
-            # the log: the stall once every LOG_EVERY_S, even while a retry waits (an abort
-            # that times out is retried for a minute); the retries' warning and the
-            # refusal once, however many retries there were
-            _until(lambda: sum("neardup run is stalled" in r.getMessage() for r in caplog.records) >= 3,
-                   timeout=4 * LOG_EVERY_S + STALL_AFTER_S)
-            # a second retry comes after the abort of the first has timed out (a minute)
-            _until(lambda: sum("batch failed" in r.getMessage() for r in caplog.records) >= 2, timeout=180)
-            status, reason = _get(f"{server.url}/readyz")
-            assert status == 503 and "2 attempt(s) failed" in reason, reason
-            # the cause, as the processor knows it, not only the transaction's error
-            assert f"headers alone was refused by {topic}.dlq: Broker: Message size too large" in reason, reason
-            stalls = [r for r in caplog.records if "neardup run is stalled" in r.getMessage()]
-            gaps = [b.created - a.created for a, b in zip(stalls, stalls[1:])]
-            assert all(LOG_EVERY_S - 0.5 <= gap <= LOG_EVERY_S + 1.5 for gap in gaps), gaps
-            first_log_after = stalls[0].created - since
-            assert stalls[0].levelno == logging.ERROR and "attempt(s) failed" in stalls[0].getMessage()
-            retries = [r for r in caplog.records if "batch failed" in r.getMessage()]
-            assert len(retries) >= 2, [r.getMessage() for r in retries]
-            assert [r.levelno for r in retries if r.levelno >= logging.WARNING] == [logging.WARNING]
-            refusals = [r for r in caplog.records
-                        if r.name == "neardup.io.kafka" and "headers alone was refused" in r.getMessage()]
-            assert len(refusals) == 1, [r.getMessage() for r in refusals]
-
+            yield settings, server, runner
         finally:
             dedup.stop()
-            runner.join(240)  # an abort in progress is retried for a minute first
+            runner.join(240)
+    assert not runner.is_alive()
+
+
+def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog):
+    topic = create_topic(kafka_bootstrap, f"stall-{uuid.uuid4().hex[:12]}")
+    # a record batch of one record is at least 61 bytes: nothing fits in 40
+    create_topic(kafka_bootstrap, f"{topic}.dlq", {"max.message.bytes": "40"})
+    produce(kafka_bootstrap, topic, [(b"bad", b"{not json")])
+    caplog.set_level(logging.DEBUG, logger="neardup")
+    started = time.time()
+    with _watched_run(kafka_bootstrap, topic, tmp_path, "neardup run") as (settings, server, runner):
+        since = _until(lambda: _waiting_since(server.url))  # the bad message is in hand
+        assert started <= since <= time.time()
+        status, reason = _until(lambda: (r := _get(f"{server.url}/readyz"))[0] == 503 and r)
+        unready_after = time.time() - since
+        assert STALL_AFTER_S <= unready_after < STALL_AFTER_S + 3, unready_after
+        assert reason.startswith("stalled: no batch committed for "), reason
+        assert "attempt(s) failed, the last: " in reason and "\n" not in reason.strip(), reason
+        assert committed_offset(kafka_bootstrap, settings.group_id, topic) <= 0
+        assert _waiting_since(server.url) == since  # the retries do not move it
+
+        # the log: the stall once every LOG_EVERY_S, even while a retry waits (an abort
+        # that times out is retried for a minute); the retries' warning and the
+        # refusal once, however many retries there were
+        _until(lambda: sum("neardup run is stalled" in r.getMessage() for r in caplog.records) >= 3,
+               timeout=4 * LOG_EVERY_S + STALL_AFTER_S)
+        # a second retry comes after the abort of the first has timed out (a minute)
+        _until(lambda: sum("batch failed" in r.getMessage() for r in caplog.records) >= 2, timeout=180)
+        status, reason = _get(f"{server.url}/readyz")
+        assert status == 503 and "2 attempt(s) failed" in reason, reason
+        # the cause, as the processor knows it, not only the transaction's error
+        assert f"headers alone was refused by {topic}.dlq: Broker: Message size too large" in reason, reason
+        stalls = [r for r in caplog.records if "neardup run is stalled" in r.getMessage()]
+        gaps = [b.created - a.created for a, b in zip(stalls, stalls[1:])]
+        assert all(LOG_EVERY_S - 0.5 <= gap <= LOG_EVERY_S + 1.5 for gap in gaps), gaps
+        first_log_after = stalls[0].created - since
+        assert stalls[0].levelno == logging.ERROR and "attempt(s) failed" in stalls[0].getMessage()
+        retries = [r for r in caplog.records if "batch failed" in r.getMessage()]
+        assert len(retries) >= 2, [r.getMessage() for r in retries]
+        assert [r.levelno for r in retries if r.levelno >= logging.WARNING] == [logging.WARNING]
+        refusals = [r for r in caplog.records
+                    if r.name == "neardup.io.kafka" and "headers alone was refused" in r.getMessage()]
+        assert len(refusals) == 1, [r.getMessage() for r in refusals]
+
     assert not runner.is_alive()
     print(f"/readyz 503 {unready_after:.1f} s after the batch was consumed (stall_after {STALL_AFTER_S} s); "
           f"first stall log line after {first_log_after:.1f} s; {len(retries)} retries, "
@@ -186,30 +187,13 @@ def test_an_idle_consumer_is_not_stalled(kafka_bootstrap, tmp_path, caplog):
     topic = create_topic(kafka_bootstrap, f"idle-{uuid.uuid4().hex[:12]}")
     produce(kafka_bootstrap, topic, [(b"bad", b"{not json"),
                                      (b"1", b'{"id": "1", "text": "a few words of text, nothing more"}')])
-    settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic],
-                              "group_id": f"g-{topic}", "from_beginning": True, "text_field": ["text"],
-                              "id_field": "id", "batch_max_ms": 200, "pipeline": False})
-    engine = settings.engine()
-    progress = Progress(stall_after=STALL_AFTER_S, log_every=LOG_EVERY_S, name="the idle consumer")
-    readiness = Readiness(progress=progress)
-    metrics = Metrics()
-    metrics.watch_progress(progress)
     caplog.set_level(logging.INFO, logger="neardup")
-    with RocksDBStateStore(tmp_path / "state", engine.state_shape()) as store, \
-            MetricsServer(metrics, "127.0.0.1", 0, readiness.check) as server:
-        dedup = KafkaDeduplicator(settings, Detector(engine, store), on_assignment=readiness.set_assignment,
-                                  on_broker=readiness.broker_answered, progress=progress)
-        runner = threading.Thread(target=dedup.run, kwargs={"install_signal_handlers": False})
-        runner.start()
-        try:
-            _until(lambda: committed_offset(kafka_bootstrap, settings.group_id, topic) == 2, timeout=120)
-            _until(lambda: _get(f"{server.url}/readyz")[0] == 200, timeout=30)
-            time.sleep(STALL_AFTER_S + 3)
-            status, reason = _get(f"{server.url}/readyz")
-            assert status == 200, reason
-            assert _waiting_since(server.url) == 0
-        finally:
-            dedup.stop()
-            runner.join(240)  # an abort in progress is retried for a minute first
+    with _watched_run(kafka_bootstrap, topic, tmp_path, "the idle consumer") as (settings, server, runner):
+        _until(lambda: committed_offset(kafka_bootstrap, settings.group_id, topic) == 2, timeout=120)
+        _until(lambda: _get(f"{server.url}/readyz")[0] == 200, timeout=30)
+        time.sleep(STALL_AFTER_S + 3)
+        status, reason = _get(f"{server.url}/readyz")
+        assert status == 200, reason
+        assert _waiting_since(server.url) == 0
     assert not runner.is_alive()
     assert not [r for r in caplog.records if "the idle consumer is stalled" in r.getMessage()]

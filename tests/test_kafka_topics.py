@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from kafka_util import create_topic, produce, start_run, stop, wait_committed
-from test_sharded_kafka import _outputs, _Stages
+from test_sharded_kafka import _Stages, _through_the_stages
 
 from neardup.io.limits import HEADERS_ALLOWANCE, SET_BYTES_PER_TEXT_BYTE
 from neardup.io.topology import Topology
@@ -100,13 +100,7 @@ def test_stages_create_internal_and_output_topics_as_asked(kafka_bootstrap, kafk
     topology = Topology(f"topics-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=500,
                      extra=("--topic-partitions", "3", "--topic-replication-factor", "1"))
-    try:
-        for role in ("prepare", "shard", "decide"):
-            stages.start(role)
-        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
-    finally:
-        stages.stop()
-    assert len(out) == len(messages), (tmp_path / "stages.log").read_text()[-4000:]
+    _through_the_stages(stages, kafka_bootstrap, topic, len(messages), tmp_path / "stages.log")
     described = _described(kafka_bootstrap, [*topology.topics(), f"{topic}.unique", f"{topic}.duplicates",
                                              f"{topic}.dlq"])
     # the outputs take --topic-partitions; the internal topics keep the topology's counts

@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -26,6 +24,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import create_topics
+from kafka_util import http_get as _get
+
 from neardup.cli import main
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Rejected, Verdict
@@ -50,20 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, no proxy
-
-
-def _get(url: str) -> tuple[int, str]:
-    """(status, body) of a GET; (0, reason) when nothing listens yet."""
-    try:
-        with _HTTP.open(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except urllib.error.URLError as exc:
-        return 0, str(exc.reason)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

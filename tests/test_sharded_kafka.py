@@ -346,6 +346,19 @@ def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive)
         assert alive(), "a stage stopped"
 
 
+def _through_the_stages(stages: _Stages, bootstrap: str, topic: str, expected: int, log: Path) -> list:
+    """One process of each stage, run until ``expected`` outputs came (or 240 s), then
+    stopped; the outputs (all of them: asserted)."""
+    try:
+        for role in ("prepare", "shard", "decide"):
+            stages.start(role)
+        out = _outputs(bootstrap, topic, expected, 240, stages.alive)
+    finally:
+        stages.stop()
+    assert len(out) == expected, log.read_text()[-4000:]
+    return out
+
+
 def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list,
                     dead_letters: set[bytes] = frozenset({b"bad", b"empty"}),
                     engine: EngineSettings | None = None) -> None:
@@ -462,13 +475,7 @@ def test_containment_in_both_directions_through_the_stages(kafka_bootstrap, kafk
     engine = EngineSettings(measure="containment", containment_direction="both")
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", extra=flags)
-    try:
-        for role in ("prepare", "shard", "decide"):
-            stages.start(role)
-        out = _outputs(kafka_bootstrap, topic, len(messages), 240, stages.alive)
-    finally:
-        stages.stop()
-    assert len(out) == len(messages), (tmp_path / "stages.log").read_text()[-4000:]
+    out = _through_the_stages(stages, kafka_bootstrap, topic, len(messages), tmp_path / "stages.log")
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), engine=engine)
     got = {o.key.decode(): o.headers["neardup-verdict"].decode() for o in out}
     # a pair is found whichever of the two comes first in order-key order (records produced
