@@ -200,14 +200,16 @@ def create_topics(
     names: Iterable[str],
     partitions: int = 1,
     timeout: float = 30.0,
+    config: dict[str, str] | None = None,
 ) -> list[str]:
-    """Create ``names`` with ``partitions`` partitions each and wait for their leaders."""
+    """Create ``names`` with ``partitions`` partitions each (and the topic ``config``) and
+    wait for their leaders."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     names = list(names)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     futures = admin.create_topics(
-        [NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names],
+        [NewTopic(n, num_partitions=partitions, replication_factor=1, config=config or {}) for n in names],
         operation_timeout=timeout,
         request_timeout=timeout,
     )
