@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     _record_flags(run)
     _retention_flags(run, timestamp_field=False)
     _metrics_flags(run)
+    q = run.add_argument_group("queries (docs/kafka.md: POST /query answers a text with its nearest stored documents)")
+    q.add_argument("--query-port", type=int, help="serve POST /query on this port (default off; 0 turns it off)")
+    q.add_argument("--query-host", help=f"address to serve queries on ({_d('query_host')}: this host only)")
+    q.add_argument("--query-token-file", type=Path, metavar="FILE", help="a file holding the bearer token every query must carry (default: none asked)")
+    q.add_argument("--query-max-bytes", type=int, metavar="N", help=f"largest query body accepted, bytes ({_d('query_max_bytes')})")
     _common_flags(run)
 
     stage = sub.add_parser("stage", help="run one stage of a sharded deduplication over many processes (docs/scale-out.md)")
@@ -421,6 +426,7 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.io.kafka_config import check_kafka_settings
 
     check_kafka_settings(settings)  # before the metrics server or the state start
+    token = _query_token(settings)
     if settings.text_format == "html":
         from neardup.extract import require_extractor
 
@@ -447,11 +453,48 @@ def cmd_run(settings: Settings, engine: EngineSettings) -> int:
                             lambda: metrics.refresh_state(store)),
                 progress=progress,
             )
-            consumer.run()
+            queries = _query_server(settings, engine, store, token)
+            try:
+                consumer.run()
+            finally:
+                if queries:
+                    queries.close()
     finally:
         if server:
             server.close()
     return 0
+
+
+def _query_token(settings: Settings) -> str | None:
+    """The bearer token of ``--query-token-file`` (its text, stripped), None without one.
+
+    Raises:
+        ValueError: the file cannot be read or is empty.
+    """
+    if settings.query_token_file is None:
+        return None
+    try:
+        token = settings.query_token_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --query-token-file {settings.query_token_file}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not token:
+        raise ValueError(f"--query-token-file {settings.query_token_file} is empty")
+    return token
+
+
+def _query_server(settings: Settings, engine: EngineSettings, store: Any, token: str | None) -> Any:
+    """The started ``QueryServer`` of ``neardup run`` on ``store``, or None when off.
+
+    Raises:
+        ServerError: the address cannot be bound.
+    """
+    if not settings.query_port:
+        return None
+    from neardup.server import QueryServer
+
+    return QueryServer(store, engine, settings.query_host, settings.query_port, token,
+                       settings.query_max_bytes).start()
 
 
 def cmd_stage(role: str, settings: Settings) -> int:

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     # operations
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
+    # run: POST /query on the live state (neardup.server.QueryServer); off by default
+    query_port: int | None = None
+    query_host: str = "127.0.0.1"
+    query_token_file: Path | None = None
+    query_max_bytes: int = Field(1 << 20, ge=1)
     log_format: Literal["text", "json"] = "text"
     log_level: str = "INFO"
 

@@ -18,6 +18,7 @@ detector would not find it either.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,8 @@ from neardup.core.candidates import batch_candidates
 from neardup.core.cluster import Sets, pair_similarities
 from neardup.core.lsh import copy_bucket_ids
 from neardup.core.settings import EngineSettings
-from neardup.detector import Preparer, measure_code
+from neardup.detector import PreparedBatch, Preparer, measure_code
+from neardup.state.errors import StateError
 from neardup.state.kv import KeyValueStateStore
 
 __all__ = ["Neighbour", "nearest"]
@@ -106,7 +108,7 @@ def _with_copies(store: KeyValueStateStore, bounds: np.ndarray, seqs: np.ndarray
 
 
 def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence[str],
-            k: int = 5, prepare: Preparer | None = None) -> list[list[Neighbour]]:
+            k: int = 5, prepare: Preparer | None = None, shared: bool = False) -> list[list[Neighbour]]:
     """The ``k`` stored documents most similar to each text, most similar first (the
     earliest first among equals); an empty list for a text with no candidate or no
     shingle. Reads ``store`` only.
@@ -121,12 +123,18 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
             the most buckets first.
         prepare: ``Preparer(settings)``, kept by a caller that queries often (building
             one costs about 10 ms: the hash functions' constants).
+        shared: ``store`` is written meanwhile by another thread (``neardup run``'s
+            consumer): the texts are prepared first, then the store is read under its
+            ``lock``, which its writes take too (a commit waits for at most one read),
+            and the set cache is left alone; the answer is the state between two
+            commits.
 
     Returns:
         One list of at most ``k`` ``Neighbour`` per text, in the order of ``texts``.
 
     Raises:
         ValueError: ``k`` is below 1.
+        StateError: the store is being restored from its changelog.
     """
     if k < 1:
         raise ValueError(f"k must be at least 1, not {k}")
@@ -134,9 +142,21 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
     if not texts:
         return out
     p = (prepare if prepare is not None else Preparer(settings)).texts(list(texts))
-    n = len(p.valid)
-    if not n or not store.next_seq():
+    if not len(p.valid):
         return out
+    with store.lock if shared else nullcontext():
+        if not store.ready():
+            raise StateError("the state is being restored from its changelog")
+        _lookup(store, settings, p, k, out, cache=not shared)
+    return out
+
+
+def _lookup(store: KeyValueStateStore, settings: EngineSettings, p: PreparedBatch, k: int,
+            out: list[list[Neighbour]], cache: bool) -> None:
+    """``nearest``'s reading of the store for the prepared texts ``p``, into ``out``."""
+    n = len(p.valid)
+    if not store.next_seq():
+        return
     bands = p.bucket_entries.shape[1]
     entries = p.bucket_entries.ravel()
     members = store.bucket_members(p.bucket_keys)
@@ -149,8 +169,8 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
     bounds, seqs = _with_copies(store, found.bounds, found.seqs)
     stored = np.unique(seqs)
     if not len(stored):
-        return out
-    values, offsets = store.get_fingerprints(stored.tolist())
+        return
+    values, offsets = store.get_fingerprints(stored.tolist(), cache=cache)
     sizes = np.diff(offsets)
     if settings.verify == "estimate":  # samples: the whole sets' sizes are stored
         sizes = np.asarray(store.get_sizes(stored.tolist()), dtype=np.int64)
@@ -174,4 +194,3 @@ def nearest(store: KeyValueStateStore, settings: EngineSettings, texts: Sequence
                       ids[int(clusters[a])])
             for j, a in zip(order.tolist(), at.tolist())
         ]
-    return out

@@ -1,18 +1,22 @@
-"""The operations HTTP server: Prometheus ``/metrics``, ``/healthz`` and ``/readyz``.
+"""The HTTP servers of a process: operations (``MetricsServer``: Prometheus
+``/metrics``, ``/healthz`` and ``/readyz``) and, on ``neardup run``, the optional query
+endpoint (``QueryServer``).
 
-prometheus_client's WSGI app serves the metrics; the standard library's ``wsgiref``
-server runs it, one thread per request, in a daemon thread. Paths:
+WSGI applications run by the standard library's ``wsgiref`` server, one thread per
+request, in a daemon thread. The operations paths:
 
-- ``/metrics``: the ``Metrics`` registry in the Prometheus text format.
+- ``/metrics``: the ``Metrics`` registry in the Prometheus text format
+  (prometheus_client's WSGI app).
 - ``/healthz``: 200 ``ok`` while the process is alive (liveness).
 - ``/readyz``: 200 when the ``ready`` check passes, 503 otherwise; the body says why in
   one line (readiness).
 
-Every path answers GET and HEAD only (405 otherwise).
+They answer GET and HEAD only (405 otherwise). The query endpoint: see ``QueryServer``.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import threading
@@ -23,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by every command
+    from neardup.core.settings import EngineSettings
     from neardup.io.progress import Progress
     from neardup.metrics import Metrics
+    from neardup.state.kv import KeyValueStateStore
 
 log = logging.getLogger(__name__)
 
@@ -167,36 +173,180 @@ class MetricsServer:
         Raises:
             ServerError: the address cannot be bound.
         """
-        try:
-            family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-            server_class = type("_Server", (_ThreadingWSGIServer,), {"address_family": family})
-            self._server = make_server(self.host, self.port, self.app, server_class, _QuietHandler)
-        except OSError as exc:
-            raise ServerError(f"cannot serve metrics on {self.host}:{self.port}: {exc}") from exc
-        self.port = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, name="neardup-metrics", daemon=True)
-        self._thread.start()
+        self._server, self._thread, self.port = _serve(self.host, self.port, self.app, "metrics")
         log.info("serving /metrics, /healthz and /readyz on %s:%d", self.host, self.port)
         return self
 
     @property
     def url(self) -> str:
         """Base URL of the server, for clients on this host."""
-        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        return _url(self.host, self.port)
 
     def close(self) -> None:
         """Stop serving and release the port."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        _stop(self._server, self._thread)
+        self._server = self._thread = None
 
     def __enter__(self) -> MetricsServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _serve(host: str, port: int, app: Callable[..., Iterable[bytes]],
+           what: str) -> tuple[WSGIServer, threading.Thread, int]:
+    """(server, its daemon thread, the port bound) for ``app`` on ``host:port``.
+
+    Raises:
+        ServerError: the address cannot be bound.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_Server", (_ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, app, server_class, _QuietHandler)
+    except OSError as exc:
+        raise ServerError(f"cannot serve {what} on {host}:{port}: {exc}") from exc
+    thread = threading.Thread(target=server.serve_forever, name=f"neardup-{what}", daemon=True)
+    thread.start()
+    return server, thread, server.server_port
+
+
+def _stop(server: WSGIServer | None, thread: threading.Thread | None) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    if thread is not None:
+        thread.join(timeout=5)
+
+
+def _url(host: str, port: int) -> str:
+    host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+#: Neighbours a query may ask for at most.
+MAX_K = 100
+
+
+class QueryServer:
+    """``POST /query`` on ``host:port``: the nearest stored documents of texts, read from
+    the live state of ``neardup run`` without adding them (``neardup.query.nearest`` with
+    ``shared``: the state between two commits; a commit waits for at most one query's
+    read of the store).
+
+    Request: a JSON object, ``{"text": "..."}`` or ``{"texts": ["...", ...]}``, and
+    optionally ``"k"`` (neighbours per text, 1 to ``MAX_K``, default 5); with a ``token``,
+    the header ``Authorization: Bearer <token>``. Answer (200, JSON): ``{"nearest": [...]}``
+    for ``text``, ``{"results": [{"nearest": [...]}, ...]}`` for ``texts``, each neighbour
+    ``{"id", "similarity", "jaccard", "containment", "cluster"}``, most similar first.
+    Errors (JSON ``{"error": "<one line>"}``): 400 (not a JSON object of that shape), 401
+    (token missing or wrong), 404, 405 (not POST), 411 (no ``Content-Length``), 413 (body
+    over ``max_bytes``), 503 (the state is being restored from its changelog).
+
+    Args:
+        store: the open state store the consumer writes.
+        settings: its engine settings.
+        host: address to listen on (default use: ``127.0.0.1``, this host only).
+        port: TCP port; 0 picks a free one (see ``port`` after ``start``).
+        token: the bearer token requests must carry; None: no authentication.
+        max_bytes: the largest request body accepted, bytes.
+    """
+
+    def __init__(self, store: KeyValueStateStore, settings: EngineSettings, host: str, port: int,
+                 token: str | None = None, max_bytes: int = 1 << 20) -> None:
+        from neardup.detector import Preparer
+
+        self.store = store
+        self.settings = settings
+        self.host = host
+        self.port = port
+        self.token = token
+        self.max_bytes = max_bytes
+        self._prepare = Preparer(settings)
+        self._prepare_lock = threading.Lock()  # a Preparer's buffers serve one call at a time
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """The WSGI application (see the class docstring)."""
+        import orjson
+
+        def answer(status: str, body: object, headers: Sequence[tuple[str, str]] = ()) -> Iterable[bytes]:
+            data = orjson.dumps(body) + b"\n"
+            start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                                    *headers])
+            return [data]
+
+        if (environ.get("PATH_INFO") or "/") != "/query":
+            return answer("404 Not Found", {"error": "not found: the endpoint is POST /query"})
+        if environ.get("REQUEST_METHOD") != "POST":
+            return answer("405 Method Not Allowed", {"error": "POST only"}, [("Allow", "POST")])
+        if self.token is not None:
+            given = environ.get("HTTP_AUTHORIZATION", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return answer("401 Unauthorized", {"error": "a bearer token is required"},
+                              [("WWW-Authenticate", "Bearer")])
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or "")
+        except ValueError:
+            return answer("411 Length Required", {"error": "Content-Length is required"})
+        if length > self.max_bytes:
+            return answer("413 Content Too Large", {"error": f"the body is {length} bytes, over the limit of "
+                                                              f"{self.max_bytes} (--query-max-bytes)"})
+        try:
+            texts, one, k = _query_request(orjson.loads(environ["wsgi.input"].read(length)))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            return answer("400 Bad Request", {"error": f"{exc}"})
+        from neardup.query import nearest
+        from neardup.state.errors import StateError
+
+        try:
+            with self._prepare_lock:
+                found = nearest(self.store, self.settings, texts, k, self._prepare, shared=True)
+        except StateError as exc:
+            return answer("503 Service Unavailable", {"error": str(exc)})
+        results = [{"nearest": [n.to_dict() for n in neighbours]} for neighbours in found]
+        return answer("200 OK", results[0] if one else {"results": results})
+
+    def start(self) -> QueryServer:
+        """Listen and serve in a daemon thread.
+
+        Raises:
+            ServerError: the address cannot be bound.
+        """
+        self._server, self._thread, self.port = _serve(self.host, self.port, self.app, "queries")
+        log.info("serving POST /query on %s:%d%s", self.host, self.port,
+                 " (bearer token required)" if self.token is not None else "")
+        return self
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, for clients on this host."""
+        return _url(self.host, self.port)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        _stop(self._server, self._thread)
+        self._server = self._thread = None
+
+
+def _query_request(body: object) -> tuple[list[str], bool, int]:
+    """(texts, whether one ``text`` was asked, k) of a decoded request body.
+
+    Raises:
+        ValueError: the body is not ``{"text": str}`` or ``{"texts": [str, ...]}`` with an
+            optional integer ``k`` from 1 to ``MAX_K``.
+    """
+    if not isinstance(body, dict):
+        raise ValueError('the body must be a JSON object: {"text": "..."} or {"texts": ["...", ...]}')
+    if ("text" in body) == ("texts" in body):
+        raise ValueError('give either "text" or "texts"')
+    one = "text" in body
+    texts = [body["text"]] if one else body["texts"]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError('"text" must be a string, "texts" a list of strings')
+    k = body.get("k", 5)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f'"k" must be an integer from 1 to {MAX_K}')
+    return texts, one, k

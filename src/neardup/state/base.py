@@ -125,11 +125,12 @@ class StateStore(Protocol):
         """int64, shape (len(seqs),): shingle-set sizes. Raises KeyError if unknown."""
         ...
 
-    def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def get_fingerprints(self, seqs: Sequence[int], cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The sorted shingle fingerprints of each document, as one array: (values
         uint32, shape (total,); offsets int64, shape (len(seqs) + 1,)), document k's
-        being ``values[offsets[k]:offsets[k + 1]]``. Raises KeyError if a document has
-        none stored (unknown, or a store without exact verification)."""
+        being ``values[offsets[k]:offsets[k + 1]]``; ``cache`` False: read past any
+        cache, leaving it unchanged. Raises KeyError if a document has none stored
+        (unknown, or a store without exact verification)."""
         ...
 
     def get_position(self, source: str) -> int | None:

@@ -30,13 +30,28 @@ start over from step 1):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from neardup.state import codec
 
 if TYPE_CHECKING:
     from neardup.state.kv import Deletes, Puts, Ranges, Record
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exclusive(method: F) -> F:
+    """``method`` under the store's ``lock``: the writes of a store (commit, expiry, wipe,
+    restore, close) exclude the readers of another thread (``neardup.query.nearest``
+    with ``shared``), so that those see the state between two writes."""
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 class ChangelogMixin:
@@ -45,6 +60,8 @@ class ChangelogMixin:
 
     _unconfirmed: set[bytes]
     _ready: bool
+    #: Held by every write (``exclusive``) and by readers in other threads.
+    lock: threading.RLock
 
     def _records(self, puts: Puts, deletes: Deletes, ranges: Ranges) -> list[Record]:
         """The changelog records of a write (``puts`` and ``deletes`` as lists), in the
@@ -101,6 +118,7 @@ class ChangelogMixin:
         """A restore was started (``wipe``) and not finished: start it over."""
         return self._get_many("default", [codec.RESTORING_KEY])[0] is not None
 
+    @exclusive
     def wipe(self) -> None:
         """Drop every record of every family (nothing logged), then write the
         ``restoring`` marker. The store takes no commit until ``finish_restore``.
@@ -113,6 +131,7 @@ class ChangelogMixin:
         self._wipe_all()
         self._write_batch({"default": [(codec.RESTORING_KEY, b"")]})
 
+    @exclusive
     def apply(self, records: list[Record]) -> None:
         """Write a chunk of changelog records atomically, without logging them: the last
         record of a key wins, a tombstone (None) deletes. Call ``finish_restore`` after
@@ -132,6 +151,7 @@ class ChangelogMixin:
         self._ready = False
         self._write_batch(puts, deletes)  # type: ignore[arg-type]
 
+    @exclusive
     def finish_restore(self) -> None:
         """Remove the ``restoring`` marker and load the state as at open (see the module
         docstring).

@@ -9,6 +9,7 @@ this class turns them into the ``StateStore`` protocol with the layouts of
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from neardup.core.retention import NO_TIME, Retention
 from neardup.core.unionfind import Node
 from neardup.state import codec
 from neardup.state.base import StateUpdate
-from neardup.state.changelog import ChangelogMixin
+from neardup.state.changelog import ChangelogMixin, exclusive
 from neardup.state.errors import SettingsMismatchError, StateError
 from neardup.state.expiry import Times, held_since, removal_point
 from neardup.state.forest import Forest
@@ -108,6 +109,7 @@ class KeyValueStateStore(ChangelogMixin):
         Raises:
             SettingsMismatchError: the store holds other settings (or another layout).
         """
+        self.lock = threading.RLock()
         self._requested = (None if requested is None else {**requested, "layout": codec.LAYOUT},
                            set_cache_bytes, retention)
         self._unconfirmed: set[bytes] = set()
@@ -236,6 +238,10 @@ class KeyValueStateStore(ChangelogMixin):
         self._check_ready()
         return self._next_seq
 
+    def ready(self) -> bool:
+        """Whether the state is loaded: no restore from the changelog under way."""
+        return self._ready
+
     def _check_ready(self) -> None:
         if not self._ready:
             raise StateError("a restore of the state store is under way: wipe it, apply the changelog, "
@@ -276,10 +282,16 @@ class KeyValueStateStore(ChangelogMixin):
     def get_sizes(self, seqs: Sequence[int]) -> np.ndarray:
         return np.array([size for size, _ in self._documents(seqs)], dtype=np.int64)
 
-    def get_fingerprints(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def get_fingerprints(self, seqs: Sequence[int], cache: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Read through the set cache: the sets it lacks come from the store in one
-        multi-get and are added to it."""
+        multi-get and are added to it. ``cache`` False: every set from the store, the
+        cache neither read nor changed (a reader in another thread than the writer's)."""
         seqs = np.asarray(seqs, dtype=np.int64)
+        if not cache:
+            raws = self._get_many("shingles", codec.seq_keys(seqs))
+            if None in raws:
+                raise KeyError("no shingle fingerprints stored for a document")
+            return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
         hit, values, offsets = self.sets.lookup(seqs)
         if hit.all():
             return values, offsets
@@ -302,6 +314,7 @@ class KeyValueStateStore(ChangelogMixin):
         """The runtime's metadata ``name`` (``StateUpdate.meta``), None if never written."""
         return self._get("default", codec.meta_key(name))
 
+    @exclusive
     def commit(self, update: StateUpdate) -> None:
         self._check_ready()
         if update.first_seq != self._next_seq:
@@ -370,6 +383,7 @@ class KeyValueStateStore(ChangelogMixin):
                                                joined - update.first_seq))
 
     # --- retention: removing expired documents (neardup.state.expiry) ---------------
+    @exclusive
     def expire(self) -> None:
         """Remove the expired documents now if that is due (after a shorter retention
         window was set), in one atomic write."""

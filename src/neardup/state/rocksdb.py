@@ -19,6 +19,7 @@ from rocksdict import AccessType, BlockBasedOptions, Cache, DBCompressionType, O
 from neardup.core.retention import Retention
 from neardup.state import codec
 from neardup.state.errors import StateCorruptedError, StateError, StateLockedError, write_error
+from neardup.state.changelog import exclusive
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges, Record
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,7 @@ class RocksDBStateStore(KeyValueStateStore):
         for family in self._families.values():
             family.flush()
 
+    @exclusive
     def close(self) -> None:
         """Close every family and the database, even when one fails (e.g. its memtable
         cannot be flushed to a full disk; what ``commit`` returned from is in the
