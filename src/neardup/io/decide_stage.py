@@ -145,7 +145,7 @@ class DecideProcessor(StageHooks):
         started = time.perf_counter()
         start, read = with_retries("reading the decisions table", lambda: catch_up(
             self.settings, self.topology.decisions, 0, self.clusters.position(), self._apply_decisions,
-            self.clusters.wipe))
+            self.clusters.wipe, self.clusters.position_age_ms()))
         position = self.clusters.position()
         table = Consumer({
             "bootstrap.servers": self.settings.bootstrap_servers, "logger": rdkafka_logger(),

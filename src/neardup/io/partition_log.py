@@ -4,14 +4,17 @@ restore of a stage's state from its changelog partition (Kafka Streams' model)."
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
+from neardup.io.clients import admin_config
 from neardup.io.rdkafka_log import rdkafka_logger
 
 log = logging.getLogger(__name__)
@@ -89,13 +92,19 @@ def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) 
 
 
 def catch_up(settings: Settings, topic: str, partition: int, position: int | None,
-             apply: Callable[[list[Message]], None], wipe: Callable[[], None]) -> tuple[int | None, int]:
+             apply: Callable[[list[Message]], None], wipe: Callable[[], None],
+             age_ms: int | None = None) -> tuple[int | None, int]:
     """Bring a local view of one topic partition (a state store, a global table) up to the
     partition's end: ``apply`` its committed records in chunks from ``position`` on. With
     no position (a new view), or one beyond the partition's end (the topic was deleted and
     created again: the view describes the old one, logged), the view is ``wipe``d first and
     the partition read from its start. ``apply`` writes a chunk together with the position
     after it, so a catch-up cut short resumes where it stopped.
+
+    A view whose position was written (``age_ms`` ago) longer than the topic's
+    ``delete.retention.ms`` before, with records past it, is read in full as well (logged):
+    compaction may have removed the tombstones of keys it holds, which reading from the
+    position would never delete.
 
     Returns:
         (the position read from, None when read in full; the records read).
@@ -112,8 +121,57 @@ def catch_up(settings: Settings, topic: str, partition: int, position: int | Non
             n += len(chunk)
         return n
 
+    stale = _tombstones_may_be_gone(settings, topic, partition, position, age_ms)
+    if stale:
+        log.warning("%s; read in full", stale)
+        return None, read(None)
     try:
         return position, read(position)
     except AheadOfTopicError as exc:
         log.warning("%s; the topic was created again: read in full", exc)
         return None, read(None)
+
+
+#: delete.retention.ms per topic, with when it was read (time.monotonic()).
+_DELETE_RETENTION: dict[tuple[str | None, str], tuple[float, int]] = {}
+DELETE_RETENTION_TTL_S = 300.0
+
+
+def delete_retention_ms(settings: Settings, topic: str) -> int:
+    """The topic's ``delete.retention.ms`` (how long compaction keeps a tombstone), read
+    with the admin client, kept for ``DELETE_RETENTION_TTL_S``.
+
+    Raises:
+        KafkaException: the broker did not answer, or refused the request.
+    """
+    key = (settings.bootstrap_servers, topic)
+    cached = _DELETE_RETENTION.get(key)
+    if cached is not None and time.monotonic() - cached[0] < DELETE_RETENTION_TTL_S:
+        return cached[1]
+    admin = AdminClient(admin_config(settings))
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    value = int(admin.describe_configs([resource], request_timeout=30)[resource].result(timeout=31)[
+        "delete.retention.ms"].value)
+    _DELETE_RETENTION[key] = (time.monotonic(), value)
+    return value
+
+
+def _tombstones_may_be_gone(settings: Settings, topic: str, partition: int, position: int | None,
+                            age_ms: int | None) -> str | None:
+    """Why a view at ``position``, written ``age_ms`` ago, must be read in full (see
+    ``catch_up``); None when reading from its position is exact."""
+    if position is None or age_ms is None:
+        return None
+    retention = delete_retention_ms(settings, topic)
+    if age_ms <= retention:
+        return None
+    reader = _reader(settings)
+    try:
+        _, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
+    finally:
+        reader.close()
+    if high <= position:
+        return None  # nothing written since: nothing missed
+    return (f"the view of {topic}[{partition}] was last brought to offset {position} {age_ms / 3.6e6:.1f} h ago, "
+            f"longer than the topic's delete.retention.ms ({retention / 3.6e6:.1f} h): compaction may have "
+            f"removed tombstones of keys it holds")

@@ -270,7 +270,7 @@ class ShardProcessor(StageHooks):
             start, records = catch_up(
                 self.settings, self.topology.shard_changelog, p, store.position(),
                 lambda chunk: store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1),
-                wipe)
+                wipe, store.position_age_ms())
         except BaseException:
             store.close()
             raise

@@ -101,6 +101,10 @@ class DecisionsTable:
         """The next offset of the topic to read; None: from its start."""
         return self._position
 
+    def position_age_ms(self) -> int | None:
+        """None: a table in memory is never older than its process."""
+        return None
+
     def taken(self) -> int:
         """How many decisions taken here are not yet read back."""
         return len(self._taken)
@@ -155,6 +159,10 @@ class StoredDecisionsTable(DecisionsTable):
 
     def position(self) -> int | None:
         return self._view.position()
+
+    def position_age_ms(self) -> int | None:
+        """Milliseconds since the position was last written (``TopicView``)."""
+        return self._view.position_age_ms()
 
     def wipe(self) -> None:
         """Drop everything (the directory is removed and created again).

@@ -3,8 +3,9 @@ changelog, or a global table's topic), as a Kafka Streams state store is of its 
 the topic stays the source of truth and the store is never ahead of it.
 
 What is in the store is applied only from committed records, in one atomic write with the
-store's position (the topic offset before which every record is in the store), as
-quix-streams keeps processed offsets in the data's own ``WriteBatch``. So a store is
+store's position (the topic offset before which every record is in the store) and the
+wall-clock time of that write, as quix-streams keeps processed offsets in the data's own
+``WriteBatch``. So a store is
 valid whenever it opens, after a clean stop, a rebalance or a SIGKILL alike, and an open
 reads the topic from its position on. A directory RocksDB calls corrupted is wiped (the
 topic holds all of it); a store without a position is read in full.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 from rocksdict import BlockBasedIndexType, BlockBasedOptions, Cache, Options, Rdict, WriteBatch
@@ -29,6 +31,7 @@ from neardup.state.rocksdb import INFO_LOG_BYTES, INFO_LOG_FILES
 WRITE_BUFFER_BYTES = 8 << 20
 BLOCK_CACHE_BYTES = 64 << 20
 POSITION_KEY = b"O"
+POSITION_TIME_KEY = b"T"  # when the position was last written, ms since the epoch
 _Q = struct.Struct(">q")
 _cache: Cache | None = None
 
@@ -125,6 +128,12 @@ class TopicView:
         raw = self._db.get(POSITION_KEY)
         return None if raw is None else _Q.unpack(raw)[0]
 
+    def position_age_ms(self) -> int | None:
+        """Milliseconds since the position was last written; None: never (or written
+        before the time was kept)."""
+        raw = self._db.get(POSITION_TIME_KEY)
+        return None if raw is None else max(0, int(time.time() * 1000) - _Q.unpack(raw)[0])
+
     def get(self, key: bytes) -> bytes | None:
         return self._db.get(key)
 
@@ -136,6 +145,7 @@ class TopicView:
         """
         if position is not None:
             batch.put(POSITION_KEY, _Q.pack(position))
+            batch.put(POSITION_TIME_KEY, _Q.pack(int(time.time() * 1000)))
         size = batch.size_in_bytes()  # the write consumes the batch
         try:
             self._db.write(batch)
