@@ -242,7 +242,8 @@ class QueryServer:
     ``{"id", "similarity", "jaccard", "containment", "cluster"}``, most similar first.
     Errors (JSON ``{"error": "<one line>"}``): 400 (not a JSON object of that shape), 401
     (token missing or wrong), 404, 405 (not POST), 411 (no ``Content-Length``), 413 (body
-    over ``max_bytes``), 503 (the state is being restored from its changelog).
+    over ``max_bytes``), 503 (the state is being restored from its changelog), 500 (a
+    fault of the server, logged with its traceback).
 
     Args:
         store: the open state store the consumer writes.
@@ -306,6 +307,9 @@ class QueryServer:
                 found = nearest(self.store, self.settings, texts, k, self._prepare, shared=True)
         except StateError as exc:
             return answer("503 Service Unavailable", {"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - a fault of this server, not of the request
+            log.exception("query failed")
+            return answer("500 Internal Server Error", {"error": f"the query failed: {exc}"})
         results = [{"nearest": [n.to_dict() for n in neighbours]} for neighbours in found]
         return answer("200 OK", results[0] if one else {"results": results})
 
