@@ -1,0 +1,70 @@
+"""A restore longer than ``max.poll.interval.ms`` keeps the consumer in its group (issue 28):
+the stage runtime runs ``Processor.check`` in a thread of its own while its consumer keeps
+polling with the partitions held paused (``neardup.io.stage``)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from confluent_kafka.admin import AdminClient
+
+from kafka_util import produce, read_all
+from neardup.io.topology import Topology
+from neardup.sharded.records import ORDER
+from test_sharded_kafka import _check_verdicts, _Stages, _stories_and_copies
+
+#: The shard's ``max.poll.interval.ms`` (librdkafka wants it >= ``session.timeout.ms``;
+#: deploy/local/kafka.sh's broker takes sessions down to 1 s), ms.
+MAX_POLL_MS = 3000
+#: Changelog records of the shard's one partition: about 10 s of restore here, at
+#: about 110,000 records a second.
+CHANGELOG_RECORDS = 1_200_000
+RESTORED = re.compile(r"shard (\d+) restored from \S+: (\d+) records, .*? in ([\d.]+) s")
+
+
+def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_bootstrap, kafka_topic_factory,
+                                                                      tmp_path):
+    """The shard stage's one partition restores from a changelog that takes several
+    times ``max.poll.interval.ms`` to read: the consumer stays in the group (librdkafka
+    never says the interval was exceeded), the partition is restored once, and every
+    message comes out once, with the sharded rules' verdicts."""
+    topic = kafka_topic_factory("restore-poll", partitions=2)
+    messages = _stories_and_copies(200)
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    # a long changelog of deletions of held records never held: read and applied by the
+    # restore, the state they leave is empty (the verdicts are those of a fresh shard)
+    produce(kafka_bootstrap, topology.shard_changelog,
+            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(CHANGELOG_RECORDS)))
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log)
+    out = []
+    try:
+        stages.start("prepare")
+        stages.start("decide")
+        stages.start("shard", "a", "-X", f"session.timeout.ms={MAX_POLL_MS}",
+                     "-X", f"max.poll.interval.ms={MAX_POLL_MS}")
+        deadline = time.monotonic() + 240
+        while len(out) < len(messages) and time.monotonic() < deadline:
+            text = log.read_text()
+            # fail at once: without the runtime's polling, the restore is cut short by
+            # the group again and again and nothing ever comes out
+            assert "maximum poll interval" not in text, text[-3000:]
+            assert stages.alive(), text[-3000:]
+            out = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                           idle_s=2.0, timeout_s=30)
+    finally:
+        stages.stop()
+    text = log.read_text()
+    assert "maximum poll interval" not in text and "leaving group" not in text, text[-3000:]
+    restores = [(int(p), int(n), float(s)) for p, n, s in RESTORED.findall(text)]
+    assert len(restores) == 1, restores  # restored once: never lost to the group midway
+    (_, records, seconds), = restores
+    assert records == CHANGELOG_RECORDS
+    assert seconds > 2 * MAX_POLL_MS / 1000, f"the restore took only {seconds} s: the test proves nothing"
+    assert re.search(rf"checked {re.escape(topology.bands)}\[0\] in [\d.]+ s, held paused", text), text[-3000:]
+    assert len(out) == len(messages), text[-3000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=frozenset())
