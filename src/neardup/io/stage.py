@@ -69,6 +69,21 @@ batch), so no transaction is open when partitions go and a revoked partition nev
 leaves anything half-done. Newly assigned partitions are handed to ``Processor.check``
 before any of their messages is read.
 
+A check may take minutes (a restore from a long changelog), longer than the consumer
+may go without polling (``max.poll.interval.ms``, librdkafka's measure: past it the
+consumer leaves its group, its partitions go to another member, and the restore is
+wasted, again and again). So it runs as Kafka Streams restores its tasks, outside the
+poll loop's blocking path: in a thread of its own, while the consumer keeps calling
+``consume`` with every assigned partition *held* paused (so it keeps its membership
+and serves rebalances, and reads nothing); the partitions are fetched again when the
+check has ended. The consumer keeps the runtime's hold apart from the pauses the
+intake or the processor ask for, so that neither undoes the other. No batch is
+processed during a check (the loop waits for it), and the processor is never called
+from two threads at once: partitions revoked during a check are handed to
+``Processor.revoked`` once it has ended, and partitions assigned during it are held at
+once and checked next. A check that raises ends ``run`` as before; a consumer that
+fails during a check is replaced once the check has ended.
+
 Read-ahead (with a processor that ``reads_ahead``): when batch k is full (a backlog),
 batch k + 1 is consumed *ahead*, before batch k's step 2, taking only what the consumer
 has already fetched (no wait), and handed to ``Processor.ahead`` (which may start work
@@ -94,7 +109,9 @@ minute). A failed batch's retry is logged at its first failure only, the stall t
 a minute, so a batch that fails again and again does not flood the log.
 
 SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
-dropped, the consumer leaves its group, and ``run`` returns.
+dropped, the consumer leaves its group, and ``run`` returns. A check in progress (which
+cannot be interrupted, and writes nothing to Kafka) is waited for first, the consumer
+polling meanwhile; a SIGKILL then is a crash before step 1.
 """
 
 from __future__ import annotations
@@ -163,9 +180,10 @@ class Written(Protocol):
 
 
 class Processor(Protocol):
-    """What a stage computes; the runtime calls it from one thread, in this order per
-    batch: ``read`` (maybe ``ahead``), ``compute``, ``write`` (inside the open
-    transaction), ``committed`` (after step 5)."""
+    """What a stage computes; the runtime calls it from one thread at a time (``check``
+    in a thread of its own, see the module docstring), in this order per batch: ``read``
+    (maybe ``ahead``), ``compute``, ``write`` (inside the open transaction),
+    ``committed`` (after step 5)."""
 
     reads_ahead: bool  # a full batch's successor is read ahead and handed to ``ahead``
     orders_partitions: bool  # messages of several partitions read in order-key order (``neardup.io.intake``)
@@ -186,7 +204,10 @@ class Processor(Protocol):
         ...
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Newly assigned partitions, before any of their messages is read."""
+        """Newly assigned partitions, before any of their messages is read. Called in a
+        thread of its own while the runtime's thread polls ``consumer`` with the
+        partitions paused (no other method is called meanwhile); calls on ``consumer``
+        are serialised with the polling."""
         ...
 
     def revoked(self, partitions: set[TP]) -> None:
