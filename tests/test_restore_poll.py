@@ -68,3 +68,60 @@ def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_boot
     assert re.search(rf"checked {re.escape(topology.bands)}\[0\] in [\d.]+ s, held paused", text), text[-3000:]
     assert len(out) == len(messages), text[-3000:]
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=frozenset())
+
+
+def test_a_rebalance_during_a_restore_keeps_every_message_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """A second shard process joins while the first restores both shard partitions: the
+    first stays in the group and serves the rebalance during its restore, drops the
+    partition it lost once the restore has ended (``Processor.revoked`` waits for it)
+    and restores the one it was given again; every message comes out once, with the
+    sharded rules' verdicts."""
+    topic = kafka_topic_factory("restore-rebalance", partitions=2)
+    messages = _stories_and_copies(200)
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    # about half in each partition (the keys' hashes): about 10 s of restore each
+    produce(kafka_bootstrap, topology.shard_changelog,
+            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(2 * CHANGELOG_RECORDS)))
+    logs = {name: tmp_path / f"{name}.log" for name in ("stages", "a", "b")}
+    stages = _Stages(kafka_bootstrap, topic, topology, logs["stages"])
+    shards = {name: _Stages(kafka_bootstrap, topic, topology, logs[name],
+                            extra=("-X", f"session.timeout.ms={MAX_POLL_MS}",
+                                   "-X", f"max.poll.interval.ms={MAX_POLL_MS}")) for name in ("a", "b")}
+    both = f"{topology.bands}[0], {topology.bands}[1]"
+    out = []
+    try:
+        stages.start("prepare")
+        stages.start("decide")
+        shards["a"].start("shard", "a")
+        deadline = time.monotonic() + 60
+        while f"assigned {both}" not in logs["a"].read_text():
+            assert time.monotonic() < deadline and shards["a"].alive(), logs["a"].read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2.0)  # into the restore of both partitions
+        shards["b"].start("shard", "b")
+        deadline = time.monotonic() + 240
+        alive = lambda: stages.alive() and all(s.alive() for s in shards.values())  # noqa: E731
+        while len(out) < len(messages) and time.monotonic() < deadline:
+            assert alive()
+            out = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                           idle_s=2.0, timeout_s=30)
+    finally:
+        for s in (stages, *shards.values()):
+            s.stop()
+    text = {name: path.read_text() for name, path in logs.items()}
+    for name in ("a", "b"):
+        assert "maximum poll interval" not in text[name] and "leaving group" not in text[name], text[name][-3000:]
+    # a: both partitions checked in one go, the rebalance served meanwhile, then the
+    # partition it kept checked again (restored from the changelog anew)
+    first = text["a"].index(f"checked {both} in ")
+    assert text["a"].index("revoked ") < first, text["a"][-3000:]  # served while it restored
+    kept = re.findall(rf"assigned {re.escape(topology.bands)}\[(\d)\]$", text["a"], re.M)
+    assert len(kept) == 1, text["a"][-3000:]
+    again = [p for p, _, _ in (RESTORED.findall(text["a"][first:]))]
+    assert again == kept, text["a"][-3000:]
+    gone = 1 - int(kept[0])
+    assert [int(p) for p, _, _ in RESTORED.findall(text["b"])] == [gone], text["b"][-3000:]
+    assert len(out) == len(messages), text["stages"][-3000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=frozenset())

@@ -829,14 +829,14 @@ class StageRuntime:
     def _check(self, messages: list[Message]) -> list[Message] | None:
         """Hand the newly assigned partitions (``_unchecked``) to ``Processor.check`` in a
         thread of its own, while this thread keeps calling ``consume`` every
-        ``CHECK_POLL_S`` (without waiting in it) with every assigned partition held paused
-        (``_Consumer.hold``):
-        a check that takes longer than ``max.poll.interval.ms`` (a restore from a long
-        changelog) keeps the group membership, and no message is read of a partition whose
-        check has not ended. Partitions assigned meanwhile are held as well and checked
-        next; partitions revoked meanwhile are handed to ``Processor.revoked`` once the
-        check has ended (the processor is called from one thread at a time). At the end the
-        partitions are released (fetched again, unless asked paused).
+        ``CHECK_POLL_S`` (without waiting in it) with every assigned partition held
+        paused (``_Consumer.hold``): a check that takes longer than
+        ``max.poll.interval.ms`` (a restore from a long changelog) keeps the group
+        membership, and no message is read of a partition whose check has not ended.
+        Partitions assigned meanwhile are held as well and checked next; partitions revoked
+        meanwhile are handed to ``Processor.revoked`` once the check has ended (the
+        processor is called from one thread at a time). At the end the partitions are
+        released (fetched again, unless asked paused).
 
         Args:
             messages: consumed with the assignment, before the check.
