@@ -5,12 +5,16 @@ polling with the partitions held paused (``neardup.io.stage``)."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import produce, read_all
+from kafka_util import produce, read_all, unique
+from neardup.config import load_settings
+from neardup.io.partition_log import read_to_end
 from neardup.io.topology import Topology
 from neardup.sharded.records import ORDER
 from test_sharded_kafka import _check_verdicts, _Stages, _stories_and_copies
@@ -125,3 +129,47 @@ def test_a_rebalance_during_a_restore_keeps_every_message_once(kafka_bootstrap, 
     assert [int(p) for p, _, _ in RESTORED.findall(text["b"])] == [gone], text["b"][-3000:]
     assert len(out) == len(messages), text["stages"][-3000:]
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=frozenset())
+
+
+def test_a_restore_ends_while_another_member_writes_to_its_partition(kafka_bootstrap, kafka_topic_factory):
+    """``read_to_end`` stops at the end the partition had when it began, though another
+    member (the partition's new owner, after a rebalance during the restore) keeps
+    committing transactions to it: a restore the runtime lets finish after its partition
+    was revoked ends, instead of following the new owner's writes."""
+    topic = kafka_topic_factory("restore-tail", partitions=1)
+    produce(kafka_bootstrap, topic, ((b"H" + ORDER.pack(0, 0, i), None) for i in range(300_000)))
+    writing = threading.Event()
+    done = threading.Event()
+
+    def owner() -> None:  # a transaction of a few records every 20 ms until the read has ended
+        producer = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": unique("restore-tail")})
+        producer.init_transactions(30)
+        i = 0
+        while not done.wait(0.02):
+            producer.begin_transaction()
+            for _ in range(5):
+                producer.produce(topic, key=b"H" + ORDER.pack(1, 0, i), value=None, partition=0)
+                i += 1
+            producer.commit_transaction(30)
+            writing.set()
+        producer.flush(10)
+
+    writer = threading.Thread(target=owner, daemon=True)
+    writer.start()
+    try:
+        assert writing.wait(30)
+        settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic]})
+        got = threading.Event()
+        records = []
+
+        def read() -> None:
+            records.extend(m.offset() for chunk in read_to_end(settings, topic, 0) for m in chunk)
+            got.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert got.wait(120), "the read followed the other member's writes and never ended"
+    finally:
+        done.set()
+        writer.join(60)
+    assert len(records) >= 300_000 + 5  # what was there when it began: the 300,000 and a transaction
+    assert records == sorted(set(records))
