@@ -173,3 +173,31 @@ def test_a_restore_ends_while_another_member_writes_to_its_partition(kafka_boots
         writer.join(60)
     assert len(records) >= 300_000 + 5  # what was there when it began: the 300,000 and a transaction
     assert records == sorted(set(records))
+
+
+def test_sigterm_during_a_restore_ends_it_first_then_exits_0(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """SIGTERM while a shard partition restores: the restore (which cannot be interrupted)
+    ends, the consumer polling meanwhile, then the stage closes and exits 0."""
+    topic = kafka_topic_factory("restore-sigterm", partitions=1)
+    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    produce(kafka_bootstrap, topology.shard_changelog,
+            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(CHANGELOG_RECORDS)))
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log,
+                     extra=("-X", f"session.timeout.ms={MAX_POLL_MS}", "-X", f"max.poll.interval.ms={MAX_POLL_MS}"))
+    try:
+        stages.start("shard")
+        deadline = time.monotonic() + 60
+        while f"assigned {topology.bands}[0]" not in log.read_text():
+            assert time.monotonic() < deadline and stages.alive(), log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2.0)  # into the restore
+        assert stages.terminate("shard") == 0, log.read_text()[-3000:]
+    finally:
+        stages.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "maximum poll interval" not in text, text[-3000:]
+    stopping = text.index(f"stopping once the check of {topology.bands}[0] has ended")
+    restored = text.index("shard 0 restored from")
+    assert stopping < restored < text.index("consumer closed after 0 batches"), text[-3000:]
