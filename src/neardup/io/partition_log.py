@@ -85,7 +85,7 @@ def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) 
                 chunk.append(m)
             if chunk:
                 yield chunk
-            if done:
+            if done or reader.position([TopicPartition(topic, partition)])[0].offset >= high:  # the end at the start
                 return
     finally:
         reader.close()

@@ -69,6 +69,21 @@ batch), so no transaction is open when partitions go and a revoked partition nev
 leaves anything half-done. Newly assigned partitions are handed to ``Processor.check``
 before any of their messages is read.
 
+A check may take minutes (a restore from a long changelog), longer than the consumer
+may go without polling (``max.poll.interval.ms``, librdkafka's measure: past it the
+consumer leaves its group, its partitions go to another member, and the restore is
+wasted, again and again). So it runs as Kafka Streams restores its tasks, outside the
+poll loop's blocking path: in a thread of its own, while the consumer keeps calling
+``consume`` with every assigned partition *held* paused (so it keeps its membership
+and serves rebalances, and reads nothing); the partitions are fetched again when the
+check has ended. The consumer keeps the runtime's hold apart from the pauses the
+intake or the processor ask for, so that neither undoes the other. No batch is
+processed during a check (the loop waits for it), and the processor is never called
+from two threads at once: partitions revoked during a check are handed to
+``Processor.revoked`` once it has ended, and partitions assigned during it are held at
+once and checked next. A check that raises ends ``run`` as before; a consumer that
+fails during a check is replaced once the check has ended.
+
 Read-ahead (with a processor that ``reads_ahead``): when batch k is full (a backlog),
 batch k + 1 is consumed *ahead*, before batch k's step 2, taking only what the consumer
 has already fetched (no wait), and handed to ``Processor.ahead`` (which may start work
@@ -94,7 +109,9 @@ minute). A failed batch's retry is logged at its first failure only, the stall t
 a minute, so a batch that fails again and again does not flood the log.
 
 SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
-dropped, the consumer leaves its group, and ``run`` returns.
+dropped, the consumer leaves its group, and ``run`` returns. A check in progress (which
+cannot be interrupted, and writes nothing to Kafka) is waited for first, the consumer
+polling meanwhile; a SIGKILL then is a crash before step 1.
 """
 
 from __future__ import annotations
@@ -104,7 +121,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -139,6 +156,12 @@ STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
 ASSIGN_WAIT_S = 60.0
 #: Seconds for which the consumer's last statistics showing a broker up count as recent.
 BROKER_UP_RECENT_S = 15.0
+#: Seconds between two ``consume`` calls while ``Processor.check`` runs in its thread: the
+#: consumer keeps polling (``max.poll.interval.ms``) and notices the check's end this soon.
+#: Each call waits for nothing (its partitions are paused): confluent-kafka serialises
+#: the calls on one client, and a ``consume`` waiting back to back would starve the
+#: check's own calls on the consumer (e.g. ``committed``, ``list_topics``).
+CHECK_POLL_S = 0.1
 
 TP = tuple[str, int]  # (topic, partition)
 
@@ -157,9 +180,10 @@ class Written(Protocol):
 
 
 class Processor(Protocol):
-    """What a stage computes; the runtime calls it from one thread, in this order per
-    batch: ``read`` (maybe ``ahead``), ``compute``, ``write`` (inside the open
-    transaction), ``committed`` (after step 5)."""
+    """What a stage computes; the runtime calls it from one thread at a time (``check``
+    in a thread of its own, see the module docstring), in this order per batch: ``read``
+    (maybe ``ahead``), ``compute``, ``write`` (inside the open transaction),
+    ``committed`` (after step 5)."""
 
     reads_ahead: bool  # a full batch's successor is read ahead and handed to ``ahead``
     orders_partitions: bool  # messages of several partitions read in order-key order (``neardup.io.intake``)
@@ -180,7 +204,10 @@ class Processor(Protocol):
         ...
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Newly assigned partitions, before any of their messages is read."""
+        """Newly assigned partitions, before any of their messages is read. Called in a
+        thread of its own while the runtime's thread polls ``consumer`` with the
+        partitions paused (no other method is called meanwhile); calls on ``consumer``
+        are serialised with the polling."""
         ...
 
     def revoked(self, partitions: set[TP]) -> None:
@@ -329,9 +356,79 @@ def _offsets_unfetched(err: KafkaError | None) -> bool:
     return err is not None and err.str().startswith("Failed to fetch committed offsets")
 
 
+def _names(tps: list[TP]) -> str:
+    return ", ".join(f"{t}[{p}]" for t, p in tps)
+
+
 def fatal(exc: KafkaException) -> bool:
     err = exc.args[0]
     return isinstance(err, KafkaError) and err.fatal()
+
+
+class _Consumer(Consumer):
+    """The stage's consumer: a ``Consumer`` that keeps two reasons for a partition to be
+    paused apart, so that neither undoes the other (librdkafka keeps one pause flag per
+    partition).
+
+    - *asked*: ``pause``/``resume`` as called by the intake (``neardup.io.intake``) or
+      the processor (e.g. prepare's flow control), from any thread;
+    - *held*: ``hold``/``release`` by the runtime while the partitions' ``Processor.check``
+      runs (see ``StageRuntime._check``).
+
+    A partition is fetched when it is neither: a ``resume`` of a held partition takes
+    effect at its ``release``, and a ``release`` leaves a partition asked paused paused.
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self._pauses = threading.Lock()
+        self._asked: set[TP] = set()
+        self._held: set[TP] = set()
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        with self._pauses:
+            self._asked.update((p.topic, p.partition) for p in partitions)
+            super().pause(partitions)
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        with self._pauses:
+            self._asked.difference_update((p.topic, p.partition) for p in partitions)
+            free = [p for p in partitions if (p.topic, p.partition) not in self._held]
+            if free:
+                super().resume(free)
+
+    def hold(self, tps: list[TP]) -> None:
+        """Pause ``tps`` until ``release``: nothing of them is fetched, a ``consume`` returns
+        none of their messages (librdkafka drops what it had fetched of them and fetches it
+        again after the last message it returned)."""
+        with self._pauses:
+            self._held.update(tps)
+            if tps:
+                super().pause([TopicPartition(t, p) for t, p in tps])
+
+    def release(self, tps: list[TP]) -> None:
+        """End the hold of ``tps``; those not asked paused are fetched again."""
+        with self._pauses:
+            self._held.difference_update(tps)
+            free = [TopicPartition(t, p) for t, p in tps if (t, p) not in self._asked]
+            if free:
+                super().resume(free)
+
+    @property
+    def held(self) -> set[TP]:
+        with self._pauses:
+            return set(self._held)
+
+
+@dataclass
+class _Check:
+    """A ``Processor.check`` running in a thread of its own (``StageRuntime._check``)."""
+
+    partitions: list[TP]
+    done: threading.Event
+    error: BaseException | None = None
+    revoked: set[TP] = field(default_factory=set)  # meanwhile: ``Processor.revoked`` once it has ended
+    kept: list[Message] = field(default_factory=list)  # consumed meanwhile, of partitions still assigned
 
 
 @dataclass
@@ -391,11 +488,12 @@ class StageRuntime:
         self.transactional_id = settings.transactional_id or f"neardup-{settings.group_id}"
         self._stop = threading.Event()
         self.assignment: list[TopicPartition] = []
-        self.consumer: Consumer | None = None
+        self.consumer: _Consumer | None = None
         self.producer: Producer | None = None
         self.batches = 0  # committed
         self._revoked_while_reading: set[TP] | None = None
         self._unchecked: list[TP] = []  # assigned, not handed to ``Processor.check`` yet
+        self._checking: _Check | None = None  # the ``Processor.check`` running in its thread
         self._consumed = False  # any message yet (logged once)
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
@@ -482,7 +580,7 @@ class StageRuntime:
         # The consumer only once the broker has answered the producer: created during an
         # outage, its first group requests time out queued, and it was once seen never
         # to be assigned after the broker came back.
-        self.consumer = Consumer(self._consumer_config())
+        self.consumer = _Consumer(self._consumer_config())
         self._subscribe()
 
     def _consumer_config(self) -> dict[str, Any]:
@@ -534,7 +632,7 @@ class StageRuntime:
         self._revoked(old, list(self.assignment))
         discard(old)
         del old
-        self.consumer = Consumer(self._consumer_config())
+        self.consumer = _Consumer(self._consumer_config())
         self._subscribe()
 
     def _new_producer(self) -> None:
@@ -583,7 +681,11 @@ class StageRuntime:
         gone = {(p.topic, p.partition) for p in partitions}
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         self._unchecked = [tp for tp in self._unchecked if tp not in gone]
-        self.processor.revoked(gone)
+        if self._checking is not None:  # the processor is in ``check``: told once it has ended
+            self._checking.revoked |= gone
+            self._checking.kept = [m for m in self._checking.kept if (m.topic(), m.partition()) not in gone]
+        else:
+            self.processor.revoked(gone)
         if self._intake is not None:
             self._intake.revoked(gone)
         if not self.assignment and self._unassigned_since is None:
@@ -718,13 +820,100 @@ class StageRuntime:
             self._replace_consumer()
             return None
         if self._unchecked:  # newly assigned partitions: before any of their messages is read
-            tps = list(dict.fromkeys(self._unchecked))
-            self.processor.check(self.consumer, tps)
-            self._unchecked = []
-            if self._intake is not None:  # librdkafka keeps a partition paused across a rebalance
-                self.consumer.resume([TopicPartition(t, p) for t, p in tps])
-                self._intake.assigned(tps)  # their wait starts now, their messages are taken from now
+            kept = self._check(messages)
+            if kept is None:
+                return None
+            messages = kept
         return messages, self._usable(messages)
+
+    def _check(self, messages: list[Message]) -> list[Message] | None:
+        """Hand the newly assigned partitions (``_unchecked``) to ``Processor.check`` in a
+        thread of its own, while this thread keeps calling ``consume`` every
+        ``CHECK_POLL_S`` (without waiting in it) with every assigned partition held
+        paused (``_Consumer.hold``): a check that takes longer than
+        ``max.poll.interval.ms`` (a restore from a long changelog) keeps the group
+        membership, and no message is read of a partition whose check has not ended.
+        Partitions assigned meanwhile are held as well and checked next; partitions revoked
+        meanwhile are handed to ``Processor.revoked`` once the check has ended (the
+        processor is called from one thread at a time). At the end the partitions are
+        released (fetched again, unless asked paused).
+
+        Args:
+            messages: consumed with the assignment, before the check.
+
+        Returns:
+            ``messages`` and any consumed meanwhile, less those of partitions revoked
+            meanwhile; None when the consumer failed meanwhile and was replaced (after
+            the check had ended).
+
+        Raises:
+            what ``Processor.check`` raised (it is not retried here).
+        """
+        consumer = self.consumer
+        assert consumer is not None and self._checking is None
+        kept, checked = messages, []
+        failed: KafkaError | None = None  # the consumer is unusable: replaced once the check has ended
+        unfetched: KafkaError | None = None  # partitions it would never fetch: a new consumer as well
+        while self._unchecked and failed is None and unfetched is None:
+            tps = list(dict.fromkeys(self._unchecked))
+            self._unchecked = []
+            consumer.hold([(p.topic, p.partition) for p in self.assignment])
+            check = self._checking = _Check(tps, threading.Event(), kept=list(kept))
+            thread = threading.Thread(target=self._run_check, args=(consumer, check), name="neardup-check",
+                                      daemon=True)
+            started, stopping = time.monotonic(), False
+            thread.start()
+            try:
+                while not check.done.wait(CHECK_POLL_S):
+                    if failed is not None or unfetched is not None:
+                        continue
+                    got = consumer.consume(self.settings.batch_size, timeout=0)
+                    failed = next((m.error() for m in got if _consumer_fatal(m.error())), None)
+                    unfetched = next((m.error() for m in got if _offsets_unfetched(m.error())), None)
+                    new = [tp for tp in self._unchecked if tp not in consumer.held]  # assigned meanwhile
+                    if new:
+                        consumer.hold(new)
+                    check.kept += got
+                    if self._stop.is_set() and not stopping:
+                        stopping = True
+                        log.info("stopping once the check of %s has ended", _names(tps))
+            finally:
+                check.done.wait()  # never leave the processor to another call while it checks
+                self._checking = None
+                if check.revoked:
+                    self.processor.revoked(check.revoked)
+            kept = check.kept
+            if check.error is not None:
+                raise check.error
+            checked += tps
+            seconds = time.monotonic() - started
+            if seconds >= 1.0:
+                log.info("checked %s in %.1f s, held paused while the consumer kept polling", _names(tps), seconds)
+        if failed is not None:
+            self._new_consumer(failed)
+            return None
+        if unfetched is not None:
+            log.warning("%s: the consumer would never fetch these partitions; starting a new consumer",
+                        unfetched.str())
+            self._replace_consumer()
+            return None
+        consumer.release(list(consumer.held))
+        assigned = {(p.topic, p.partition) for p in self.assignment}
+        checked = [tp for tp in dict.fromkeys(checked) if tp in assigned]
+        if self._intake is not None:  # librdkafka keeps a partition paused across a rebalance
+            consumer.resume([TopicPartition(t, p) for t, p in checked])
+            self._intake.assigned(checked)  # their wait starts now, their messages are taken from now
+        return kept
+
+    def _run_check(self, consumer: Consumer, check: _Check) -> None:
+        """``Processor.check`` of ``check.partitions`` (in the check's thread); what it
+        raises is kept in ``check.error``."""
+        try:
+            self.processor.check(consumer, check.partitions)
+        except BaseException as exc:  # noqa: BLE001 - raised again by _check
+            check.error = exc
+        finally:
+            check.done.set()
 
     def _in_order(self, consumed: list[Message], usable: list[Message], limit: int) -> list[Message]:
         """Up to ``limit`` messages in order-key order, from those held and ``usable``
