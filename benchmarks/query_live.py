@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         r = paced(bootstrap, stream[: args.messages], stream[args.messages:], texts, args.rate, args.clients, Path(tmp))
         print(f"paced {args.paced:,} at {r['rate']:,.0f} messages/s over a state of {args.messages:,}, "
               f"{args.clients} querying client(s): queries {_ms(r['latencies'])}, {r['queries_per_s']:.0f} queries/s, "
-              f"{r['failures']} failed; committed offset {r['behind_at_end']:,} behind when the pacing ended, "
+              f"{r['failures']} failed; {r['behind_at_end']:,} messages not yet committed when the pacing ended, "
               f"caught up {r['caught_up_after_s']:.1f} s later", flush=True)
         print(f"load after: {_load()}", flush=True)
     return 0
