@@ -24,6 +24,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -468,3 +469,24 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], left: int = 
 def write_json(path: Path, report: dict[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Wait until something listens on 127.0.0.1:``port``.
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: nothing listened within ``timeout_s`` seconds.
+    """
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the process exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port}")

@@ -33,11 +33,15 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 import benchlib
+from benchlib import wait_listening
+from confluent_kafka import Producer
 from kafka_e2e import (
     OffsetWatch,
     Sent,
@@ -84,21 +88,6 @@ class Querier(threading.Thread):
                 time.sleep(0.1)
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"neardup run exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on port {port}")
-
-
 def _ms(values: list[float]) -> str:
     if not values:
         return "no query answered"
@@ -121,38 +110,12 @@ def _start(bootstrap: str, topic: str, tmp: Path, port: int) -> tuple[subprocess
     return proc, group, log
 
 
-def backlog(bootstrap: str, messages: list[tuple[bytes, bytes]], texts: list[str], clients: int,
-            tmp: Path) -> dict[str, object]:
-    """Phase 1 with ``clients`` querying threads (0: none): messages/s from the first
-    committed offset to the last, and the latencies."""
-    topic = f"bench-query-{uuid.uuid4().hex[:10]}"
-    create_topics(bootstrap, [topic])
-    produce_all(new_producer(bootstrap), topic, messages, Sent())
-    port = _free_port()
-    proc, group, log = _start(bootstrap, topic, tmp, port)
-    watch = OffsetWatch(bootstrap, group, topic)
-    queriers = [Querier(f"http://127.0.0.1:{port}/query", texts, seed=i) for i in range(clients)]
-    try:
-        _wait_listening(port, proc)
-        for q in queriers:
-            q.start()
-        done = wait_for(watch, len(messages), proc, 0.05, 1800, log, [0.0], [0.0])
-    finally:
-        for q in queriers:
-            q.stop_event.set()
-        proc.terminate()
-        proc.wait(timeout=120)
-        watch.close()
-    first = next((t, o) for t, o in watch.timeline if o > 0)
-    rate = (len(messages) - first[1]) / (done - first[0])
-    latencies = [x for q in queriers for x in q.latencies]
-    return {"clients": clients, "messages_per_s": rate, "latencies": latencies,
-            "failures": sum(len(q.failures) for q in queriers)}
-
-
-def paced(bootstrap: str, messages: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]], texts: list[str],
-          rate: float, clients: int, tmp: Path) -> dict[str, object]:
-    """Phase 2: the backlog committed, then ``extra`` at ``rate`` while ``clients`` query."""
+@contextmanager
+def _running(bootstrap: str, messages: list[tuple[bytes, bytes]], texts: list[str], clients: int,
+             tmp: Path) -> Iterator[tuple[str, Producer, subprocess.Popen, OffsetWatch, Path, list[Querier]]]:
+    """A fresh topic holding ``messages``, `neardup run` on it with ``--query-port``
+    (listening), and ``clients`` queriers not yet started: (topic, producer, process,
+    offset watch, log, queriers); stopped at the end."""
     topic = f"bench-query-{uuid.uuid4().hex[:10]}"
     create_topics(bootstrap, [topic])
     producer = new_producer(bootstrap)
@@ -162,7 +125,35 @@ def paced(bootstrap: str, messages: list[tuple[bytes, bytes]], extra: list[tuple
     watch = OffsetWatch(bootstrap, group, topic)
     queriers = [Querier(f"http://127.0.0.1:{port}/query", texts, seed=i) for i in range(clients)]
     try:
-        _wait_listening(port, proc)
+        wait_listening(port, proc)
+        yield topic, producer, proc, watch, log, queriers
+    finally:
+        for q in queriers:
+            q.stop_event.set()
+        proc.terminate()
+        proc.wait(timeout=120)
+        watch.close()
+
+
+def backlog(bootstrap: str, messages: list[tuple[bytes, bytes]], texts: list[str], clients: int,
+            tmp: Path) -> dict[str, object]:
+    """Phase 1 with ``clients`` querying threads (0: none): messages/s from the first
+    committed offset to the last, and the latencies."""
+    with _running(bootstrap, messages, texts, clients, tmp) as (_, _, proc, watch, log, queriers):
+        for q in queriers:
+            q.start()
+        done = wait_for(watch, len(messages), proc, 0.05, 1800, log, [0.0], [0.0])
+    first = next((t, o) for t, o in watch.timeline if o > 0)
+    rate = (len(messages) - first[1]) / (done - first[0]) if done > first[0] else float("nan")  # one batch: no rate
+    latencies = [x for q in queriers for x in q.latencies]
+    return {"clients": clients, "messages_per_s": rate, "latencies": latencies,
+            "failures": sum(len(q.failures) for q in queriers)}
+
+
+def paced(bootstrap: str, messages: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]], texts: list[str],
+          rate: float, clients: int, tmp: Path) -> dict[str, object]:
+    """Phase 2: the backlog committed, then ``extra`` at ``rate`` while ``clients`` query."""
+    with _running(bootstrap, messages, texts, clients, tmp) as (topic, producer, proc, watch, log, queriers):
         wait_for(watch, len(messages), proc, 0.1, 1800, log, [0.0], [0.0])
         for q in queriers:
             q.start()
@@ -173,12 +164,6 @@ def paced(bootstrap: str, messages: list[tuple[bytes, bytes]], extra: list[tuple
         for q in queriers:
             q.stop_event.set()
         caught_up = wait_for(watch, len(messages) + len(extra), proc, 0.05, 600, log, [0.0], [0.0])
-    finally:
-        for q in queriers:
-            q.stop_event.set()
-        proc.terminate()
-        proc.wait(timeout=120)
-        watch.close()
     latencies = [x for q in queriers for x in q.latencies]
     return {"rate": len(extra) / produced_s, "latencies": latencies, "queries_per_s": len(latencies) / produced_s,
             "behind_at_end": len(messages) + len(extra) - at_end, "caught_up_after_s": caught_up - (started + produced_s),

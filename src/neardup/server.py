@@ -117,7 +117,40 @@ def _text(start_response: Callable[..., Any], status: str, body: str,
 METHODS = ("GET", "HEAD")
 
 
-class MetricsServer:
+class _Served:
+    """What the servers share: ``host``, ``port`` (the one bound after ``start``), the
+    base ``url``, ``close``, use as a context manager."""
+
+    host: str
+    port: int
+    _server: WSGIServer | None = None
+    _thread: threading.Thread | None = None
+
+    def _listen(self, app: Callable[..., Iterable[bytes]], what: str) -> None:
+        """Serve ``app`` in a daemon thread (``ServerError`` if the address cannot be bound)."""
+        self._server, self._thread, self.port = _serve(self.host, self.port, app, what)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, for clients on this host."""
+        return _url(self.host, self.port)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        _stop(self._server, self._thread)
+        self._server = self._thread = None
+
+    def __enter__(self) -> _Served:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> _Served:
+        raise NotImplementedError
+
+
+class MetricsServer(_Served):
     """Serves ``metrics`` and the health checks on ``host:port`` (port 0: any free port).
 
     Use ``start()`` then ``close()``, or as a context manager.
@@ -137,8 +170,6 @@ class MetricsServer:
         from prometheus_client import make_wsgi_app
 
         self._metrics_app = make_wsgi_app(metrics.registry)
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """The WSGI application: GET and HEAD (the headers of a GET, no body) only; any
@@ -173,25 +204,9 @@ class MetricsServer:
         Raises:
             ServerError: the address cannot be bound.
         """
-        self._server, self._thread, self.port = _serve(self.host, self.port, self.app, "metrics")
+        self._listen(self.app, "metrics")
         log.info("serving /metrics, /healthz and /readyz on %s:%d", self.host, self.port)
         return self
-
-    @property
-    def url(self) -> str:
-        """Base URL of the server, for clients on this host."""
-        return _url(self.host, self.port)
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        _stop(self._server, self._thread)
-        self._server = self._thread = None
-
-    def __enter__(self) -> MetricsServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _serve(host: str, port: int, app: Callable[..., Iterable[bytes]],
@@ -204,7 +219,7 @@ def _serve(host: str, port: int, app: Callable[..., Iterable[bytes]],
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("_Server", (_ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(host, port, app, server_class, _QuietHandler)
+        server: WSGIServer = make_server(host, port, app, server_class, _QuietHandler)
     except OSError as exc:
         raise ServerError(f"cannot serve {what} on {host}:{port}: {exc}") from exc
     thread = threading.Thread(target=server.serve_forever, name=f"neardup-{what}", daemon=True)
@@ -229,7 +244,7 @@ def _url(host: str, port: int) -> str:
 MAX_K = 100
 
 
-class QueryServer:
+class QueryServer(_Served):
     """``POST /query`` on ``host:port``: the nearest stored documents of texts, read from
     the live state of ``neardup run`` without adding them (``neardup.query.nearest`` with
     ``shared``: the state between two commits; a commit waits for at most one query's
@@ -266,8 +281,6 @@ class QueryServer:
         self.max_bytes = max_bytes
         self._prepare = Preparer(settings)
         self._prepare_lock = threading.Lock()  # a Preparer's buffers serve one call at a time
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """The WSGI application (see the class docstring)."""
@@ -319,20 +332,10 @@ class QueryServer:
         Raises:
             ServerError: the address cannot be bound.
         """
-        self._server, self._thread, self.port = _serve(self.host, self.port, self.app, "queries")
+        self._listen(self.app, "queries")
         log.info("serving POST /query on %s:%d%s", self.host, self.port,
                  " (bearer token required)" if self.token is not None else "")
         return self
-
-    @property
-    def url(self) -> str:
-        """Base URL of the server, for clients on this host."""
-        return _url(self.host, self.port)
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        _stop(self._server, self._thread)
-        self._server = self._thread = None
 
 
 def _query_request(body: object) -> tuple[list[str], bool, int]:
