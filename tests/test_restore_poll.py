@@ -28,21 +28,28 @@ CHANGELOG_RECORDS = 1_200_000
 RESTORED = re.compile(r"shard (\d+) restored from \S+: (\d+) records, .*? in ([\d.]+) s")
 
 
+
+def _input_and_long_changelog(kafka_bootstrap: str, topic: str, shards: int):
+    """(topic, its messages, the topology): 200 stories and their copies produced to
+    ``topic``, and a shard changelog of ``shards`` x ``CHANGELOG_RECORDS`` deletions of held
+    records never held: read and applied by a restore, the state they leave is empty (the
+    verdicts are those of fresh shards)."""
+    messages = _stories_and_copies(200)
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=shards, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    produce(kafka_bootstrap, topology.shard_changelog,
+            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(shards * CHANGELOG_RECORDS)))
+    return topic, messages, topology
+
 def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_bootstrap, kafka_topic_factory,
                                                                       tmp_path):
     """The shard stage's one partition restores from a changelog that takes several
     times ``max.poll.interval.ms`` to read: the consumer stays in the group (librdkafka
     never says the interval was exceeded), the partition is restored once, and every
     message comes out once, with the sharded rules' verdicts."""
-    topic = kafka_topic_factory("restore-poll", partitions=2)
-    messages = _stories_and_copies(200)
-    produce(kafka_bootstrap, topic, messages)
-    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
-    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
-    # a long changelog of deletions of held records never held: read and applied by the
-    # restore, the state they leave is empty (the verdicts are those of a fresh shard)
-    produce(kafka_bootstrap, topology.shard_changelog,
-            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(CHANGELOG_RECORDS)))
+    topic, messages, topology = _input_and_long_changelog(kafka_bootstrap, kafka_topic_factory("restore-poll", partitions=2),
+                                                           shards=1)
     log = tmp_path / "stages.log"
     stages = _Stages(kafka_bootstrap, topic, topology, log)
     out = []
@@ -80,14 +87,9 @@ def test_a_rebalance_during_a_restore_keeps_every_message_once(kafka_bootstrap, 
     partition it lost once the restore has ended (``Processor.revoked`` waits for it)
     and restores the one it was given again; every message comes out once, with the
     sharded rules' verdicts."""
-    topic = kafka_topic_factory("restore-rebalance", partitions=2)
-    messages = _stories_and_copies(200)
-    produce(kafka_bootstrap, topic, messages)
-    topology = Topology(f"restore-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
-    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
     # about half in each partition (the keys' hashes): about 10 s of restore each
-    produce(kafka_bootstrap, topology.shard_changelog,
-            ((b"H" + ORDER.pack(0, 0, i), None) for i in range(2 * CHANGELOG_RECORDS)))
+    topic, messages, topology = _input_and_long_changelog(kafka_bootstrap,
+                                                           kafka_topic_factory("restore-rebalance", partitions=2), shards=2)
     logs = {name: tmp_path / f"{name}.log" for name in ("stages", "a", "b")}
     stages = _Stages(kafka_bootstrap, topic, topology, logs["stages"])
     shards = {name: _Stages(kafka_bootstrap, topic, topology, logs[name],
