@@ -130,8 +130,8 @@ def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
     return records, size
 
 
-def one_process(docs: list[Document]) -> dict[str, tuple[str, str | None, str]]:
-    settings = EngineSettings()
+def one_process(docs: list[Document], cluster_policy: str = "canonical") -> dict[str, tuple[str, str | None, str]]:
+    settings = EngineSettings(cluster_policy=cluster_policy)
     detector = Detector(settings, MemoryStateStore(settings.state_shape()))
     out = {}
     for i in range(0, len(docs), 2000):
@@ -164,7 +164,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
              "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
-             "--log-level", "WARNING", *extra], stdout=log, stderr=subprocess.STDOUT)
+             "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *extra],
+            stdout=log, stderr=subprocess.STDOUT)
 
     for role in ROLES:
         for i in range(k):
@@ -225,7 +226,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         import json
 
         docs = [Document(str(json.loads(v)["id"]), json.loads(v)["text"]) for _, v in order]
-        truth = one_process(docs)
+        truth = one_process(docs, args.cluster_policy)
         got = {key.decode(): (h["neardup-verdict"].decode(), h["neardup-match"].decode() or None,
                               h["neardup-cluster"].decode()) for key, h in reader.records if "neardup-verdict" in h}
         differ = [i for i in truth if got.get(i) != truth[i]]
@@ -287,6 +288,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--with-run", action="store_true",
                     help="then neardup run over the same input topic, a whole process: its time and CPU per document")
+    ap.add_argument("--cluster-policy", choices=["canonical", "components"], default="canonical",
+                    help="the stages' and the one process's cluster policy")
     ap.add_argument("--chaos", action="store_true",
                     help="at 30%% of the outputs, SIGKILL one process of each stage and restart it under its name "
                          "(static membership), and add a shard process")

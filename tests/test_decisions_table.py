@@ -84,3 +84,42 @@ def test_a_stored_table_reopens_at_its_position_and_a_wipe_empties_it(tmp_path):
         assert table.position() is None and a not in table
     finally:
         table.close()
+
+
+@pytest.fixture(params=["memory", "disk"])
+def forest(request, tmp_path):
+    t = (DecisionsTable(components=True) if request.param == "memory"
+         else StoredDecisionsTable(tmp_path / "decisions", components=True))
+    yield t
+    t.close()
+
+
+def test_merges_read_in_any_order_give_the_same_clusters(forest, tmp_path):
+    # two decide processes merged root c concurrently, one into b, the other into a, each
+    # without the other's decision: applied as unions, a, b and c end as one cluster
+    # whose root is the earliest, whichever merge the topic holds first
+    a, b, c, d, e, f = (_seq(i) for i in range(6))
+    roots = [(a, a, "a"), (b, b, "b"), (c, c, "c")]
+    merges = [(d, b, "b", (c,)), (e, a, "a", (c,)), (f, f, "f")]
+    forest.apply(roots + merges, 10)
+    other = StoredDecisionsTable(tmp_path / "other", components=True)
+    try:
+        other.apply(roots + merges[::-1], 10)
+        for table in (forest, other):
+            assert [table[s] for s in (a, b, c, d, e)] == [a] * 5
+            assert table[f] == f and table.name(a) == "a"
+    finally:
+        other.close()
+
+
+def test_merges_taken_are_seen_at_once_and_forgotten_when_their_batch_aborts(forest):
+    a, b, c, d = (_seq(i) for i in range(4))
+    forest.apply([(a, a, "a"), (b, b, "b")], 3)
+    forest.take(c, a, "a", (b,))  # c joins a and b: b's cluster is a's now
+    forest.take(d, b, "a")  # a later document of this batch sees the merge
+    assert forest[b] == a and forest[c] == a and forest[d] == a
+    forest.forget_taken()
+    assert forest[b] == b and c not in forest and d not in forest
+    forest.take(c, a, "a", (b,))
+    forest.apply([(c, a, "a", (b,))], 4)  # read back: in the forest, not pending
+    assert forest.taken() == 0 and forest[b] == a

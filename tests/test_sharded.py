@@ -89,13 +89,47 @@ def test_a_chain_of_edits_is_found_through_a_shards_copy_bucket():
     assert [(v.verdict, v.match) for v in sharded] == [(v.verdict, v.match) for v in one]
 
 
-def test_the_components_policy_is_refused():
-    with pytest.raises(ValueError, match="canonical"):
-        ShardedReference(EngineSettings(cluster_policy="components"), 2)
+def _bridged(stories: list[Document]) -> list[Document]:
+    """Each story's first and last 70% of words (two clusters at Jaccard 0.5: their
+    overlap is too small), then the whole stories, each similar to both halves."""
+    halves, wholes = [], []
+    for d in stories:
+        words = d.text.split()
+        if len(words) >= 40:
+            k = int(len(words) * 0.7)
+            halves += [Document(f"{d.id}~head", " ".join(words[:k])), Document(f"{d.id}~tail", " ".join(words[-k:]))]
+            wholes.append(Document(f"{d.id}~whole", d.text))
+    return halves + wholes
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_the_components_policy_gives_one_process_clusters(shards, monkeypatch):
+    # copies of copies drift (a chain of edits is one cluster under components), and a
+    # whole story merges the clusters of its two halves into the earlier one
+    import neardup.sharded.reference as reference
+
+    stories = _excerpt()
+    docs = _republished(stories[:1000], rounds=2, seed=5) + _bridged(stories[1000:1300])
+    settings = EngineSettings(cluster_policy="components", threshold=0.5)
+    merges, rule = [], reference.decide
+
+    def counted(*args, **kwargs):  # the rule itself, its merges counted
+        verdict, cluster, merged = rule(*args, **kwargs)
+        merges.extend(merged)
+        return verdict, cluster, merged
+
+    monkeypatch.setattr(reference, "decide", counted)
+    one = _one_process(docs, settings)
+    sharded = run_sharded(docs, settings, shards, batch_size=700)
+    assert len(merges) > 200  # the merges the test is about
+    assert [(v.id, v.verdict, v.match, v.cluster) for v in sharded] == [(v.id, v.verdict, v.match, v.cluster) for v in one]
+    assert all(v.related is None for v in sharded)
+    # the policies differ on these documents, so the comparison above is about components
+    canonical = _one_process(docs, EngineSettings(threshold=0.5))
+    assert sum(a.cluster != b.cluster for a, b in zip(one, canonical)) > 200
 
 
 @pytest.mark.parametrize("flag, value, line", [
-    ("--cluster-policy", "components", "neardup stage implements the canonical cluster policy only"),
     ("--verify", "estimate", "neardup stage verifies exactly only (--verify exact)"),
 ])
 def test_a_stage_refuses_what_the_sharded_rules_do_not_implement(flag, value, line, capsys):

@@ -386,7 +386,9 @@ def _check_verdicts(bootstrap: str, topic: str, topology: Topology, out: list,
               if (got[k].headers["neardup-verdict"].decode(), got[k].headers["neardup-match"].decode() or None,
                   got[k].headers["neardup-cluster"].decode()) != (v.verdict, v.match, v.cluster)]
     seen = [line[:300] for line in log.splitlines() if "came after a later one" in line or "batch failed" in line]
-    assert not differ, (differ[:5], seen[-8:])
+    assert not differ, (f"{len(differ)} of {len(reference)} differ", [
+        (k, got[k].headers["neardup-verdict"], got[k].headers["neardup-cluster"], reference[k].verdict,
+         reference[k].cluster) for k in differ[:5]], seen[-8:])
     dead = {o.key: o.headers["neardup-error"] for o in out if o.topic == f"{topic}.dlq"}
     assert set(dead) == set(dead_letters)
     assert sum(v.is_duplicate for v in reference.values()) >= 100  # the copies the test is about
@@ -490,6 +492,56 @@ def test_containment_in_both_directions_through_the_stages(kafka_bootstrap, kafk
         [Document(str(r["id"]), r["text"]) for r in ordered])}
     agree = sum(got[k] == v for k, v in one.items()) / len(one)
     assert agree >= 0.99, agree
+
+
+def test_the_components_policy_through_the_stages(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """`--cluster-policy components`: each story's first and last 70% of words (two
+    clusters at Jaccard 0.5), then the whole stories, each merging its halves' clusters,
+    then a copy of each half. Two decide processes (one with its table on disk, its forest
+    reopened by a restart midway) give the verdicts and clusters of the sharded rules in
+    one process, which are one process's (``tests/test_sharded.py``): a copy is decided
+    only once the merge of an earlier whole story is known, wherever it was decided."""
+    from neardup.sharded.reference import ShardedReference
+
+    stories = [r for r in excerpt(300) if len(r["text"].split()) >= 40][:120]
+    halves, wholes, copies = [], [], []
+    for r in stories:
+        words = r["text"].split()
+        k = int(len(words) * 0.7)
+        for part, text in (("head", words[:k]), ("tail", words[-k:])):
+            halves.append({"id": f"{r['id']}~{part}", "text": " ".join(text)})
+            copies.append({"id": f"{r['id']}~{part}~copy", "text": " ".join(text[1:])})
+        wholes.append({"id": f"{r['id']}~whole", "text": r["text"]})
+    docs = halves + wholes + copies
+    topic = kafka_topic_factory("sharded-components", partitions=2)
+    produce(kafka_bootstrap, topic, [(d["id"].encode(), json.dumps(d).encode()) for d in docs[:len(docs) // 2]])
+    flags = ("--cluster-policy", "components", "--threshold", "0.5")
+    engine = EngineSettings(cluster_policy="components", threshold=0.5)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log, extra=flags)
+    table = ("--state-dir", str(tmp_path / "decide-state"))
+    try:
+        stages.start("prepare")
+        stages.start("shard")
+        stages.start("decide", "a", *table)
+        stages.start("decide", "b")
+        _outputs(kafka_bootstrap, topic, len(docs) // 2, 240, stages.alive)
+        assert stages.terminate("decide") == 0
+        produce(kafka_bootstrap, topic, [(d["id"].encode(), json.dumps(d).encode()) for d in docs[len(docs) // 2:]])
+        stages.start("decide", "a", *table)
+        out = _outputs(kafka_bootstrap, topic, len(docs), 240, stages.alive)
+    finally:
+        stages.stop()
+    assert len(out) == len(docs), log.read_text()[-4000:]
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), engine=engine, log=log.read_text())
+    assert "from offset" in log.read_text()  # the restarted decide reopened its table
+    # the clusters are those of components, not of the canonical policy
+    ordered = [json.loads(v) for _, v in _in_order(kafka_bootstrap, topic)]
+    canonical = ShardedReference(EngineSettings(threshold=0.5), topology.shards).process(
+        [Document(str(r["id"]), r["text"]) for r in ordered])
+    got = {o.key.decode(): o.headers["neardup-cluster"].decode() for o in out}
+    assert sum(got[v.id] != v.cluster for v in canonical) >= 50
 
 
 @pytest.mark.parametrize("shard_state", ["memory", "disk"])

@@ -511,8 +511,6 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if not settings.input_topics:
         raise ValueError("--input-topic is required")
     engine = settings.engine()
-    if engine.cluster_policy != "canonical":
-        raise ValueError("neardup stage implements the canonical cluster policy only")
     if engine.verify != "exact":
         raise ValueError("neardup stage verifies exactly only (--verify exact)")
     unbounded = [flag for flag, value in (("--retention", settings.retention),

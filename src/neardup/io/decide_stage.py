@@ -11,7 +11,12 @@ decisions table: the clusters of earlier documents decided anywhere). A candidat
 always earlier than the document and its own decision needs only earlier documents, so
 the earliest undecided document can always be decided: no deadlock. The table is in memory,
 read from the topic's start at every start, or with ``state_dir`` in a RocksDB store
-(``neardup.state.decisions``) reopened at its position.
+(``neardup.state.decisions``) reopened at its position. With the components cluster
+policy a decision also names the clusters it merges, the table is a union-find forest,
+and documents are decided in order-key order across all decide processes
+(``_decide_in_order``): prepare sends its watermarks to the decide partitions too, and
+each process publishes, per partition it owns, how far every document is decided (a
+record ``b"P" + partition`` in the decisions topic).
 
 What waits lives in memory and in the stage's changelog (partition q of
 ``<app>.decide-changelog``), written in the batch's transaction: ``b"D" + order key`` ->
@@ -61,6 +66,8 @@ from neardup.sharded.records import (
     SHARDS_HEADER,
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
+    WATERMARK_KIND,
+    Watermarks,
     check_engine,
     engine_digest,
     order_seq,
@@ -115,11 +122,12 @@ class DecideProcessor(StageHooks):
     def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None) -> None:
         self.settings = settings
         self.threshold = settings.engine().threshold
+        self.policy = settings.engine().cluster_policy
         self.digest = engine_digest(settings.engine())
         self.topology = topology
         self.partitions: dict[int, dict[bytes, _Waiting]] = {}
         self.state_dir = state_dir
-        self.clusters: DecisionsTable = DecisionsTable()  # replaced at start when on disk
+        self.clusters: DecisionsTable = DecisionsTable(self.policy == "components")  # on disk: at start
         self._table: Consumer | None = None
         self._outputs: set[str] = set()
         self._blocked: dict[int, set[bytes]] = {}  # complete documents waiting for a cluster
@@ -127,6 +135,11 @@ class DecideProcessor(StageHooks):
         self._table_new = False  # decisions came to the table since the last batch
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
+        # components: watermarks per owned partition; per decide partition, the first seq
+        # not known to be decided (read from the decisions topic), and what was published
+        self._marks: dict[int, Watermarks] = {}
+        self._progress: dict[int, int] = {}
+        self._published: dict[int, int] = {}
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -140,7 +153,7 @@ class DecideProcessor(StageHooks):
         if self._table is not None:
             return
         if self.state_dir is not None and not isinstance(self.clusters, StoredDecisionsTable):
-            self.clusters = StoredDecisionsTable(self.state_dir / "decisions")
+            self.clusters = StoredDecisionsTable(self.state_dir / "decisions", self.policy == "components")
         self._ensure()
         started = time.perf_counter()
         start, read = with_retries("reading the decisions table", lambda: catch_up(
@@ -164,7 +177,7 @@ class DecideProcessor(StageHooks):
             self._table = None
         if isinstance(self.clusters, StoredDecisionsTable):
             self.clusters.close()
-            self.clusters = DecisionsTable()
+            self.clusters = DecisionsTable(self.policy == "components")
 
     def _ensure(self) -> None:
         if not self._ensured:
@@ -189,12 +202,15 @@ class DecideProcessor(StageHooks):
         for _, q in partitions:
             self.partitions.pop(q, None)
             self._blocked.pop(q, None)
+            self._marks.pop(q, None)
+            self._published.pop(q, None)
 
     def aborted(self) -> None:
         self.clusters.forget_taken()  # the retry takes them again
         for q in list(self.partitions):
             self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
         self._blocked.clear()
+        self._published.clear()  # the progress records of the failed batch were not written
         self._retry_all = True
 
     def _restore(self, q: int) -> dict[bytes, _Waiting]:
@@ -230,16 +246,21 @@ class DecideProcessor(StageHooks):
     def _apply_decisions(self, messages: list[Message]) -> int:
         """Apply a chunk of the decisions topic's records to the table, with the offset
         after the last as its position; how many were decisions."""
-        decisions = []
+        decisions, progress = [], 0
         for m in messages:
             if m.error() is not None or m.value() is None:
                 continue
+            if len(m.key() or b"") != ORDER.size:  # a decide partition's progress (components)
+                self._progress[_SHARD.unpack(m.key()[1:])[0]] = int.from_bytes(m.value(), "big")
+                progress += 1
+                continue
             d = orjson.loads(m.value())
-            decisions.append((order_seq(m.key()), order_seq(ORDER.pack(*d["cluster"])), d["cluster_id"]))
+            merged = tuple(order_seq(ORDER.pack(*k)) for k in d.get("merged", ()))
+            decisions.append((order_seq(m.key()), order_seq(ORDER.pack(*d["cluster"])), d["cluster_id"], merged))
         offsets = [m.offset() for m in messages if m.error() is None]
         if offsets:
             self.clusters.apply(decisions, offsets[-1] + 1)
-        return len(decisions)
+        return len(decisions) + progress
 
     def _poll_table(self) -> int:
         """Apply the decisions that came to the table; sets ``_table_new`` if any did."""
@@ -271,7 +292,11 @@ class DecideProcessor(StageHooks):
         for m in batch.messages:
             q = m.partition()
             headers = list(m.headers() or [])
-            if _header(headers, KIND_HEADER) == b"document":
+            kind = _header(headers, KIND_HEADER)
+            if kind == WATERMARK_KIND:  # components: prepare's progress on this partition
+                self._watermark(m)
+                continue
+            if kind == b"document":
                 check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{m.offset()}")
                 order = _header(headers, ORDER_HEADER)
                 w = self.partitions[q].setdefault(order, _Waiting())
@@ -292,7 +317,10 @@ class DecideProcessor(StageHooks):
             self._retry_all = False
             new_decisions = True
             touched = {q: set(waiting) for q, waiting in self.partitions.items()}
-        while True:
+        if self.policy == "components":
+            self._decide_in_order(out, stats)
+            touched = {}
+        while touched or new_decisions:
             decided = 0
             for q in sorted(self.partitions):
                 waiting, blocked = self.partitions[q], self._blocked.setdefault(q, set())
@@ -328,6 +356,58 @@ class DecideProcessor(StageHooks):
                         out.append((t.decide_changelog, q, key, orjson.dumps(logged), []))
             stats.waiting += len(waiting)
         return out, stats
+
+    def _decide_in_order(self, out: list[Record], stats: DecideWritten) -> None:
+        """The components policy: a document's cluster is the union of its candidates'
+        clusters with every merge decided before it, so documents are decided in
+        order-key order: this process's in turn across its partitions, none while an
+        earlier one waits (for its record, a finding, or a candidate's cluster), and none
+        before every earlier document has come to its partitions (prepare's watermarks)
+        and been decided on the others (their published progress). Then the progress of
+        each partition it owns goes to the decisions topic when it moved."""
+        limit = self._decidable()
+        for order, q in sorted((order, q) for q, waiting in self.partitions.items() for order in waiting):
+            if limit is None or order_seq(order) >= limit:
+                break
+            if self._try(q, order, self.partitions[q][order], out, stats) != "decided":
+                break
+            del self.partitions[q][order]
+        for q, waiting in self.partitions.items():
+            mark = self._marks[q].limit() if q in self._marks else None
+            if mark is None:
+                continue
+            first = order_seq(mark) + 1  # every document before it has come
+            if waiting:
+                first = min(first, order_seq(min(waiting)))
+            if self._published.get(q) != first:
+                self._published[q] = first
+                out.append((self.topology.decisions, 0, b"P" + _SHARD.pack(q), first.to_bytes(24, "big"), []))
+
+    def _decidable(self) -> int | None:
+        """The seq below which every document of the partitions this process does not
+        own is decided, and every document of those it owns has come (None: a partition
+        with no watermark or no progress yet)."""
+        bounds = []
+        for q in range(self.topology.decide_partitions):
+            if q in self.partitions:
+                mark = self._marks[q].limit() if q in self._marks else None
+                if mark is None:
+                    return None
+                bounds.append(order_seq(mark) + 1)
+            elif q in self._progress:
+                bounds.append(self._progress[q])
+            else:
+                return None
+        return min(bounds, default=None)
+
+    def _watermark(self, m: Message) -> None:
+        """Take a watermark record of partition ``m.partition()``; one of another layout is
+        logged and skipped (the next one serves)."""
+        try:
+            self._marks.setdefault(m.partition(), Watermarks()).take(m.value() or b"")
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            log.error("findings topic %s[%d]@%d: not a watermark record (%s); skipped", m.topic(),
+                      m.partition(), m.offset(), exc)
 
     def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> str:
         """Decide one document if it can be (its records appended to ``out``): "decided",
@@ -365,14 +445,15 @@ class DecideProcessor(StageHooks):
                 findings.append(Finding(seq, tuple(items)))
             if waiting_for(findings, self.clusters, self.threshold):
                 return "blocked"
-            verdict, cluster = decide(seq, findings, self.clusters, self.threshold,
-                                      lambda s: names.get(s) or self.clusters.name(s))
+            verdict, cluster, merged = decide(seq, findings, self.clusters, self.threshold,
+                                              lambda s: names.get(s) or self.clusters.name(s), self.policy)
             cluster_id = names.get(cluster) or self.clusters.name(cluster)
-            self.clusters.take(seq, cluster, cluster_id)
+            self.clusters.take(seq, cluster, cluster_id, merged)
             outcome = Outcome.of_verdict(verdict)
-            out.append((self.topology.decisions, 0, order,
-                        orjson.dumps({"cluster": list(ORDER.unpack(seq_order(cluster))),
-                                      "cluster_id": cluster_id}), []))
+            decision = {"cluster": list(ORDER.unpack(seq_order(cluster))), "cluster_id": cluster_id}
+            if merged:  # components: the roots of the clusters joined to this one
+                decision["merged"] = [list(ORDER.unpack(seq_order(r))) for r in merged]
+            out.append((self.topology.decisions, 0, order, orjson.dumps(decision), []))
         self._create_outputs(topic)
         # a record too large for its topic goes to the dead-letter topic, with less of the
         # message if need be (as in ``neardup run``: ``neardup.io.messages.fit``)

@@ -18,7 +18,9 @@ read to its end (its position at the high watermark), the wall clock minus
 idle or empty partition does not hold the others back). A shard processes a document
 once every input partition's watermark is past its order key, so that documents are
 processed in order-key order however unevenly the partitions are read. A partition
-assigned and not yet read has no watermark: the shards wait for it.
+assigned and not yet read has no watermark: the shards wait for it. With the components
+cluster policy the same records go to every decide partition too (after the batch's
+document records): decide decides a document only once every earlier one has come.
 
 Reading in step: a partition whose records run more than ``AHEAD_MS`` of record time
 ahead of the partition furthest behind (of those with records still to read) is paused
@@ -115,6 +117,8 @@ class PrepareProcessor(StageHooks):
         self.topology = topology
         self.preparer = Preparer(settings.engine())
         self.digest = engine_digest(settings.engine())
+        # decide orders its decisions by the watermarks under the components policy only
+        self.marked = [topology.bands] + ([topology.findings] if settings.engine().cluster_policy == "components" else [])
         self._ensured = False
         self._limit: int | None = None
         self._consumer: Consumer | None = None
@@ -226,7 +230,8 @@ class PrepareProcessor(StageHooks):
             return []
         value = watermark_value(marks)
         headers = [(KIND_HEADER, WATERMARK_KIND), (ENGINE_HEADER, self.digest)]
-        return [(self.topology.bands, q, None, value, headers) for q in range(self.topology.shards)]
+        counts = {self.topology.bands: self.topology.shards, self.topology.findings: self.topology.decide_partitions}
+        return [(topic, q, None, value, headers) for topic in self.marked for q in range(counts[topic])]
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings

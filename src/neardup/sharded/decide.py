@@ -14,6 +14,15 @@ The rule across shards (canonical policy):
 
 One process computes the similarity to a canonical it did not meet from the stored sets;
 that is the one place where the sharded rule can differ from it on the same candidates.
+
+With the components policy (classic union-find, ``neardup.core.cluster``) a duplicate
+joins the clusters of all its accepted candidates: its cluster is the earliest of their
+roots, and it merges the others into it. That needs no canonical's set, so the rule is
+one process's on the same candidates. Through Kafka, the clusters a document sees are
+those of the decisions read or taken before it: a merge decided by a later document
+that is already known can give an earlier root than one process gave at that point, and
+one decided by an earlier document not yet read gives a later one; the decisions table
+converges to the same clusters either way (``neardup.state.decisions``).
 """
 
 from __future__ import annotations
@@ -25,18 +34,22 @@ from neardup.core.types import Verdict
 
 
 def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float,
-           name: Callable[[int], str]) -> tuple[Verdict, int]:
-    """The verdict of document ``seq`` and its cluster's canonical seq.
+           name: Callable[[int], str], policy: str = "canonical") -> tuple[Verdict, int, tuple[int, ...]]:
+    """The verdict of document ``seq``, its cluster's canonical seq, and the roots of the
+    other clusters it merges into that one (components policy; empty otherwise).
 
     Args:
         seq: the document's seq.
         findings: one per shard partition the document touched (none: it touched no
             bucket that held anyone, or has no valid shingles).
-        clusters: the canonical seq of every earlier document's cluster, by seq.
+        clusters: the canonical seq of every earlier document's cluster, by seq (with
+            the components policy: its root).
         threshold: the similarity at or above which a candidate is accepted.
         name: the external id of a seq.
+        policy: ``"canonical"`` or ``"components"`` (``EngineSettings.cluster_policy``).
 
     Raises:
+        ValueError: another policy.
         KeyError: an accepted candidate whose cluster is not in ``clusters`` (decided
             later than the document: the caller's order is wrong).
     """
@@ -55,7 +68,16 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
             containment=nearest.containment if nearest else 0.0,
             candidates=len(checked), rejected=len(checked),
             nearest=name(nearest.seq) if nearest else None)
-        return verdict, seq
+        return verdict, seq, ()
+    if policy == "components":
+        roots = sorted({clusters[c.seq] for c in accepted})
+        verdict = Verdict(
+            id=own, seq=seq, verdict="duplicate", cluster=name(roots[0]), match=name(nearest.seq),
+            similarity=nearest.similarity, jaccard=nearest.jaccard, containment=nearest.containment,
+            candidates=len(checked), rejected=len(checked) - len(accepted), nearest=name(nearest.seq))
+        return verdict, roots[0], tuple(roots[1:])
+    if policy != "canonical":
+        raise ValueError(f"cluster policy must be canonical or components, not {policy!r}")
     target, target_similarity = -1, -1.0
     for canonical in sorted({clusters[c.seq] for c in accepted}):
         known = checked.get(canonical)
@@ -68,7 +90,7 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         similarity=nearest.similarity, jaccard=nearest.jaccard, containment=nearest.containment,
         candidates=len(checked), rejected=len(checked) - len(accepted),
         related=None if joins else name(clusters[nearest.seq]), nearest=name(nearest.seq))
-    return verdict, cluster
+    return verdict, cluster, ()
 
 
 def waiting_for(findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float) -> list[int]:

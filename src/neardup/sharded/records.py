@@ -94,6 +94,32 @@ def parse_watermarks(value: bytes) -> dict[tuple[str, int], tuple[int, bytes]]:
     return out
 
 
+class Watermarks:
+    """The watermark records read on one partition of the bands or findings topic: each
+    input partition's largest watermark, and the order key up to which every partition
+    of every input topic has been sent (``limit``)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[tuple[str, int], bytes] = {}  # input partition -> its watermark
+        self.counts: dict[str, int] = {}  # input topic -> its partition count
+
+    def take(self, value: bytes) -> None:
+        """A watermark record's value. Raises: ValueError (struct.error,
+        UnicodeDecodeError): another layout."""
+        for tp, (count, mark) in parse_watermarks(value).items():
+            self.counts[tp[0]] = max(count, self.counts.get(tp[0], 0))
+            if mark > self.marks.get(tp, b""):
+                self.marks[tp] = mark
+
+    def limit(self) -> bytes | None:
+        """The order key up to which every input partition has been sent (None: a
+        partition of an input topic has no watermark yet, or no watermark came at all)."""
+        if not self.counts:
+            return None
+        marks = [self.marks.get((t, i)) for t, n in self.counts.items() for i in range(n)]
+        return None if any(m is None for m in marks) else min(marks)  # type: ignore[type-var]
+
+
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
     """The 20-byte order key of an input record."""
     return ORDER.pack(timestamp_ms, partition, offset)

@@ -14,30 +14,28 @@ from neardup.detector import Preparer
 from neardup.sharded.decide import decide
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import ShardIndex
+from neardup.state.decisions import DecisionsTable
 
 
 class ShardedReference:
     """``shards`` in-memory shard partitions and the decide rule, fed in order.
 
     Args:
-        settings: the engine settings (Jaccard or containment, canonical policy).
+        settings: the engine settings (Jaccard or containment, either cluster policy).
         shards: number of shard partitions, at least 1.
 
     Raises:
-        ValueError: ``shards`` below 1, or the components cluster policy (the sharded
-            rule is the canonical policy's).
+        ValueError: ``shards`` below 1.
     """
 
     def __init__(self, settings: EngineSettings, shards: int) -> None:
         if shards < 1:
             raise ValueError(f"shards must be at least 1, not {shards}")
-        if settings.cluster_policy != "canonical":
-            raise ValueError("sharded deduplication implements the canonical cluster policy only")
         self.settings = settings
         self.shards = [ShardIndex(settings) for _ in range(shards)]
         self.prepare = Preparer(settings)
         self.ids: list[str] = []
-        self.clusters: dict[int, int] = {}
+        self.clusters = DecisionsTable(components=settings.cluster_policy == "components")
         self.touched = np.zeros(shards, dtype=np.int64)  # documents that reached each shard
 
     def process(self, documents: Sequence[Document]) -> list[Verdict | Rejected]:
@@ -59,9 +57,9 @@ class ShardedReference:
                 if len(bands):
                     self.touched[q] += 1
                     findings.append(self.shards[q].add(seq, buckets[i][bands], fp, doc.id)[0])
-            verdict, cluster = decide(seq, findings, self.clusters, self.settings.threshold,
-                                      self.ids.__getitem__)
-            self.clusters[seq] = cluster
+            verdict, cluster, merged = decide(seq, findings, self.clusters, self.settings.threshold,
+                                              self.ids.__getitem__, self.settings.cluster_policy)
+            self.clusters.apply([(seq, cluster, self.ids[cluster], merged)], seq + 1)
             out.append(verdict)
         return out
 

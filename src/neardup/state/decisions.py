@@ -17,10 +17,20 @@ They leave that overlay when read back (committed), or all at once when a batch 
 (``forget_taken``): the batch's retry takes them again, the same, since a decision is a
 function of the findings and of earlier decisions.
 
+With the ``components`` cluster policy (``components=True``) the table is a union-find
+forest (Tarjan 1975): a document's entry is its parent, a decision may merge clusters
+(the roots it names besides its own cluster's), and ``clusters[seq]`` is the root of
+``seq``'s cluster, its earliest document. A merge read from the topic is applied as a
+union (the later root points at the earlier one), not as an overwrite, so every process
+that reads the topic ends with the same clusters whatever the order in which merges
+were decided; each decision has a key of its own, so compaction keeps every merge. The
+merges of decisions taken here and not yet read back are kept beside the forest
+(``_pending``) until they are.
+
 Stored key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes):
 
-- ``b"K" + order key`` -> the canonical's order key, followed by the canonical's external
-  id (UTF-8) when the document is its own canonical;
+- ``b"K" + order key`` -> the canonical's order key (with the components policy: the
+  parent's), followed by the document's external id (UTF-8) when it is its own canonical;
 - ``b"O"`` -> the position: ``">q"`` next offset of the decisions topic's partition 0.
 """
 
@@ -34,17 +44,26 @@ from rocksdict import WriteBatch
 from neardup.sharded.records import ORDER, order_seq, seq_order
 from neardup.state.view import TopicView
 
-#: One decision read from the topic: (document seq, canonical seq, canonical's external id).
-Decision = tuple[int, int, str]
+#: One decision read from the topic: (document seq, canonical seq, canonical's external id),
+#: and with the components policy a fourth item, the roots of the other clusters it merged
+#: into the canonical's (a tuple of seqs).
+Decision = tuple[int, int, str] | tuple[int, int, str, tuple[int, ...]]
 
 
 class DecisionsTable:
-    """The decisions table in memory: seq -> canonical seq, canonical seq -> external id."""
+    """The decisions table in memory: seq -> canonical seq, canonical seq -> external id.
 
-    def __init__(self) -> None:
+    Args:
+        components: the components cluster policy: entries are parents in a union-find
+            forest and decisions may merge clusters (see the module's docstring).
+    """
+
+    def __init__(self, components: bool = False) -> None:
+        self.components = components
         self._clusters: dict[int, int] = {}
         self._names: dict[int, str] = {}
         self._taken: dict[int, tuple[int, str]] = {}
+        self._pending: dict[int, int] = {}  # merges taken, not read back: root -> earlier root
         self._position: int | None = None
 
     # --- lookups --------------------------------------------------------------------------
@@ -55,12 +74,22 @@ class DecisionsTable:
             KeyError: ``seq`` is not decided (or not read yet).
         """
         taken = self._taken.get(seq)
-        if taken is not None:
-            return taken[0]
-        found = self._committed(seq)
+        found = taken[0] if taken is not None else self._committed(seq)
         if found is None:
             raise KeyError(seq)
-        return found
+        return self._root(found) if self.components else found
+
+    def _root(self, x: int) -> int:
+        """The root of ``x`` through the pending merges, the decisions taken and the
+        committed forest."""
+        while True:
+            up = self._pending.get(x)
+            if up is None:
+                taken = self._taken.get(x)
+                up = taken[0] if taken is not None else self._committed(x)
+                if up is None or up == x:
+                    return x
+            x = up
 
     def __contains__(self, seq: object) -> bool:
         return seq in self._taken or (isinstance(seq, int) and self._committed(seq) is not None)
@@ -79,22 +108,54 @@ class DecisionsTable:
         return self._names.get(canonical, "")
 
     # --- changes --------------------------------------------------------------------------
-    def take(self, seq: int, canonical: int, name: str) -> None:
+    def take(self, seq: int, canonical: int, name: str, merged: Sequence[int] = ()) -> None:
         """A decision taken in this process's current batch (to the topic when it commits):
-        document ``seq`` is in the cluster of ``canonical``, whose external id is ``name``."""
+        document ``seq`` is in the cluster of ``canonical``, whose external id is ``name``;
+        with the components policy, ``merged`` are the roots of the other clusters it joins
+        to that one."""
         self._taken[seq] = (canonical, name)
+        for other in merged:
+            a, b = self[other], self[canonical]
+            if a != b:
+                self._pending[max(a, b)] = min(a, b)
 
     def forget_taken(self) -> None:
         """Drop the decisions taken and not yet read back (a batch was aborted)."""
         self._taken.clear()
+        self._pending.clear()
+
+    def _writes(self, decisions: Sequence[Decision]) -> dict[int, tuple[int, str | None]]:
+        """The entries that committed ``decisions`` set, in the topic's order: seq ->
+        (parent, its external id when it is its own canonical). A merge is a union of the
+        forest as it stands with the earlier writes: the later root points at the earlier."""
+        writes: dict[int, tuple[int, str | None]] = {}
+
+        def root(x: int) -> int:
+            while True:
+                w = writes.get(x)
+                up = w[0] if w is not None else self._committed(x)
+                if up is None or up == x:
+                    return x
+                x = up
+
+        for seq, canonical, name, *rest in decisions:
+            writes[seq] = (canonical, name if seq == canonical else None)
+            self._taken.pop(seq, None)
+            for other in rest[0] if rest else ():
+                a, b = root(other), root(canonical)
+                if a != b:
+                    writes[max(a, b)] = (min(a, b), None)
+        if not self._taken:
+            self._pending.clear()  # every merge taken here is in the forest now
+        return writes
 
     def apply(self, decisions: Sequence[Decision], position: int) -> None:
         """Committed decisions read from the topic (in its order), and the offset after the
         last of them: the table's new position."""
-        for seq, canonical, name in decisions:
-            self._clusters[seq] = canonical
+        for seq, canonical, name, *_ in decisions:
             self._names[canonical] = name
-            self._taken.pop(seq, None)
+        for seq, (parent, _) in self._writes(decisions).items():
+            self._clusters[seq] = parent
         self._position = position
 
     def position(self) -> int | None:
@@ -114,6 +175,7 @@ class DecisionsTable:
         self._clusters.clear()
         self._names.clear()
         self._taken.clear()
+        self._pending.clear()
         self._position = None
 
     def close(self) -> None:
@@ -131,8 +193,8 @@ class StoredDecisionsTable(DecisionsTable):
             full disk, another process holding it).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__()
+    def __init__(self, path: str | os.PathLike[str], components: bool = False) -> None:
+        super().__init__(components)
         self._view = TopicView(path, "the decisions table")
         self.path = self._view.path
 
@@ -151,10 +213,9 @@ class StoredDecisionsTable(DecisionsTable):
             StateError: the write failed (a full disk).
         """
         batch = WriteBatch(raw_mode=True)
-        for seq, canonical, name in decisions:
-            order = seq_order(canonical)
-            batch.put(b"K" + seq_order(seq), order + name.encode("utf-8") if seq == canonical else order)
-            self._taken.pop(seq, None)
+        for seq, (parent, name) in self._writes(decisions).items():
+            order = seq_order(parent)
+            batch.put(b"K" + seq_order(seq), order + name.encode("utf-8") if name is not None else order)
         self._view.write(batch, position)
 
     def position(self) -> int | None:
@@ -171,6 +232,7 @@ class StoredDecisionsTable(DecisionsTable):
             StateError: it cannot be removed or created.
         """
         self._taken.clear()
+        self._pending.clear()
         self._view.wipe()
 
     def close(self) -> None:
