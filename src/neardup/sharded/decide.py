@@ -14,6 +14,11 @@ The rule across shards (canonical policy):
 
 One process computes the similarity to a canonical it did not meet from the stored sets;
 that is the one place where the sharded rule can differ from it on the same candidates.
+
+With a retention window, a cluster whose canonical has expired for the document (its time,
+an order seq's high bits, below ``held_from``) is judged, as in one process
+(``neardup.core.cluster``), by its most similar accepted member, and joined through it: the
+cluster keeps its canonical (clusters outlive their canonical).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from neardup.core.types import Verdict
 
 
 def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float,
-           name: Callable[[int], str]) -> tuple[Verdict, int]:
+           name: Callable[[int], str], held_from: int | None = None) -> tuple[Verdict, int]:
     """The verdict of document ``seq`` and its cluster's canonical seq.
 
     Args:
@@ -35,6 +40,8 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         clusters: the canonical seq of every earlier document's cluster, by seq.
         threshold: the similarity at or above which a candidate is accepted.
         name: the external id of a seq.
+        held_from: with a retention window, the earliest time (ms) held for the document
+            (``neardup.sharded.shard.ShardIndex.floor``); None: no window.
 
     Raises:
         KeyError: an accepted candidate whose cluster is not in ``clusters`` (decided
@@ -58,6 +65,11 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         return verdict, seq
     target, target_similarity = -1, -1.0
     for canonical in sorted({clusters[c.seq] for c in accepted}):
+        if held_from is not None and canonical >> 96 < held_from:  # expired: its best member stands in
+            similarity = max(c.similarity for c in accepted if clusters[c.seq] == canonical)
+            if similarity > target_similarity:
+                target, target_similarity = canonical, similarity
+            continue
         known = checked.get(canonical)
         if known is not None and known.similarity > target_similarity:
             target, target_similarity = canonical, known.similarity
