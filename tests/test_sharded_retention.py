@@ -6,8 +6,10 @@ give the reference's verdicts while the shard's state shrinks."""
 from __future__ import annotations
 
 import gzip
+from collections import Counter
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,7 +123,7 @@ def test_a_cluster_outlives_its_canonical_in_the_sharded_rules(stream, one):
 
 
 def test_an_expired_member_is_no_candidate_and_is_removed():
-    settings = EngineSettings()
+    settings = EngineSettings(duplicate_buckets="all")  # every copy joins its buckets
     text = _stories(1)[0][1]
     docs = [Document("a", text), Document("b", text), Document("c", text)]
     p = Preparer(settings)(docs)
@@ -148,3 +150,131 @@ def test_a_document_without_time_is_refused_under_a_window():
     ref = ShardedReference(EngineSettings(), 2, WINDOW)
     with pytest.raises(ValueError, match="no time"):
         ref.process([Document("x", "some words of a text that is long enough to shingle")])
+
+
+# --- the stages on a real broker -----------------------------------------------------------
+
+def _produce_stamped(bootstrap: str, topic: str, docs: list[Document]) -> None:
+    """Each document as a JSON record stamped with its time (ms)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    for d in docs:
+        producer.produce(topic, key=d.id.encode(), value=json.dumps({"id": d.id, "text": d.text}).encode(),
+                         timestamp=round(1000 * d.time))
+    assert producer.flush(60) == 0
+
+
+def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[int, int, set[tuple[int, bytes]]]:
+    """(member records, members deleted, members live as (partition, key)) of a shard
+    changelog topic, read to its end (read_committed); a member put or deleted twice in
+    one partition is a defect."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"changelog-{time.time_ns()}",
+                  "isolation.level": "read_committed", "enable.auto.commit": False})
+    put: Counter[tuple[int, bytes]] = Counter()
+    deleted: Counter[tuple[int, bytes]] = Counter()
+    try:
+        for p in range(partitions):
+            _, end = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            c.assign([TopicPartition(topic, p, 0)])
+            position = 0
+            while position < end:
+                for m in c.consume(1000, timeout=1.0):
+                    if m.error() is not None:
+                        continue
+                    position = m.offset() + 1
+                    if m.key()[:1] == b"M":
+                        (deleted if m.value() is None else put)[(p, m.key())] += 1
+                if c.position([TopicPartition(topic, p)])[0].offset >= end:
+                    break
+    finally:
+        c.close()
+    assert max(put.values(), default=1) == 1 and max(deleted.values(), default=1) == 1
+    return sum(put.values()), len(deleted), set(put) - set(deleted)
+
+
+@pytest.mark.parametrize("state", ["memory", "disk"])
+def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
+        kafka_bootstrap, kafka_topic_factory, tmp_path, state):
+    """Prepare, shard and decide with ``--retention 3s`` (the shard stopped and restarted
+    mid-stream: restored from its changelog, or reopened at its store's position) give
+    every message once, with the verdicts of the sharded rules run in one process with
+    the window; the shards deleted their expired members (changelog deletions, stores
+    holding about the window)."""
+    import uuid
+
+    from kafka_util import read_all
+    from test_sharded_kafka import _Stages, _outputs
+
+    from neardup.io.topology import Topology
+    from neardup.sharded.records import order_key, order_seq
+    from neardup.state.shard_store import ShardStore
+
+    # stamped 50 ms apart: the first half before now; the second from the time it is
+    # produced on (a record stamped more than the reorder window before the wall clock,
+    # on a partition read to its end, may come after a later one was released)
+    now = time.time()
+    docs = [Document(d.id, d.text, now - 10 + 0.05 * k) for k, d in enumerate(_stream(170, seed=11, spread=200))]
+    window = Retention(seconds=3.0)
+    topic = kafka_topic_factory("sharded-retention", partitions=2)
+    topology = Topology(f"retention-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    log = tmp_path / "stages.log"
+    disk = state == "disk"
+    stages = _Stages(kafka_bootstrap, topic, topology, log, reorder_ms=1000, extra=("--retention", "3s"))
+    shard_state = ("--state-dir", str(tmp_path / "shard-state")) if disk else ()
+    decide_state = ("--state-dir", str(tmp_path / "decide-state")) if disk else ()
+    half = len(docs) // 2
+    try:
+        _produce_stamped(kafka_bootstrap, topic, docs[:half])
+        stages.start("prepare")
+        stages.start("shard", "a", *shard_state)
+        stages.start("decide", "a", *decide_state)
+        assert len(_outputs(kafka_bootstrap, topic, half, 120, stages.alive)) >= half, log.read_text()[-3000:]
+        assert stages.terminate("shard") == 0, log.read_text()[-3000:]
+        later = time.time() + 0.5 - docs[half].time
+        docs[half:] = [Document(d.id, d.text, d.time + later) for d in docs[half:]]
+        _produce_stamped(kafka_bootstrap, topic, docs[half:])
+        stages.start("shard", "a", *shard_state)
+        out = _outputs(kafka_bootstrap, topic, len(docs), 120, stages.alive)
+    finally:
+        stages.stop()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert len(out) == len(docs), text[-3000:]
+    assert max(Counter(o.key for o in out).values()) == 1
+
+    # the reference: the sharded rules in one process, in order-key order, same window
+    ordered = [m for m in read_all(kafka_bootstrap, [topic], idle_s=1.0)]
+    assert len(ordered) == len(docs)
+    ref = ShardedReference(EngineSettings(), topology.shards, window)
+    reference = {v.id: v for v in ref.process(sorted(docs, key=lambda d: d.time))}
+    assert sum(v.is_duplicate for v in reference.values()) >= 60  # the copies the test is about
+    got = {o.key.decode(): o for o in out}
+    assert set(got) == set(reference)
+    differ = [k for k, v in reference.items()
+              if (got[k].headers["neardup-verdict"].decode(), got[k].headers["neardup-match"].decode() or None,
+                  got[k].headers["neardup-cluster"].decode()) != (v.verdict, v.match, v.cluster)]
+    late = [line[:200] for line in text.splitlines() if "came after a later one" in line]
+    assert not differ, (differ[:5], late[:3])
+    # the window changed verdicts: without it, more copies are found
+    unbounded = {v.id: v for v in ShardedReference(EngineSettings(), topology.shards).process(
+        sorted(docs, key=lambda d: d.time))}
+    assert sum(v.is_duplicate for v in unbounded.values()) > sum(v.is_duplicate for v in reference.values()) + 20
+
+    # the shards deleted their expired members, in the changelog and the stores
+    puts, deletes, live = _changelog_members(kafka_bootstrap, topology.shard_changelog, topology.shards)
+    print(f"{state}: {len(docs)} documents; changelog: {puts} member records, {deletes} deletions, {len(live)} live")
+    assert deletes >= 0.6 * puts and len(live) == puts - deletes
+    latest = max(d.time for d in docs)
+    assert all(order_seq(k[1:]) >> 96 >= 1000 * (latest - 3 * 9 / 8) - 100 for _, k in live)
+    if disk:
+        stored: set[tuple[int, bytes]] = set()
+        for p in range(topology.shards):
+            store = ShardStore(tmp_path / "shard-state" / f"shard-{p}", lambda band: [])
+            try:
+                stored |= {(p, b"M" + k) for k, _ in store.prefixed(b"M")}
+            finally:
+                store.close()
+        assert stored == live, (len(stored), len(live))

@@ -341,19 +341,22 @@ class StoredShardIndex(ShardIndex):
         last = store.last_member()
         self.last = -1 if last is None else order_seq(last)
         self._parsed: dict[int, BandRecord] = {}
+        self._removing: set[int] = set()  # removed, the store not told yet (their batch uncommitted)
 
     def forget(self) -> None:
-        """Drop the overlay (the members not in the store)."""
+        """Drop the overlay (the members not in the store, the removals it has not had)."""
         self.buckets, self.copies, self.sets, self.ids = {}, {}, {}, {}
         self._joins, self._by_time = {}, []
         self._parsed = {}
+        self._removing = set()
 
     def _expired_below(self, floor: int) -> list[int]:
         stored = [order_seq(o) for o in self.store.members_before(floor)]
-        return sorted(set(stored) | set(super()._expired_below(floor)))
+        return sorted((set(stored) | set(super()._expired_below(floor))) - self._removing)
 
     def remove(self, seqs: list[int]) -> None:
         super().remove(seqs)
+        self._removing.update(seqs)
         for seq in seqs:
             self._parsed.pop(seq, None)
 

@@ -17,22 +17,40 @@ They leave that overlay when read back (committed), or all at once when a batch 
 (``forget_taken``): the batch's retry takes them again, the same, since a decision is a
 function of the findings and of earlier decisions.
 
+With a retention window (``expire_before``), the decisions of documents stamped before a
+time are dropped: a shard reports only members held in its window, so once no document
+still to decide can have them as candidates their decisions are never looked up. The
+caller picks that time (decide: ``neardup.io.decide_stage``). A lookup below it that finds
+nothing (a document processed far later than its time) gets the document as its own
+canonical (``fallbacks`` counts them): its verdict stays right, its cluster may be a new
+one. The canonicals' external ids stay while a held decision names them (clusters outlive
+their canonical).
+
 Stored key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes):
 
 - ``b"K" + order key`` -> the canonical's order key, followed by the canonical's external
-  id (UTF-8) when the document is its own canonical;
+  id (UTF-8) (written before retention: only when the document is its own canonical);
+- ``b"E"`` -> ``">q"`` the time (ms) before which decisions were dropped;
 - ``b"O"`` -> the position: ``">q"`` next offset of the decisions topic's partition 0.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
 from collections.abc import Sequence
 
 from rocksdict import WriteBatch
 
 from neardup.sharded.records import ORDER, order_seq, seq_order
 from neardup.state.view import TopicView
+
+log = logging.getLogger(__name__)
+_EXPIRED_KEY = b"E"
+_TIME = struct.Struct(">q")
+#: no decision dropped yet
+_NEVER = -(1 << 62)
 
 #: One decision read from the topic: (document seq, canonical seq, canonical's external id).
 Decision = tuple[int, int, str]
@@ -46,6 +64,22 @@ class DecisionsTable:
         self._names: dict[int, str] = {}
         self._taken: dict[int, tuple[int, str]] = {}
         self._position: int | None = None
+        self._expired_below = _NEVER  # decisions of documents stamped before this (ms) dropped
+        self.fallbacks = 0  # lookups below it that found nothing
+
+    def expired_below(self) -> int:
+        """The time (ms) before which decisions are dropped (very negative: none)."""
+        return self._expired_below
+
+    def _fallback(self, seq: int) -> bool:
+        """Whether ``seq`` (not found) lies below the dropped decisions: counted, logged."""
+        if seq >> 96 >= self._expired_below:
+            return False
+        self.fallbacks += 1
+        if self.fallbacks & (self.fallbacks - 1) == 0:  # the 1st, 2nd, 4th...
+            log.warning("%d lookup(s) of a decision dropped from the retention window (a document processed "
+                        "long after its time): taken as its own cluster", self.fallbacks)
+        return True
 
     # --- lookups --------------------------------------------------------------------------
     def __getitem__(self, seq: int) -> int:
@@ -59,11 +93,14 @@ class DecisionsTable:
             return taken[0]
         found = self._committed(seq)
         if found is None:
+            if self._fallback(seq):
+                return seq
             raise KeyError(seq)
         return found
 
     def __contains__(self, seq: object) -> bool:
-        return seq in self._taken or (isinstance(seq, int) and self._committed(seq) is not None)
+        return seq in self._taken or (isinstance(seq, int) and (
+            self._committed(seq) is not None or seq >> 96 < self._expired_below))
 
     def name(self, canonical: int) -> str:
         """The external id of the canonical ``canonical`` ("" if unknown)."""
@@ -90,12 +127,26 @@ class DecisionsTable:
 
     def apply(self, decisions: Sequence[Decision], position: int) -> None:
         """Committed decisions read from the topic (in its order), and the offset after the
-        last of them: the table's new position."""
+        last of them: the table's new position. Those below ``expired_below`` are not kept."""
         for seq, canonical, name in decisions:
+            self._taken.pop(seq, None)
+            if seq >> 96 < self._expired_below:
+                continue
             self._clusters[seq] = canonical
             self._names[canonical] = name
-            self._taken.pop(seq, None)
         self._position = position
+
+    def expire_before(self, time_ms: int) -> int:
+        """Drop the decisions of the documents stamped before ``time_ms`` (ms; at or below
+        ``expired_below``: nothing to do); how many were dropped."""
+        if time_ms <= self._expired_below:
+            return 0
+        self._expired_below = time_ms
+        before = len(self._clusters)
+        self._clusters = {seq: c for seq, c in self._clusters.items() if seq >> 96 >= time_ms}
+        named = set(self._clusters.values())
+        self._names = {c: name for c, name in self._names.items() if c in named}
+        return before - len(self._clusters)
 
     def position(self) -> int | None:
         """The next offset of the topic to read; None: from its start."""
@@ -115,6 +166,7 @@ class DecisionsTable:
         self._names.clear()
         self._taken.clear()
         self._position = None
+        self._expired_below = _NEVER
 
     def close(self) -> None:
         pass
@@ -135,14 +187,26 @@ class StoredDecisionsTable(DecisionsTable):
         super().__init__()
         self._view = TopicView(path, "the decisions table")
         self.path = self._view.path
+        raw = self._view.get(_EXPIRED_KEY)
+        self._expired_below = _NEVER if raw is None else _TIME.unpack(raw)[0]
+        self._named: dict[int, str] = {}  # canonical -> its id, from the decisions looked up
 
     def _committed(self, seq: int) -> int | None:
         raw = self._view.get(b"K" + seq_order(seq))
-        return None if raw is None else order_seq(raw[:ORDER.size])
+        if raw is None:
+            return None
+        canonical = order_seq(raw[:ORDER.size])
+        if len(raw) > ORDER.size:  # its canonical's id: kept for its name (the canonical may be dropped)
+            if len(self._named) > 100_000:
+                self._named = {}
+            self._named[canonical] = raw[ORDER.size:].decode("utf-8")
+        return canonical
 
     def _committed_name(self, canonical: int) -> str:
         raw = self._view.get(b"K" + seq_order(canonical))
-        return "" if raw is None else raw[ORDER.size:].decode("utf-8")
+        if raw is not None and len(raw) > ORDER.size:
+            return raw[ORDER.size:].decode("utf-8")
+        return self._named.get(canonical, "")
 
     def apply(self, decisions: Sequence[Decision], position: int) -> None:
         """As ``DecisionsTable.apply``, in one atomic write with the position.
@@ -152,10 +216,31 @@ class StoredDecisionsTable(DecisionsTable):
         """
         batch = WriteBatch(raw_mode=True)
         for seq, canonical, name in decisions:
-            order = seq_order(canonical)
-            batch.put(b"K" + seq_order(seq), order + name.encode("utf-8") if seq == canonical else order)
             self._taken.pop(seq, None)
+            if seq >> 96 < self._expired_below:
+                continue
+            batch.put(b"K" + seq_order(seq), seq_order(canonical) + name.encode("utf-8"))
         self._view.write(batch, position)
+
+    def expire_before(self, time_ms: int) -> int:
+        """As ``DecisionsTable.expire_before``, in one atomic write (range deletes) with
+        the time; returns 0 (the count is not read).
+
+        Raises:
+            StateError: the write failed (a full disk).
+        """
+        if time_ms <= self._expired_below:
+            return 0
+        batch = WriteBatch(raw_mode=True)
+        if time_ms > 0:
+            batch.delete_range(b"K", b"K" + ORDER.pack(time_ms, 0, 0))
+            batch.delete_range(b"K\x80", b"L")  # stamped before 1970 (sign bit set): all before it
+        else:
+            batch.delete_range(b"K\x80", b"K" + ORDER.pack(time_ms, 0, 0))
+        batch.put(_EXPIRED_KEY, _TIME.pack(time_ms))
+        self._view.write(batch, None)
+        self._expired_below = time_ms
+        return 0
 
     def position(self) -> int | None:
         return self._view.position()
@@ -172,6 +257,7 @@ class StoredDecisionsTable(DecisionsTable):
         """
         self._taken.clear()
         self._view.wipe()
+        self._expired_below = _NEVER
 
     def close(self) -> None:
         self._view.close()
