@@ -278,3 +278,72 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
             finally:
                 store.close()
         assert stored == live, (len(stored), len(live))
+
+
+def test_a_store_drops_a_deleted_member_from_its_bucket_and_copy_lists(tmp_path):
+    """``ShardStore.apply``: a member's null record (expired) takes it out of every bucket
+    list and copy-bucket list it joined, drops its own copy bucket, and an empty list
+    goes; a deletion applied again (or of a member never here) changes nothing."""
+    from neardup.sharded.records import BandRecord, order_key
+    from neardup.state.shard_store import ShardStore, member_value
+
+    def member(ms: int, buckets: list[int], copies: list[bytes]) -> tuple[bytes, bytes]:
+        order = order_key(ms, 0, ms)
+        band = BandRecord(order, f"d{ms}", np.array(buckets, dtype=np.uint64), np.arange(5, dtype=np.uint32))
+        return b"M" + order, member_value(copies, band.value())
+
+    store = ShardStore(tmp_path / "s", lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
+    try:
+        a, b, c = member(1000, [1, 2], []), member(2000, [2, 3], [order_key(1000, 0, 1000)]), member(3000, [3], [])
+        store.apply([a, b, c], position=3)
+        assert [len(m) for m in store.members([1, 2, 3])] == [1, 2, 2]
+        assert store.copies(order_key(1000, 0, 1000)) == [order_key(2000, 0, 2000)]
+        assert store.members_before(2500) == [order_key(1000, 0, 1000), order_key(2000, 0, 2000)]
+        store.apply([(a[0], None)], position=4)
+        assert store.members([1, 2, 3]) == [[], [order_key(2000, 0, 2000)], [order_key(2000, 0, 2000),
+                                                                               order_key(3000, 0, 3000)]]
+        assert store.copies(order_key(1000, 0, 1000)) == []
+        store.apply([(b[0], None), (a[0], None)], position=6)
+        assert store.members([1, 2, 3]) == [[], [], [order_key(3000, 0, 3000)]]
+        assert store.members_before(10_000) == [order_key(3000, 0, 3000)]
+        assert store.get(b"B" + (1).to_bytes(8, "big")) is None  # an empty list goes
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_the_decisions_table_drops_expired_decisions_and_keeps_canonical_names(tmp_path, kind):
+    """``expire_before``: the decisions stamped before the time go (on disk: across a
+    reopen); a held decision whose canonical went still names it; a lookup of a dropped
+    one is its own cluster (counted); the topic's older records are not taken back."""
+    from neardup.sharded.records import order_key, order_seq
+    from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
+
+    def seq(ms: int) -> int:
+        return order_seq(order_key(ms, 0, ms))
+
+    def table():
+        return DecisionsTable() if kind == "memory" else StoredDecisionsTable(tmp_path / "t")
+
+    t = table()
+    try:
+        t.apply([(seq(1000), seq(1000), "story"), (seq(2000), seq(1000), "story"),
+                 (seq(3000), seq(3000), "other"), (seq(4000), seq(1000), "story")], position=4)
+        t.expire_before(2500)
+        assert t.expired_below() == 2500
+        assert t[seq(4000)] == seq(1000) and t[seq(3000)] == seq(3000)
+        assert t.name(seq(1000)) == "story"  # the cluster outlives its canonical
+        assert seq(1000) in t and t[seq(2000)] == seq(2000) and t.fallbacks == 1
+        with pytest.raises(KeyError):
+            t[seq(5000)]
+        t.apply([(seq(2000), seq(1000), "story")], position=5)  # read again: not kept
+        assert t[seq(2000)] == seq(2000)
+    finally:
+        t.close()
+    if kind == "disk":
+        t = table()
+        try:
+            assert t.expired_below() == 2500 and t[seq(4000)] == seq(1000) and t.name(seq(1000)) == "story"
+            assert t[seq(2000)] == seq(2000)
+        finally:
+            t.close()
