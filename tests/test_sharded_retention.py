@@ -347,3 +347,18 @@ def test_the_decisions_table_drops_expired_decisions_and_keeps_canonical_names(t
             assert t[seq(2000)] == seq(2000)
         finally:
             t.close()
+
+
+@pytest.mark.parametrize("flag, value, line", [
+    ("--retention-documents", "1000", "neardup stage keeps a retention window by time only (--retention): a window "
+     "of the last N documents (--retention-documents) needs one count of every document, which no shard has"),
+    ("--timestamp-field", "published", "neardup stage takes a document's time from its record timestamp, which "
+     "orders the shards (--timestamp-field is not read): stamp the input records with the document time instead"),
+    ("--retention", "3 parsecs", "not a duration: '3 parsecs' (e.g. 72h, 7d, 30m, 3600)"),
+])
+def test_a_stage_refuses_a_window_it_cannot_keep_with_one_line(flag, value, line, capsys):
+    from neardup.cli import main
+
+    assert main(["stage", "shard", "--bootstrap-servers", "127.0.0.1:9", "--input-topic", "t", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"neardup: error: {line}" and "Traceback" not in err

@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = stage.add_argument_group("retention (shard and decide; every process of both stages needs the same window)")
     g.add_argument("--retention", metavar="DURATION", help="documents whose record timestamp is older than this, against the latest one a shard has processed, stop being candidates and are removed from the shards' state, e.g. 72h, 7d, 30m; none: keep everything (the default)")
     g.add_argument("--future-tolerance", metavar="DURATION", help="a record timestamp later than now plus this does not move a shard's window beyond now: one record stamped in the future cannot expire the window early; 0 allows none (default 1h)")
-    g.add_argument("--retention-documents", metavar="N", help=argparse.SUPPRESS)  # refused with its reason
-    g.add_argument("--timestamp-field", help=argparse.SUPPRESS)  # refused with its reason
+    g.add_argument("--retention-documents", metavar="N", help="refused: a window of the last N documents needs one count of every document, which no shard keeps; use --retention")
+    g.add_argument("--timestamp-field", help="refused: a document's time is its record timestamp, which orders the shards; stamp the input records with the document time")
     _engine_flags(stage)
     _common_flags(stage)
     _metrics_flags(stage)
