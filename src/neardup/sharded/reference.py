@@ -101,6 +101,7 @@ class ShardedReference:
             gone = shard.expired()
             shard.remove(gone)
             self.expired += len(gone)
+        assert self.retention_ms is not None
         floor = min(shard.floor() for shard in self.shards)
         if floor - self._pruned_below >= max(1, self.retention_ms // 8):
             self._pruned_below = floor

@@ -172,7 +172,8 @@ class ShardIndex:
         """The members (seqs, ascending) that have expired, once removing them is due
         (the floor moved by an eighth of the window since the last removal); [] otherwise."""
         floor = self.floor()
-        if floor == NO_TIME or floor - self._removed_below < max(1, self.retention_ms // STEP_SHARE):
+        if self.retention_ms is None or floor == NO_TIME \
+                or floor - self._removed_below < max(1, self.retention_ms // STEP_SHARE):
             return []
         self._removed_below = floor
         return self._expired_below(floor)

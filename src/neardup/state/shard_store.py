@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Sequence
+from typing import cast
 
 from rocksdict import WriteBatch
 
@@ -179,15 +180,17 @@ class ShardStore(TopicView):
         """The order keys of the members stamped before ``time_ms`` (ms), ascending by
         time. (An order key's time is signed: those before 1970, -1 for a record without a
         timestamp, sort after the others, their sign bit set.)"""
-        negative = []
-        for key in self._db.keys(from_key=b"M\x80"):
+        negative: list[bytes] = []
+        for raw in self._db.keys(from_key=b"M\x80"):
+            key = cast(bytes, raw)
             if not key.startswith(b"M") or ORDER.unpack(key[1:])[0] >= time_ms:
                 break
             negative.append(key[1:])
-        out = []
+        out: list[bytes] = []
         if time_ms > 0:
             low = ORDER.pack(time_ms, 0, 0)
-            for key in self._db.keys(from_key=b"M"):
+            for raw in self._db.keys(from_key=b"M"):
+                key = cast(bytes, raw)
                 if not key.startswith(b"M") or key[1] >= 0x80 or key[1:] >= low:
                     break
                 out.append(key[1:])
