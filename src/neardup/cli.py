@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--text-field", action="append", help="prepare: JSON field holding text, dotted path; repeat to join several (default: the whole message value)")
     r.add_argument("--id-field", help="prepare: JSON field holding the document id (default: the message key, else topic/partition/offset)")
     r.add_argument("--batch-size", type=int, help=f"messages per batch ({_d('batch_size')})")
+    g = stage.add_argument_group("retention (shard and decide; every process of both stages needs the same window)")
+    g.add_argument("--retention", metavar="DURATION", help="documents whose record timestamp is older than this, against the latest one a shard has processed, stop being candidates and are removed from the shards' state, e.g. 72h, 7d, 30m; none: keep everything (the default)")
+    g.add_argument("--future-tolerance", metavar="DURATION", help="a record timestamp later than now plus this does not move a shard's window beyond now: one record stamped in the future cannot expire the window early; 0 allows none (default 1h)")
+    g.add_argument("--retention-documents", metavar="N", help="refused: a window of the last N documents needs one count of every document, which no shard keeps; use --retention")
+    g.add_argument("--timestamp-field", help="refused: a document's time is its record timestamp, which orders the shards; stamp the input records with the document time")
     _engine_flags(stage)
     _common_flags(stage)
     _metrics_flags(stage)
@@ -513,12 +518,17 @@ def cmd_stage(role: str, settings: Settings) -> int:
     engine = settings.engine()
     if engine.verify != "exact":
         raise ValueError("neardup stage verifies exactly only (--verify exact)")
-    unbounded = [flag for flag, value in (("--retention", settings.retention),
-                                          ("--retention-documents", settings.retention_documents),
-                                          ("--timestamp-field", settings.timestamp_field)) if value is not None]
-    if unbounded:
-        raise ValueError(f"neardup stage keeps no retention window yet ({', '.join(unbounded)}): "
-                         "its index grows with every document; use neardup run for a bounded index")
+    if settings.retention_documents is not None:
+        raise ValueError("neardup stage keeps a retention window by time only (--retention): a window of the last "
+                         "N documents (--retention-documents) needs one count of every document, which no shard has")
+    if settings.timestamp_field is not None:
+        raise ValueError("neardup stage takes a document's time from its record timestamp, which orders the shards "
+                         "(--timestamp-field is not read): stamp the input records with the document time instead")
+    retention = (retention_changes(settings) or {}).get("seconds")
+    retention_ms = None if retention is None else max(1, round(retention * 1000))
+    if retention_ms is not None and engine.cluster_policy == "components":
+        raise ValueError("neardup stage keeps a retention window with the canonical cluster policy only: "
+                         "a merged cluster's root may be older than the window (use neardup run for both)")
     if settings.text_format != "plain":
         raise ValueError(f"neardup stage reads plain text only (--text-format {settings.text_format}): "
                          "extract the pages' main text before the input topic, or use neardup run")
@@ -550,12 +560,12 @@ def cmd_stage(role: str, settings: Settings) -> int:
         elif role == "shard":
             from neardup.io.shard_stage import ShardStage
 
-            runtime = ShardStage(stage_settings, topology, instance, settings.state_dir,
+            runtime = ShardStage(stage_settings, topology, instance, settings.state_dir, retention_ms,
                                  **callbacks)
         else:
             from neardup.io.decide_stage import DecideStage
 
-            runtime = DecideStage(stage_settings, topology, instance, settings.state_dir, **callbacks)
+            runtime = DecideStage(stage_settings, topology, instance, settings.state_dir, retention_ms, **callbacks)
         runtime.run()
     finally:
         if server:

@@ -399,6 +399,10 @@ class StageMetrics:
         self.held = Gauge(
             "neardup_reorder_held_records", "Band records held in the reorder window after the last batch.",
             ["stage"], registry=r)
+        self.expired = Counter(
+            "neardup_stage_documents_expired",
+            "Members a shard deleted from its state (and changelog) once they left the retention window (--retention).",
+            ["stage"], registry=r)
         self.documents = Counter(
             "neardup_stage_documents", "Documents given a verdict by decide, by verdict (unique|duplicate).",
             ["stage", "verdict"], registry=r)
@@ -416,6 +420,7 @@ class StageMetrics:
             self.late.labels(stage)
             self.lateness.labels(stage)
             self.held.labels(stage).set(0)
+            self.expired.labels(stage)
         if stage == "decide":
             for verdict in VERDICTS:
                 self.documents.labels(stage, verdict)
@@ -444,6 +449,7 @@ class StageMetrics:
             for ms in written.lateness_ms:
                 self.lateness.labels(s).observe(ms / 1000)
             self.held.labels(s).set(written.held)
+            self.expired.labels(s).inc(written.expired)
         else:
             self.documents.labels(s, "unique").inc(written.unique)
             self.documents.labels(s, "duplicate").inc(written.duplicate)

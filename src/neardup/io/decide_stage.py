@@ -117,10 +117,18 @@ class DecideProcessor(StageHooks):
         topology: the sharded topics.
         state_dir: where the decisions table is kept on disk (``state_dir/decisions``, a
             RocksDB store); None: in memory.
+        retention_ms: the shards' retention window, ms (``neardup.sharded.shard``): a
+            cluster whose canonical expired is judged by its best member, and the table
+            drops the decisions stamped more than two windows before the latest document
+            decided here (``expire``); None: no window.
     """
 
-    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None) -> None:
+    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None,
+                 retention_ms: int | None = None) -> None:
         self.settings = settings
+        self.retention_ms = retention_ms
+        self._future_ms = 1000 * settings.engine().future_tolerance_s
+        self._latest = -(1 << 62)  # the latest document time decided here (ms), for expiry
         self.threshold = settings.engine().threshold
         self.policy = settings.engine().cluster_policy
         self.digest = engine_digest(settings.engine())
@@ -338,6 +346,7 @@ class DecideProcessor(StageHooks):
             touched, new_decisions = {}, decided > 0
             if not decided:
                 break
+        self._expire()
         for q in sorted(self.partitions):
             waiting = self.partitions[q]
             for order in fresh.get(q, ()):  # what came in this batch and still waits: to the changelog
@@ -445,8 +454,10 @@ class DecideProcessor(StageHooks):
                 findings.append(Finding(seq, tuple(items)))
             if waiting_for(findings, self.clusters, self.threshold):
                 return "blocked"
+            held_from = self._held_from(seq)
             verdict, cluster, merged = decide(seq, findings, self.clusters, self.threshold,
-                                              lambda s: names.get(s) or self.clusters.name(s), self.policy)
+                                              lambda s: names.get(s) or self.clusters.name(s), self.policy,
+                                              held_from)
             cluster_id = names.get(cluster) or self.clusters.name(cluster)
             self.clusters.take(seq, cluster, cluster_id, merged)
             outcome = Outcome.of_verdict(verdict)
@@ -474,6 +485,32 @@ class DecideProcessor(StageHooks):
         for logged in w.logged:
             out.append((self.topology.decide_changelog, q, logged, None, []))
         return "decided"
+
+    def _held_from(self, seq: int) -> int | None:
+        """With a window, the earliest time (ms) held for document ``seq``: its own time
+        (taken as now beyond now plus the future tolerance) minus the window, as its
+        shards' floor when they process it in order; also moves ``_latest``."""
+        if self.retention_ms is None:
+            return None
+        t = seq >> 96
+        now = time.time() * 1000
+        if t > now + self._future_ms:
+            t = int(now)
+        self._latest = max(self._latest, t)
+        return t - self.retention_ms
+
+    def _expire(self) -> None:
+        """Drop the decisions stamped more than two windows before the latest document
+        decided here, each time that point has moved by an eighth of the window: one window
+        for the shards' (a shard reports only members at or above its floor, the time of
+        the document it processes minus the window), one more for the documents still to
+        decide that are stamped before the latest (another decide partition behind this
+        one, a partition assigned here later)."""
+        if self.retention_ms is None or self._latest < -(1 << 61):
+            return
+        point = self._latest - 2 * self.retention_ms
+        if point - self.clusters.expired_below() >= max(1, self.retention_ms // 8):
+            self.clusters.expire_before(point)
 
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there
@@ -522,12 +559,12 @@ class DecideStage(StageRuntime):
             topic); ``group_id`` is the stage's consumer group.
         topology: the sharded topics.
         instance: this process's name among the stage's instances.
-        state_dir: see ``DecideProcessor``.
+        state_dir, retention_ms: see ``DecideProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0", state_dir: Path | None = None,
-                 **callbacks: object) -> None:
+                 retention_ms: int | None = None, **callbacks: object) -> None:
         settings = settings.model_copy(update={
             "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.findings]})
-        super().__init__(settings, DecideProcessor(settings, topology, state_dir), **callbacks)
+        super().__init__(settings, DecideProcessor(settings, topology, state_dir, retention_ms), **callbacks)

@@ -37,6 +37,15 @@ Changelog records (key -> value; a null value deletes):
 - ``b"M" + order key`` -> ``">I"`` n, n candidate order keys whose copy bucket it joined,
   then a band record value (id, the buckets it joined, its set): a member.
 - ``b"P"`` -> the watermark (``">q"``, ms) + the last order key released (none yet: empty).
+
+Retention (``retention_ms``): the shard's index meets only the members held in the window
+(``neardup.sharded.shard``), and each time the window's floor has moved by an eighth of it,
+the batch deletes the expired members: a null ``M`` record each, in its transaction, which
+the in-memory index applies at once and a store when the batch has committed (dropping
+the member from its buckets' lists, ``neardup.state.shard_store``). A restore applies the
+deletions too, so the state held stays about 9/8 of the window, in memory, on disk and in
+the compacted changelog. The shard's mark after a restore is the time of the last record
+released (``P``).
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ class ShardWritten:
     lateness_ms: list[int] = field(default_factory=list)  # per late record: ms behind the last released
     malformed: int = 0
     held: int = 0
+    expired: int = 0  # members deleted from the retention window
     finding_bytes: int = 0
     changelog_bytes: int = 0
     seconds: float = 0.0
@@ -144,11 +154,15 @@ class ShardProcessor(StageHooks):
         topology: the sharded topics.
         state_dir: where each shard partition's state is kept on disk, a RocksDB store
             per partition (``neardup.state.shard_store``); None: in memory.
+        retention_ms: the retention window, ms (see the module docstring); None keeps
+            every member.
     """
 
-    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None) -> None:
+    def __init__(self, settings: Settings, topology: Topology, state_dir: Path | None = None,
+                 retention_ms: int | None = None) -> None:
         self.settings = settings
         self.state_dir = state_dir
+        self.retention_ms = retention_ms
         # per batch computed and not yet committed, in order: its changelog records per
         # shard partition (what the stores take once it is committed)
         self._uncommitted: list[dict[int, list[tuple[bytes, bytes | None]]]] = []
@@ -206,6 +220,8 @@ class ShardProcessor(StageHooks):
                     for key, value in later.get(p, ()):
                         if key[:1] == b"M" and value is not None:
                             self._member(shard.index, key[1:], value)
+                        elif key[:1] == b"M":
+                            shard.index.remove([order_seq(key[1:])])
         return written
 
     def close(self) -> None:
@@ -225,8 +241,9 @@ class ShardProcessor(StageHooks):
     def _restore(self, p: int) -> _Shard:
         if self.state_dir is not None:
             return self._restore_stored(p)
-        shard = _Shard(ShardIndex(self.engine))
+        shard = _Shard(ShardIndex(self.engine, self.retention_ms))
         started, records = time.perf_counter(), 0
+        members: dict[bytes, bytes] = {}  # in changelog order, less the deleted (expired) ones
         for chunk in read_to_end(self.settings, self.topology.shard_changelog, p):
             for m in chunk:
                 records += 1
@@ -239,10 +256,16 @@ class ShardProcessor(StageHooks):
                     else:
                         shard.held[order] = BandRecord.parse(order, value)
                         shard.logged.add(order)
-                elif kind == b"M" and value is not None:
-                    self._member(shard.index, order, value)
+                elif kind == b"M":
+                    if value is None:
+                        members.pop(order, None)
+                    else:
+                        members.setdefault(order, value)
                 elif kind == b"P" and value is not None:
                     shard.watermark, shard.last = _WATERMARK.unpack_from(value)[0], value[_WATERMARK.size:]
+        for order, value in members.items():
+            self._member(shard.index, order, value)
+        self._resume(shard)
         shard.requeue()
         if records:
             log.info("shard %d restored from %s: %d records, %d members, %d held, in %.1f s", p,
@@ -274,17 +297,26 @@ class ShardProcessor(StageHooks):
         except BaseException:
             store.close()
             raise
-        shard = _Shard(StoredShardIndex(self.engine, store), store)
+        shard = _Shard(StoredShardIndex(self.engine, store, self.retention_ms), store)
         shard.held = {order: BandRecord.parse(order, value) for order, value in store.prefixed(b"H")}
         shard.logged = set(shard.held)
         shard.requeue()
         progress = store.get(b"P")
         if progress is not None:
             shard.watermark, shard.last = _WATERMARK.unpack_from(progress)[0], progress[_WATERMARK.size:]
+        self._resume(shard)
         log.info("shard %d opened at %s: %s, %d changelog records read, %d held, in %.1f s", p, store.path,
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
                  len(shard.held), time.perf_counter() - started)
         return shard
+
+    @staticmethod
+    def _resume(shard: _Shard) -> None:
+        """The restored index's mark and last seq: those of the last record released."""
+        if len(shard.last) == ORDER.size:
+            last = order_seq(shard.last)
+            shard.index.last = max(shard.index.last, last)
+            shard.index.advance(last)
 
     # --- a batch --------------------------------------------------------------------
 
@@ -326,6 +358,11 @@ class ShardProcessor(StageHooks):
             shard = self.shards[p]
             limit = shard.limit()
             self._release(p, shard, [] if limit is None else shard.ready(limit), out, stats)
+            gone = shard.index.expired()
+            if gone:  # out of the retention window: deleted from the index and the changelog
+                shard.index.remove(gone)
+                out += [(self.topology.shard_changelog, p, b"M" + seq_order(seq), None, []) for seq in gone]
+                stats.expired += len(gone)
             for k in shard.fresh:
                 rec = shard.held.get(k)
                 if rec is not None and k not in shard.logged:
@@ -427,12 +464,12 @@ class ShardStage(StageRuntime):
             topic); ``group_id`` is the stage's consumer group.
         topology: the sharded topics.
         instance: this process's name among the stage's instances.
-        state_dir: see ``ShardProcessor``.
+        state_dir, retention_ms: see ``ShardProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0",
-                 state_dir: Path | None = None, **callbacks: object) -> None:
+                 state_dir: Path | None = None, retention_ms: int | None = None, **callbacks: object) -> None:
         settings = settings.model_copy(update={
             "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.bands]})
-        super().__init__(settings, ShardProcessor(settings, topology, state_dir), **callbacks)
+        super().__init__(settings, ShardProcessor(settings, topology, state_dir, retention_ms), **callbacks)

@@ -23,6 +23,11 @@ those of the decisions read or taken before it: a merge decided by a later docum
 that is already known can give an earlier root than one process gave at that point, and
 one decided by an earlier document not yet read gives a later one; the decisions table
 converges to the same clusters either way (``neardup.state.decisions``).
+
+With a retention window, a cluster whose canonical has expired for the document (its time,
+an order seq's high bits, below ``held_from``) is judged, as in one process
+(``neardup.core.cluster``), by its most similar accepted member, and joined through it: the
+cluster keeps its canonical (clusters outlive their canonical).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from neardup.core.types import Verdict
 
 
 def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], threshold: float,
-           name: Callable[[int], str], policy: str = "canonical") -> tuple[Verdict, int, tuple[int, ...]]:
+           name: Callable[[int], str], policy: str = "canonical",
+           held_from: int | None = None) -> tuple[Verdict, int, tuple[int, ...]]:
     """The verdict of document ``seq``, its cluster's canonical seq, and the roots of the
     other clusters it merges into that one (components policy; empty otherwise).
 
@@ -47,6 +53,9 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         threshold: the similarity at or above which a candidate is accepted.
         name: the external id of a seq.
         policy: ``"canonical"`` or ``"components"`` (``EngineSettings.cluster_policy``).
+        held_from: with a retention window, the earliest time (ms) held for the document
+            (``neardup.sharded.shard.ShardIndex.floor``); None: no window. The
+            components policy needs no canonical's set, so it ignores it.
 
     Raises:
         ValueError: another policy.
@@ -80,6 +89,11 @@ def decide(seq: int, findings: Sequence[Finding], clusters: Mapping[int, int], t
         raise ValueError(f"cluster policy must be canonical or components, not {policy!r}")
     target, target_similarity = -1, -1.0
     for canonical in sorted({clusters[c.seq] for c in accepted}):
+        if held_from is not None and canonical >> 96 < held_from:  # expired: its best member stands in
+            similarity = max(c.similarity for c in accepted if clusters[c.seq] == canonical)
+            if similarity > target_similarity:
+                target, target_similarity = canonical, similarity
+            continue
         known = checked.get(canonical)
         if known is not None and known.similarity > target_similarity:
             target, target_similarity = canonical, known.similarity

@@ -15,11 +15,26 @@ kept on every shard where it joins a bucket.
 
 ``ShardIndex`` keeps all of it in memory (the model, ``neardup.sharded.reference``, and the
 shard stage without a state directory); ``StoredShardIndex`` keeps it in a RocksDB store
-per shard partition. Retention windows are not part of it.
+per shard partition.
+
+A retention window (``retention_ms``) is one process's (``neardup.core.retention``) with a
+document's time read from its order key (``order_time``, ms; a seq's high bits): the shard's
+*mark* is the latest document time it has processed, its own included, and a member is a
+candidate, counts towards its bucket's room and stands in a copy bucket only while its time
+is at least the mark minus the window. Shards process documents in order-key order, so the
+mark at a document is its own time, as one process's watermark is on the same records in
+that order. A time later than now plus ``future_tolerance_s`` does not move the mark beyond
+now (one process takes it as now; here the member keeps its stamp, so it stays a candidate
+until the mark passes that stamp). The mark only grows, so a member that has expired never
+comes back: ``expired`` hands them out in bulk, once the window's floor has moved by an
+eighth of the window, and ``remove`` drops them (``neardup.state.expiry``'s schedule, by
+time).
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from neardup.core.settings import EngineSettings
+from neardup.core.retention import NO_TIME
 from neardup.sharded.records import BandRecord, order_seq, seq_order
 
 if TYPE_CHECKING:
@@ -93,14 +109,31 @@ def similarities(a: np.ndarray, b: np.ndarray, measure: str, direction: str) -> 
     return jaccard, containment, inter / min(len(a), len(b)) if len(a) and len(b) else 0.0
 
 
+#: Removal of expired members waits until the window's floor has moved this share of it.
+STEP_SHARE = 8
+
+
+def seq_time(seq: int) -> int:
+    """The record time (ms) of an order seq (``neardup.sharded.records.order_seq``)."""
+    return seq >> 96
+
+
 class ShardIndex:
     """The buckets one shard partition owns and the sets of their members (in memory).
 
     Args:
-        settings: the engine settings (threshold, measure, caps, bucket joins).
+        settings: the engine settings (threshold, measure, caps, bucket joins, future
+            tolerance).
+        retention_ms: the retention window, ms (see the module docstring); None keeps
+            every member.
+
+    Raises:
+        ValueError: a window below 1 ms.
     """
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, retention_ms: int | None = None) -> None:
+        if retention_ms is not None and retention_ms < 1:
+            raise ValueError(f"a retention window of {retention_ms} ms keeps nothing")
         self.settings = settings
         self.buckets: dict[int, list[int]] = {}
         self.sets: dict[int, np.ndarray] = {}
@@ -108,6 +141,75 @@ class ShardIndex:
         self.ids: dict[int, str] = {}
         self.last = -1  # the highest seq added
         self._copies_on = settings.duplicate_buckets == "new" and settings.measure == "jaccard"
+        self.retention_ms = retention_ms
+        self.mark = NO_TIME  # the latest document time processed (ms), future ones taken as now
+        self.future = 0  # documents whose time lay beyond now plus the future tolerance
+        self._removed_below = NO_TIME  # the floor of the last removal
+        self._joins: dict[int, Joins] = {}  # a member's joins (to remove it), with a window
+        self._by_time: list[int] = []  # the members' seqs, a heap (with a window)
+
+    # --- the retention window ----------------------------------------------------------
+    def floor(self) -> int:
+        """The earliest member time (ms) still held: the mark minus the window
+        (``NO_TIME`` without a window or before any document)."""
+        if self.retention_ms is None or self.mark == NO_TIME:
+            return NO_TIME
+        return self.mark - self.retention_ms
+
+    def advance(self, seq: int) -> int:
+        """Move the mark to document ``seq``'s time (ms; taken as now when it lies beyond
+        now plus the future tolerance); returns the floor for that document."""
+        t = seq_time(seq)
+        if self.retention_ms is not None:
+            now = time.time() * 1000
+            if t > now + 1000 * self.settings.future_tolerance_s:
+                t = int(round(now))
+                self.future += 1
+        self.mark = max(self.mark, t)
+        return self.floor()
+
+    def expired(self) -> list[int]:
+        """The members (seqs, ascending) that have expired, once removing them is due
+        (the floor moved by an eighth of the window since the last removal); [] otherwise."""
+        floor = self.floor()
+        if self.retention_ms is None or floor == NO_TIME \
+                or floor - self._removed_below < max(1, self.retention_ms // STEP_SHARE):
+            return []
+        self._removed_below = floor
+        return self._expired_below(floor)
+
+    def _expired_below(self, floor: int) -> list[int]:
+        out = []
+        while self._by_time and seq_time(self._by_time[0]) < floor:
+            out.append(heapq.heappop(self._by_time))
+        return out
+
+    def remove(self, seqs: list[int]) -> None:
+        """Drop expired members from the buckets, copy buckets, sets and ids."""
+        gone = set(seqs)
+        touched: set[int] = set()
+        copied: set[int] = set()
+        for seq in seqs:
+            joins = self._joins.pop(seq, None)
+            if joins is not None:
+                touched.update(joins.buckets.tolist())
+                copied.update(joins.copies)
+            self.copies.pop(seq, None)
+            self.sets.pop(seq, None)
+            self.ids.pop(seq, None)
+        for b in touched:
+            kept = [m for m in self.buckets.get(b, ()) if m not in gone]
+            if kept:
+                self.buckets[b] = kept
+            else:
+                self.buckets.pop(b, None)
+        for c in copied:
+            if c in self.copies:
+                kept = [m for m in self.copies[c] if m not in gone]
+                if kept:
+                    self.copies[c] = kept
+                else:
+                    del self.copies[c]
 
     def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray, doc_id: str = "") -> tuple[Finding, Joins]:
         """Meet, verify and join: one document, after every earlier one.
@@ -129,6 +231,10 @@ class ShardIndex:
         s = self.settings
         bucket_ids = buckets.tolist()
         lists = self._members(bucket_ids)
+        floor = self.advance(seq)
+        if floor != NO_TIME:  # a retention window: only the members held are met
+            lowest = floor << 96  # the first seq of the floor's millisecond
+            lists = [[m for m in members if m >= lowest] for members in lists]
         shared: Counter[int] = Counter()
         for members in lists:
             shared.update(members)
@@ -156,7 +262,7 @@ class ShardIndex:
                 for m in self._copies(c):
                     if len(checked) >= limit or best >= s.threshold:
                         break
-                    if m not in checked and m < seq:
+                    if m not in checked and m < seq and seq_time(m) >= floor:
                         best = max(best, self._check(m, fingerprints, checked))
         accepted = {c for c, x in checked.items() if x.similarity >= s.threshold}
         only_new = s.duplicate_buckets == "new" and accepted
@@ -187,6 +293,9 @@ class ShardIndex:
             self.copies.setdefault(c, []).append(seq)
         self.sets[seq] = fingerprints
         self.ids[seq] = doc_id
+        if self.retention_ms is not None:
+            self._joins[seq] = joins
+            heapq.heappush(self._by_time, seq)
 
     # --- the storage: dicts here, a RocksDB store below them in ``StoredShardIndex`` -------
     def _members(self, buckets: list[int]) -> list[list[int]]:
@@ -218,22 +327,39 @@ class StoredShardIndex(ShardIndex):
     members of batches not yet committed (an overlay over the store), ``forget`` drops
     them once the store has them (or their batch failed).
 
+    Expired members are found among the store's (``ShardStore.members_before``) and the
+    overlay's; the store drops them when their changelog deletions are applied to it.
+
     Args:
         settings: the engine settings.
         store: the shard partition's store, restored up to the committed changelog.
+        retention_ms: as ``ShardIndex``'s.
     """
 
-    def __init__(self, settings: EngineSettings, store: ShardStore) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: EngineSettings, store: ShardStore, retention_ms: int | None = None) -> None:
+        super().__init__(settings, retention_ms)
         self.store = store
         last = store.last_member()
         self.last = -1 if last is None else order_seq(last)
         self._parsed: dict[int, BandRecord] = {}
+        self._removing: set[int] = set()  # removed, the store not told yet (their batch uncommitted)
 
     def forget(self) -> None:
-        """Drop the overlay (the members not in the store)."""
+        """Drop the overlay (the members not in the store, the removals it has not had)."""
         self.buckets, self.copies, self.sets, self.ids = {}, {}, {}, {}
+        self._joins, self._by_time = {}, []
         self._parsed = {}
+        self._removing = set()
+
+    def _expired_below(self, floor: int) -> list[int]:
+        stored = [order_seq(o) for o in self.store.members_before(floor)]
+        return sorted((set(stored) | set(super()._expired_below(floor))) - self._removing)
+
+    def remove(self, seqs: list[int]) -> None:
+        super().remove(seqs)
+        self._removing.update(seqs)
+        for seq in seqs:
+            self._parsed.pop(seq, None)
 
     def _members(self, buckets: list[int]) -> list[list[int]]:
         stored = self.store.members(buckets)

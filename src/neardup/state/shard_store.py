@@ -12,7 +12,10 @@ what its process committed and did not apply is after its position, and an open 
 changelog from there (Kafka Streams' restore, from a checkpoint; Kafka Streams itself, whose
 stores take writes before the commit, must wipe a store that was not closed cleanly under
 exactly-once). Applying is idempotent (a member's record is applied once; the others are
-puts and deletes), so a position may lag behind what the store holds. A store without a
+puts and deletes), so a position may lag behind what the store holds. A deleted member
+(``M`` with a null value: expired from the retention window) leaves its buckets' and copy
+buckets' lists and its own copy bucket in the same write; a deletion of a member that is not
+here (applied before, or its record compacted away) changes nothing. A store without a
 position (new) is wiped and restored in full; a restore cut short resumes at the position
 of its last chunk (``neardup.io.partition_log.catch_up``).
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Sequence
+from typing import cast
 
 from rocksdict import WriteBatch
 
@@ -96,24 +100,39 @@ class ShardStore(TopicView):
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
         """Apply committed changelog records (in changelog order) in one atomic write: each
         stored as it is (None deletes), each member (``M``) not yet here also appended to
-        its buckets' and copy buckets' lists; with ``position``, the new position.
+        its buckets' and copy buckets' lists, each member deleted also removed from them
+        (and its copy bucket dropped); with ``position``, the new position.
 
         Raises:
             StateError: the write failed (a full disk).
         """
         batch = WriteBatch(raw_mode=True)
         appended: dict[bytes, list[bytes]] = {}
-        members = [key for key, value in records if value is not None and key[:1] == b"M"]
-        present = {key for key, raw in zip(members, self._db.get(members) if members else []) if raw is not None}
+        members = list({key for key, _ in records if key[:1] == b"M"})
+        values = dict(zip(members, self._db.get(members) if members else []))
+        present = {key for key, raw in values.items() if raw is not None}
+        removed: set[bytes] = set()  # order keys of the members deleted
         for key, value in records:
             if value is None:
                 batch.delete(key)
+                if key[:1] == b"M" and key in present:
+                    present.discard(key)
+                    order = key[1:]
+                    removed.add(order)
+                    copies, band = member_parts(values[key])  # type: ignore[arg-type]
+                    for c in copies:
+                        appended.setdefault(b"C" + c, [])
+                    for b in self._buckets_of(band):
+                        appended.setdefault(b"B" + _U64.pack(b), [])
+                    appended.pop(b"C" + order, None)
+                    batch.delete(b"C" + order)
                 continue
             if key in present:  # applied before (a position that lagged): once only
                 continue
             batch.put(key, value)
             if key[:1] == b"M":
                 present.add(key)
+                values[key] = value
                 order = key[1:]
                 copies, band = member_parts(value)
                 for c in copies:
@@ -123,7 +142,13 @@ class ShardStore(TopicView):
         if appended:
             keys = list(appended)
             for key, old in zip(keys, self._db.get(keys)):
-                batch.put(key, (old or b"") + b"".join(appended[key]))
+                raw = (old or b"") + b"".join(appended[key])
+                if removed:
+                    raw = b"".join(o for o in split_orders(raw) if o not in removed)
+                if raw:
+                    batch.put(key, raw)
+                else:
+                    batch.delete(key)
         self.write(batch, position)
 
     # --- reads ----------------------------------------------------------------------------
@@ -150,6 +175,26 @@ class ShardStore(TopicView):
                 break
             out.append((key[len(prefix):], value))
         return out
+
+    def members_before(self, time_ms: int) -> list[bytes]:
+        """The order keys of the members stamped before ``time_ms`` (ms), ascending by
+        time. (An order key's time is signed: those before 1970, -1 for a record without a
+        timestamp, sort after the others, their sign bit set.)"""
+        negative: list[bytes] = []
+        for raw in self._db.keys(from_key=b"M\x80"):
+            key = cast(bytes, raw)
+            if not key.startswith(b"M") or ORDER.unpack(key[1:])[0] >= time_ms:
+                break
+            negative.append(key[1:])
+        out: list[bytes] = []
+        if time_ms > 0:
+            low = ORDER.pack(time_ms, 0, 0)
+            for raw in self._db.keys(from_key=b"M"):
+                key = cast(bytes, raw)
+                if not key.startswith(b"M") or key[1] >= 0x80 or key[1:] >= low:
+                    break
+                out.append(key[1:])
+        return negative + out
 
     def last_member(self) -> bytes | None:
         """The highest order key of a member."""
