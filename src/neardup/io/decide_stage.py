@@ -61,10 +61,12 @@ from neardup.sharded.records import (
     SHARDS_HEADER,
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
+    FINDINGS_KIND,
     check_engine,
     engine_digest,
     order_seq,
     pack_message,
+    parse_findings,
     seq_order,
     unpack_message,
 )
@@ -276,14 +278,24 @@ class DecideProcessor(StageHooks):
                 order = _header(headers, ORDER_HEADER)
                 w = self.partitions[q].setdefault(order, _Waiting())
                 w.record = (m.key(), m.value(), headers)
+                touched.setdefault(q, set()).add(order)
+            elif _header(headers, KIND_HEADER) == FINDINGS_KIND:
+                try:
+                    found = parse_findings(m.value() or b"")
+                except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                    log.error("findings topic %s[%d]@%d: not a findings record (%s); skipped", m.topic(), q,
+                              m.offset(), exc)
+                    continue
+                waiting, orders = self.partitions[q], touched.setdefault(q, set())
+                for order, shard, checked, error in found:
+                    w = waiting.setdefault(order, _Waiting())
+                    w.findings[shard] = checked
+                    if error is not None:
+                        w.error = error
+                    orders.add(order)
             else:
-                order = m.key()
-                w = self.partitions[q].setdefault(order, _Waiting())
-                d = orjson.loads(m.value())
-                w.findings[d["shard"]] = d["checked"]
-                if "error" in d:
-                    w.error = d["error"]
-            touched.setdefault(q, set()).add(order)
+                log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
+                          m.topic(), q, m.offset())
         fresh = {q: set(orders) for q, orders in touched.items()}  # to the changelog if they wait
         # Only what changed is tried: documents given a record or a finding in this batch,
         # and, once any decision is new (read from the table or taken here), those that
