@@ -273,13 +273,14 @@ class DecideProcessor(StageHooks):
         for m in batch.messages:
             q = m.partition()
             headers = list(m.headers() or [])
-            if _header(headers, KIND_HEADER) == b"document":
+            kind = _header(headers, KIND_HEADER)
+            if kind == b"document":
                 check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{m.offset()}")
                 order = _header(headers, ORDER_HEADER)
                 w = self.partitions[q].setdefault(order, _Waiting())
                 w.record = (m.key(), m.value(), headers)
                 touched.setdefault(q, set()).add(order)
-            elif _header(headers, KIND_HEADER) == FINDINGS_KIND:
+            elif kind == FINDINGS_KIND:
                 try:
                     found = parse_findings(m.value() or b"")
                 except (ValueError, struct.error, UnicodeDecodeError) as exc:
@@ -348,23 +349,24 @@ class DecideProcessor(StageHooks):
         if w.record is None:
             return "incomplete"
         key, value, headers = w.record
-        shards = int(_header(headers, SHARDS_HEADER) or b"0")
+        named = dict(reversed(headers))  # a header's first value, by name
+        shards = int(named.get(SHARDS_HEADER) or b"0")
         if len(w.findings) < shards:
             return "incomplete"
         seq = order_seq(order)
-        topic = (_header(headers, TOPIC_HEADER) or b"").decode("utf-8")
+        topic = (named.get(TOPIC_HEADER) or b"").decode("utf-8")
         carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
-        error = _header(headers, ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
+        error = named.get(ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
         if error is not None:
             kind, _, reason = error.decode("utf-8").partition(": ")
             _, partition, offset = ORDER.unpack(order)
             outcome = Outcome.of_error(kind, reason, topic, partition, offset)
-            dropped = _header(headers, VALUE_BYTES_HEADER)
+            dropped = named.get(VALUE_BYTES_HEADER)
             if dropped is not None:  # too large for the findings topic: sent without its value
                 outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, dropped)],
                                   outcome.error_kind, "no_value")
         else:
-            names: dict[int, str] = {seq: (_header(headers, ID_HEADER) or b"").decode("utf-8")}
+            names: dict[int, str] = {seq: (named.get(ID_HEADER) or b"").decode("utf-8")}
             findings = []
             for checked in w.findings.values():
                 items = []

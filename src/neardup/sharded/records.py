@@ -221,9 +221,7 @@ class BandRecord:
 
     def value(self) -> bytes:
         """The record's value (the layout above)."""
-        raw_id = self.id.encode("utf-8")
-        return b"".join((_BAND.pack(len(self.buckets), len(raw_id), len(self.fingerprints)), raw_id,
-                         self.buckets.astype("<u8").tobytes(), self.fingerprints.astype("<u4").tobytes()))
+        return band_values(self.id, [self.buckets], self.fingerprints)[0]
 
     @classmethod
     def parse(cls, key: bytes, value: bytes) -> BandRecord:
@@ -236,9 +234,26 @@ class BandRecord:
             raise ValueError("band record of the wrong length")
         raw_id = value[at:at + n_id]
         at += n_id
-        buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64)
-        fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32)
+        # read-only views of ``value`` (no copy on a little-endian machine)
+        buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64, copy=False)
+        fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32, copy=False)
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
+
+
+def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray) -> list[bytes]:
+    """The band record values (the layout above) of one document for several shard
+    partitions, its id and set encoded once.
+
+    Args:
+        doc_id: the document's id.
+        buckets: per shard partition, uint64, shape (k,): its bucket ids there.
+        fingerprints: uint32, sorted distinct: its shingle set.
+    """
+    raw_id = doc_id.encode("utf-8")
+    fp = fingerprints.astype("<u4", copy=False).tobytes()
+    f = len(fingerprints)
+    return [b"".join((_BAND.pack(len(b), len(raw_id), f), raw_id, b.astype("<u8", copy=False).tobytes(), fp))
+            for b in buckets]
 
 
 def seq_order(seq: int) -> bytes:
