@@ -13,13 +13,19 @@ the earliest undecided document can always be decided: no deadlock. The table is
 read from the topic's start at every start, or with ``state_dir`` in a RocksDB store
 (``neardup.state.decisions``) reopened at its position.
 
-What waits lives in memory and in the stage's changelog (partition q of
-``<app>.decide-changelog``), written in the batch's transaction: ``b"D" + order key`` ->
-the document record (``pack_message``), ``b"F" + order key + shard`` -> a finding; both
-deleted when the document is decided. A partition's waiting documents are read back when
-it is assigned, and after a failed batch (``aborted``). The decisions table needs no
-undo: a decision is a function of the findings and of earlier decisions, so one taken in
-a batch that failed is taken again the same.
+What waits lives in memory; the findings topic keeps its records. The offset committed
+for findings partition q is that of the earliest record of a document still waiting (or
+the batch's end when none waits), and the stage's changelog (partition q of
+``<app>.decide-changelog``, compacted), written in the batch's transaction, holds one
+record: ``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q),
+then the order keys (20 bytes each) of the documents waiting after the batch. When the
+partition is assigned, its records are read again from the committed offset: before the
+consumed offset, those of the documents listed are taken again, the others (decided
+before) skipped. After a failed batch (``aborted``) the runtime reads again from the
+failed batch's first offsets: the documents waiting as of the last commit are kept in
+memory for it. The decisions table needs no undo: a decision is a function of the
+findings and of earlier decisions, so one taken in a batch that failed is taken again
+the same.
 
 A record too large for its output topic goes to the dead-letter topic, with less of the
 message if need be (``neardup.io.messages.fit``, as in ``neardup run``). Not yet here
@@ -65,17 +71,15 @@ from neardup.sharded.records import (
     check_engine,
     engine_digest,
     order_seq,
-    pack_message,
     parse_findings,
     seq_order,
-    unpack_message,
 )
 from neardup.sharded.shard import Checked, Finding
 from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 
 log = logging.getLogger(__name__)
 
-_SHARD = struct.Struct(">i")
+_CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset, then the waiting order keys
 Record = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
@@ -85,8 +89,11 @@ class _Waiting:
 
     record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
     findings: dict[int, list] = field(default_factory=dict)
-    logged: set[bytes] = field(default_factory=set)  # its changelog keys
     error: str | None = None  # a shard could not read its band record
+    first: int = 1 << 62  # the findings-topic offset of its earliest record
+
+    def copy(self) -> _Waiting:
+        return _Waiting(self.record, dict(self.findings), self.error, self.first)
 
 
 @dataclass
@@ -126,6 +133,12 @@ class DecideProcessor(StageHooks):
         self._outputs: set[str] = set()
         self._blocked: dict[int, set[bytes]] = {}  # complete documents waiting for a cluster
         self._retry_all = False  # after a restore: every waiting document is tried once
+        self._consumed: dict[int, int] = {}  # findings partition -> offset after its last batch's records
+        self._listed: dict[int, set[bytes]] = {}  # ... the documents waiting at its last commit (a restart)
+        # per partition, as of the last commit: (waiting documents, consumed offset); per
+        # batch computed and not yet committed, the same after it
+        self._committed: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        self._uncommitted: list[dict[int, tuple[dict[bytes, _Waiting], int]]] = []
         self._table_new = False  # decisions came to the table since the last batch
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
@@ -177,56 +190,57 @@ class DecideProcessor(StageHooks):
         return topic == self.topology.decisions or topic.endswith((".unique", ".duplicates", ".dlq"))
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Read back the waiting documents of the newly assigned partitions.
+        """Read the ``P`` records of the newly assigned partitions (their waiting
+        documents are read again from the findings topic).
 
         Raises:
             KafkaException: the changelog could not be read.
         """
         for _, q in partitions:
-            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            consumed, listed = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            self.partitions[q], self._consumed[q], self._listed[q] = {}, consumed, listed
+            self._committed[q] = ({}, consumed)
             self._blocked.pop(q, None)
         self._retry_all = True
 
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
-            self.partitions.pop(q, None)
-            self._blocked.pop(q, None)
+            for state in (self.partitions, self._blocked, self._consumed, self._listed, self._committed):
+                state.pop(q, None)
 
     def aborted(self) -> None:
+        """Back to the documents waiting as of the last commit (the runtime reads again
+        from the failed batch's first offsets)."""
         self.clusters.forget_taken()  # the retry takes them again
+        self._uncommitted = []
         for q in list(self.partitions):
-            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            waiting, consumed = self._committed.get(q, ({}, -1))
+            self.partitions[q] = {order: w.copy() for order, w in waiting.items()}
+            self._consumed[q] = consumed
         self._blocked.clear()
         self._retry_all = True
 
-    def _restore(self, q: int) -> dict[bytes, _Waiting]:
-        waiting: dict[bytes, _Waiting] = {}
+    def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:
+        written.seconds = seconds
+        if self._uncommitted:
+            for q, state in self._uncommitted.pop(0).items():
+                if q in self.partitions:
+                    self._committed[q] = state
+        return written
+
+    def _restore(self, q: int) -> tuple[int, set[bytes]]:
+        """Partition ``q``'s ``P`` record: (its consumed offset, -1 without one; the
+        order keys of the documents waiting at the last commit)."""
+        consumed, listed = -1, set()
         for chunk in read_to_end(self.settings, self.topology.decide_changelog, q):
             for m in chunk:
-                key, value = m.key(), m.value()
-                order = key[1:1 + ORDER.size]
-                if value is None:
-                    w = waiting.get(order)
-                    if w is not None:
-                        w.logged.discard(key)
-                        if key[:1] == b"D":
-                            w.record = None
-                        else:
-                            w.findings.pop(_SHARD.unpack(key[1 + ORDER.size:])[0], None)
-                        if w.record is None and not w.findings:
-                            del waiting[order]
-                    continue
-                w = waiting.setdefault(order, _Waiting())
-                w.logged.add(key)
-                if key[:1] == b"D":
-                    w.record = unpack_message(value)
-                else:
-                    d = orjson.loads(value)
-                    w.findings[_SHARD.unpack(key[1 + ORDER.size:])[0]] = d["checked"]
-                    w.error = d.get("error", w.error)
-        if waiting:
-            log.info("decide partition %d: %d documents waiting, read back", q, len(waiting))
-        return waiting
+                value = m.value()
+                if m.key() == b"P" and value is not None:
+                    (consumed,) = _CONSUMED.unpack_from(value)
+                    listed = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
+        if listed:
+            log.info("decide partition %d: %d documents waiting, read again from the findings topic", q, len(listed))
+        return consumed, listed
 
     # --- the decisions table -----------------------------------------------------------
     def _apply_decisions(self, messages: list[Message]) -> int:
@@ -266,19 +280,26 @@ class DecideProcessor(StageHooks):
     def compute(self, batch: MessageBatch) -> tuple[list[Record], DecideWritten]:
         t = self.topology
         out: list[Record] = []
-        stats = DecideWritten(next_offsets(batch.messages), messages=len(batch.messages))
+        ends = next_offsets(batch.messages)
+        stats = DecideWritten(ends, messages=len(batch.messages))
         self._poll_table()
         new_decisions, self._table_new = self._table_new, False
         touched: dict[int, set[bytes]] = {}
         for m in batch.messages:
             q = m.partition()
+            offset = m.offset()
+            # read again after a restart: only the documents that were waiting are taken
+            listed = self._listed.get(q) if offset < self._consumed.get(q, -1) else None
             headers = list(m.headers() or [])
             kind = _header(headers, KIND_HEADER)
             if kind == b"document":
-                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{m.offset()}")
+                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = _header(headers, ORDER_HEADER)
+                if listed is not None and order not in listed:
+                    continue
                 w = self.partitions[q].setdefault(order, _Waiting())
                 w.record = (m.key(), m.value(), headers)
+                w.first = min(w.first, offset)
                 touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:
                 try:
@@ -289,15 +310,18 @@ class DecideProcessor(StageHooks):
                     continue
                 waiting, orders = self.partitions[q], touched.setdefault(q, set())
                 for order, shard, checked, error in found:
+                    if listed is not None and order not in listed:
+                        continue
                     w = waiting.setdefault(order, _Waiting())
                     w.findings[shard] = checked
+                    w.first = min(w.first, offset)
                     if error is not None:
                         w.error = error
                     orders.add(order)
             else:
                 log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
                           m.topic(), q, m.offset())
-        fresh = {q: set(orders) for q, orders in touched.items()}  # to the changelog if they wait
+        changed = set(touched)  # the partitions whose waiting documents change
         # Only what changed is tried: documents given a record or a finding in this batch,
         # and, once any decision is new (read from the table or taken here), those that
         # were complete but waited for a candidate's cluster.
@@ -317,29 +341,24 @@ class DecideProcessor(StageHooks):
                     if state == "decided":
                         del waiting[order]
                         blocked.discard(order)
+                        changed.add(q)
                         decided += 1
                     elif state == "blocked":
                         blocked.add(order)
             touched, new_decisions = {}, decided > 0
             if not decided:
                 break
-        for q in sorted(self.partitions):
+        end = {tp.partition: tp.offset for tp in ends}
+        after: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        for q in sorted(changed):
             waiting = self.partitions[q]
-            for order in fresh.get(q, ()):  # what came in this batch and still waits: to the changelog
-                w = waiting.get(order)
-                if w is None:
-                    continue
-                if w.record is not None and b"D" + order not in w.logged:
-                    key = b"D" + order
-                    w.logged.add(key)
-                    out.append((t.decide_changelog, q, key, pack_message(*w.record), []))
-                for shard, checked in w.findings.items():
-                    key = b"F" + order + _SHARD.pack(shard)
-                    if key not in w.logged:
-                        w.logged.add(key)
-                        logged = {"shard": shard, "checked": checked, **({"error": w.error} if w.error else {})}
-                        out.append((t.decide_changelog, q, key, orjson.dumps(logged), []))
-            stats.waiting += len(waiting)
+            consumed = self._consumed[q] = max(self._consumed.get(q, -1), end.get(q, -1))
+            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed) + b"".join(sorted(waiting)), []))
+            after[q] = ({order: w.copy() for order, w in waiting.items()}, consumed)
+        self._uncommitted.append(after)
+        for tp in ends:  # a restart reads again from the earliest record of a waiting document
+            tp.offset = min([tp.offset] + [w.first for w in self.partitions[tp.partition].values()])
+        stats.waiting = sum(len(waiting) for waiting in self.partitions.values())
         return out, stats
 
     def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> str:
@@ -404,8 +423,6 @@ class DecideProcessor(StageHooks):
         out.append((topics[outcome.target], None, key if content != "headers_only" else None,
                     value if content == "whole" else None,
                     carried + outcome.headers if content != "headers_only" else outcome.headers))
-        for logged in w.logged:
-            out.append((self.topology.decide_changelog, q, logged, None, []))
         return "decided"
 
     def _create_outputs(self, topic: str) -> None:

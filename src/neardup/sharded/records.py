@@ -61,8 +61,6 @@ TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
 ENGINE_HEADER = "neardup-sharded-engine"  # the engine settings' digest (``engine_digest``)
 VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent without its value
 SHARDED_PREFIX = "neardup-sharded-"
-_LEN = struct.Struct(">I")
-_NONE = 0xFFFFFFFF
 _MARKS = struct.Struct(">H")
 _MARK = struct.Struct(">ii")
 WATERMARK_KIND = b"watermark"  # the KIND_HEADER of a watermark record
@@ -264,42 +262,3 @@ def seq_order(seq: int) -> bytes:
 def order_time(key: bytes) -> int:
     """The record timestamp (ms) of an order key."""
     return ORDER.unpack(key)[0]
-
-
-def pack_message(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> bytes:
-    """A record's key, value and headers as one value (a held document in a changelog):
-    each of key and value as ``">I"`` length (0xFFFFFFFF: None) and bytes, then ``">I"``
-    header count and per header its key and value the same way (key UTF-8)."""
-    parts = []
-    for field in (key, value):
-        parts += [_LEN.pack(_NONE), b""] if field is None else [_LEN.pack(len(field)), field]
-    parts.append(_LEN.pack(len(headers)))
-    for k, v in headers:
-        raw = k.encode("utf-8")
-        parts += [_LEN.pack(len(raw)), raw, _LEN.pack(len(v)), v]
-    return b"".join(parts)
-
-
-def unpack_message(data: bytes) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
-    """``pack_message``'s inverse."""
-    at = 0
-    fields: list[bytes | None] = []
-    for _ in range(2):
-        (n,) = _LEN.unpack_from(data, at)
-        at += 4
-        if n == _NONE:
-            fields.append(None)
-        else:
-            fields.append(data[at:at + n])
-            at += n
-    (count,) = _LEN.unpack_from(data, at)
-    at += 4
-    headers = []
-    for _ in range(count):
-        (n,) = _LEN.unpack_from(data, at)
-        k = data[at + 4:at + 4 + n].decode("utf-8")
-        at += 4 + n
-        (n,) = _LEN.unpack_from(data, at)
-        headers.append((k, data[at + 4:at + 4 + n]))
-        at += 4 + n
-    return fields[0], fields[1], headers
