@@ -297,7 +297,7 @@ class DecideProcessor(StageHooks):
                 order = _header(headers, ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue
-                w = self.partitions[q].setdefault(order, _Waiting())
+                w = self._changing(self.partitions[q], order)
                 w.record = (m.key(), m.value(), headers)
                 w.first = min(w.first, offset)
                 touched.setdefault(q, set()).add(order)
@@ -312,7 +312,7 @@ class DecideProcessor(StageHooks):
                 for order, shard, checked, error in found:
                     if listed is not None and order not in listed:
                         continue
-                    w = waiting.setdefault(order, _Waiting())
+                    w = self._changing(waiting, order)
                     w.findings[shard] = checked
                     w.first = min(w.first, offset)
                     if error is not None:
@@ -353,13 +353,21 @@ class DecideProcessor(StageHooks):
         for q in sorted(changed):
             waiting = self.partitions[q]
             consumed = self._consumed[q] = max(self._consumed.get(q, -1), end.get(q, -1))
-            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed) + b"".join(sorted(waiting)), []))
-            after[q] = ({order: w.copy() for order, w in waiting.items()}, consumed)
+            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed) + b"".join(waiting), []))
+            after[q] = (dict(waiting), consumed)  # its documents are copied before they change
         self._uncommitted.append(after)
         for tp in ends:  # a restart reads again from the earliest record of a waiting document
             tp.offset = min([tp.offset] + [w.first for w in self.partitions[tp.partition].values()])
         stats.waiting = sum(len(waiting) for waiting in self.partitions.values())
         return out, stats
+
+    @staticmethod
+    def _changing(waiting: dict[bytes, _Waiting], order: bytes) -> _Waiting:
+        """The waiting document ``order`` (new if none), a copy put in its place: the
+        states kept for ``aborted`` hold the former one (copy on write)."""
+        w = waiting.get(order)
+        w = waiting[order] = _Waiting() if w is None else w.copy()
+        return w
 
     def _try(self, q: int, order: bytes, w: _Waiting, out: list[Record], stats: DecideWritten) -> str:
         """Decide one document if it can be (its records appended to ``out``): "decided",
