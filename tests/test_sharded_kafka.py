@@ -414,6 +414,16 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     for stage, internal in (("shard", topology.bands), ("decide", topology.findings)):
         for p, last in _last_offsets(kafka_bootstrap, internal).items():
             assert committed_offset(kafka_bootstrap, f"{topology.app}.{stage}", internal, p) == last + 1
+    # band records held and documents waiting are not logged (the band and findings
+    # topics keep them): the changelogs hold the members and each partition's progress
+    logged = read_all(kafka_bootstrap, [topology.shard_changelog, topology.decide_changelog], idle_s=2.0)
+    kinds = Counter((o.topic, o.key[:1]) for o in logged)
+    assert set(kinds) == {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"),
+                          (topology.decide_changelog, b"P")}, kinds
+    assert kinds[(topology.shard_changelog, b"M")] >= len(messages) / 2  # the documents joining buckets
+    # the findings of a batch go to decide in one record per decide partition
+    findings = read_all(kafka_bootstrap, [topology.findings], idle_s=2.0)
+    assert sum(o.headers.get(KIND_HEADER) == b"findings" for o in findings) < len(messages) / 2
 
 
 def test_a_backlog_read_unevenly_gives_the_verdicts_of_order_key_order(kafka_bootstrap, kafka_topic_factory,
