@@ -1,4 +1,4 @@
-"""A restore longer than ``max.poll.interval.ms`` keeps the consumer in its group (issue 28):
+"""A restore longer than ``max.poll.interval.ms`` keeps the consumer in its group:
 the stage runtime runs ``Processor.check`` in a thread of its own while its consumer keeps
 polling with the partitions held paused (``neardup.io.stage``)."""
 
