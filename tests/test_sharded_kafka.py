@@ -800,3 +800,29 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
         assert "is beyond the end of" in caplog.text and "read in full" in caplog.text, caplog.text
     finally:
         processor.close()
+
+
+@pytest.mark.parametrize("role", ["shard", "decide"])
+def test_a_changelog_of_an_earlier_layout_stops_a_stage_with_one_line(kafka_bootstrap, kafka_topic_factory,
+                                                                      tmp_path, role):
+    # a shard changelog whose progress record is a watermark alone, a decide changelog
+    # with a finding logged on its own: the layouts of an earlier version, which this
+    # one cannot read; the stage says so and how to start again, never misreads them
+    import struct
+
+    topic = kafka_topic_factory("sharded-layout", partitions=1)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    changelog = topology.shard_changelog if role == "shard" else topology.decide_changelog
+    old = (b"P", struct.pack(">q", 1_700_000_000_000)) if role == "shard" else (b"F" + bytes(20), b"{}")
+    produce(kafka_bootstrap, changelog, [old])
+    stage = subprocess.run(
+        [sys.executable, "-m", "neardup.cli", "stage", role, "--bootstrap-servers", kafka_bootstrap,
+         "--input-topic", topic, "--app", topology.app, "--shards", "1", "--decide-partitions", "1",
+         "--state-dir", str(tmp_path / role), "--log-level", "WARNING", "-X", "session.timeout.ms=6000"],
+        capture_output=True, text=True, timeout=180)
+    assert stage.returncode == 2, stage.stderr[-2000:]
+    last = stage.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"neardup: error: {changelog}[0] was written by an earlier version of neardup"), last
+    assert last.endswith("start the deduplication under a new --app")
+    assert "Traceback" not in stage.stderr

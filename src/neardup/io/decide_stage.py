@@ -58,6 +58,7 @@ from neardup.io.topics import create_missing, new_topic, sized_outputs
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
+    ChangelogLayoutError,
     ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
@@ -230,14 +231,22 @@ class DecideProcessor(StageHooks):
 
     def _restore(self, q: int) -> tuple[int, set[bytes]]:
         """Partition ``q``'s ``P`` record: (its consumed offset, -1 without one; the
-        order keys of the documents waiting at the last commit)."""
+        order keys of the documents waiting at the last commit).
+
+        Raises:
+            ChangelogLayoutError: the partition holds records of an earlier layout.
+        """
         consumed, listed = -1, set()
-        for chunk in read_to_end(self.settings, self.topology.decide_changelog, q):
+        topic = self.topology.decide_changelog
+        for chunk in read_to_end(self.settings, topic, q):
             for m in chunk:
                 value = m.value()
-                if m.key() == b"P" and value is not None:
-                    (consumed,) = _CONSUMED.unpack_from(value)
-                    listed = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
+                if value is None:
+                    continue
+                if m.key() != b"P" or (len(value) - _CONSUMED.size) % ORDER.size:
+                    raise ChangelogLayoutError(topic, q, f"a record of key {m.key()[:1]!r} and {len(value)} bytes")
+                (consumed,) = _CONSUMED.unpack_from(value)
+                listed = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
         if listed:
             log.info("decide partition %d: %d documents waiting, read again from the findings topic", q, len(listed))
         return consumed, listed

@@ -73,6 +73,7 @@ from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_of
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
+    ChangelogLayoutError,
     FINDINGS_KIND,
     KIND_HEADER,
     ORDER,
@@ -125,8 +126,15 @@ class _Shard:
         """The band-topic offset of the earliest record held (None: none is)."""
         return next(iter(self.held.values()))[1] if self.held else None
 
-    def progress(self, value: bytes) -> None:
-        """Take a ``P`` record's value (watermark, consumed offset, last released)."""
+    def progress(self, value: bytes, where: tuple[str, int]) -> None:
+        """Take a ``P`` record's value (watermark, consumed offset, last released) of
+        changelog partition ``where``.
+
+        Raises:
+            ChangelogLayoutError: a ``P`` of an earlier layout (a watermark alone).
+        """
+        if len(value) not in (_PROGRESS.size, _PROGRESS.size + ORDER.size):
+            raise ChangelogLayoutError(*where, f"a progress record of {len(value)} bytes")
         self.watermark, self.consumed = _PROGRESS.unpack_from(value)
         self.last = value[_PROGRESS.size:]
 
@@ -278,7 +286,7 @@ class ShardProcessor(StageHooks):
                 if kind == b"M" and value is not None:
                     self._member(shard.index, order, value)
                 elif kind == b"P" and value is not None:
-                    shard.progress(value)
+                    shard.progress(value, (self.topology.shard_changelog, p))
         if records:
             log.info("shard %d restored from %s: %d records, %d members, in %.1f s", p,
                      self.topology.shard_changelog, records, len(shard.index.sets), time.perf_counter() - started)
@@ -311,7 +319,11 @@ class ShardProcessor(StageHooks):
         shard = _Shard(StoredShardIndex(self.engine, store), store)
         progress = store.get(b"P")
         if progress is not None:
-            shard.progress(progress)
+            try:
+                shard.progress(progress, (self.topology.shard_changelog, p))
+            except ChangelogLayoutError:
+                store.close()
+                raise
         log.info("shard %d opened at %s: %s, %d changelog records read, in %.1f s", p, store.path,
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
                  time.perf_counter() - started)

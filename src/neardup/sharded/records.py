@@ -179,6 +179,15 @@ class EngineMismatchError(ValueError):
     """A record prepared with other engine settings than this stage's."""
 
 
+class ChangelogLayoutError(ValueError):
+    """A stage's changelog record in the layout of an earlier version of neardup (held
+    band records, waiting documents, findings logged one by one; a shorter ``P``)."""
+
+    def __init__(self, topic: str, partition: int, what: str) -> None:
+        super().__init__(f"{topic}[{partition}] was written by an earlier version of neardup ({what}); "
+                         "this version reads it no more: start the deduplication under a new --app")
+
+
 def engine_digest(settings: object) -> bytes:
     """The digest (xxh64, hex) of the engine settings' ``repr``: every stage of one
     deduplication must run with the same settings (a band cut with other rows, or a
