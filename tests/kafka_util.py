@@ -40,10 +40,11 @@ def excerpt(limit: int | None = None) -> list[dict]:
 
 
 def produce(bootstrap: str, topic: str, messages: Iterable[tuple[Any, ...]],
-            headers: list[tuple[str, bytes]] | None = None, max_bytes: int = 1_000_000) -> int:
+            headers: list[tuple[str, bytes]] | None = None, max_bytes: int = 1_000_000,
+            timeout_s: float = 60.0) -> int:
     """Produce (key, value) pairs, or (key, value, headers) triples, in order; returns how
     many. ``headers``: those of every pair; ``max_bytes``: the producer's
-    ``message.max.bytes``."""
+    ``message.max.bytes``; ``timeout_s``: the longest wait for their delivery."""
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
                          "linger.ms": 20, "message.max.bytes": max_bytes})
     n = 0
@@ -55,7 +56,7 @@ def produce(bootstrap: str, topic: str, messages: Iterable[tuple[Any, ...]],
             except BufferError:
                 producer.poll(0.1)
         n += 1
-    assert producer.flush(60) == 0, "not every message was delivered"
+    assert producer.flush(timeout_s) == 0, f"not every message was delivered in {timeout_s:.0f} s"
     return n
 
 

@@ -750,10 +750,15 @@ def test_stages_survive_a_broker_outage_mid_stream(own_broker, tmp_path, shard_s
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=30_000,
                      extra=("-X", "transaction.timeout.ms=8000"))
 
-    def feed() -> None:
-        for i in range(0, len(messages), 20):
-            produce(kafka_bootstrap, topic, messages[i:i + 20])
-            time.sleep(0.5)
+    fed: list[BaseException] = []
+
+    def feed() -> None:  # through the outage: each chunk waits for the broker to come back
+        try:
+            for i in range(0, len(messages), 20):
+                produce(kafka_bootstrap, topic, messages[i:i + 20], timeout_s=240)
+                time.sleep(0.5)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            fed.append(exc)
 
     try:
         for role in ("prepare", "shard", "decide"):
@@ -767,6 +772,7 @@ def test_stages_survive_a_broker_outage_mid_stream(own_broker, tmp_path, shard_s
             time.sleep(15)
             assert stages.alive(), "a stage must survive an outage"
         feeder.join()
+        assert not fed, f"the test's input producer failed: {fed[0]!r}"
         out = _outputs(kafka_bootstrap, topic, len(messages), 300, stages.alive)
     finally:
         stages.stop()
