@@ -420,6 +420,11 @@ def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_f
         outs = _outputs(kafka_bootstrap, topic, len(part))
         assert sorted(o.key.decode() for o in outs) == sorted(str(r["id"]) for r in part)
         assert {o.topic for o in outs} <= {f"{topic}.unique", f"{topic}.duplicates"}
+    # the outputs the pattern matches are read past, and get no outputs of their own
+    from confluent_kafka.admin import AdminClient
+
+    names = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=10).topics
+    assert not [n for n in names if n.startswith(prefix) and n.count(".") > 1]
 
 
 def test_rebalance_to_a_second_instance_keeps_exactly_once(kafka_bootstrap, kafka_topic_factory, tmp_path):

@@ -306,7 +306,9 @@ class DedupProcessor:
         ]
         self._positions.update(state_check.check(self.store, facts, self.settings.reset_state))
         log.info("state checked against %s", ", ".join(p.name for p in facts))
-        self._create_outputs(topics)
+        # a regex subscription matches the outputs too: theirs are never created (each
+        # would be matched in turn, <input>.unique.unique and so on, until the broker refuses)
+        self._create_outputs([t for t in topics if not self.is_output(t)])
 
     def _create_outputs(self, input_topics: list[str]) -> None:
         """Create the output topics of ``input_topics`` that are missing
