@@ -288,20 +288,21 @@ class KeyValueStateStore(ChangelogMixin):
         cache neither read nor changed (a reader in another thread than the writer's)."""
         seqs = np.asarray(seqs, dtype=np.int64)
         if not cache:
-            raws = self._get_many("shingles", codec.seq_keys(seqs))
-            if None in raws:
-                raise KeyError("no shingle fingerprints stored for a document")
-            return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
+            return self._read_sets(seqs)
         hit, values, offsets = self.sets.lookup(seqs)
         if hit.all():
             return values, offsets
         missing = seqs[~hit]
-        raws = self._get_many("shingles", codec.seq_keys(missing))
-        if None in raws:
-            raise KeyError("no shingle fingerprints stored for a document")
-        read = codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
+        read = self._read_sets(missing)
         self.sets.add(missing, *read)
         return merge_sets(hit, (values, offsets), read)
+
+    def _read_sets(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stored sets of ``seqs`` in one multi-get (``get_fingerprints``' layout)."""
+        raws = self._get_many("shingles", codec.seq_keys(seqs))
+        if None in raws:
+            raise KeyError("no shingle fingerprints stored for a document")
+        return codec.decode_fingerprint_sets(raws)  # type: ignore[arg-type]
 
     def get_position(self, source: str) -> int | None:
         raw = self._get("positions", source.encode("utf-8"))
