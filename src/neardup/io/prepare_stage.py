@@ -134,14 +134,19 @@ class PrepareProcessor(StageHooks):
         return topic in (self.topology.bands, self.topology.findings)
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Create the topology's topics (once), before anything is produced to them.
+        """Create the topology's topics (once), before anything is produced to them, and
+        read the findings topic's ``max.message.bytes`` (once).
 
         Raises:
             TopologyMismatchError: an existing topic has another partition count.
         """
-        if not self._ensured:
-            self.topology.ensure_with(self.settings)
+        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
+            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
+        if self._limit is None:  # read here, retried: in ``compute`` a broker outage would fail the batch
+            limits = TopicLimits(admin_config(self.settings))
+            self._limit = with_retries(f"reading max.message.bytes of {self.topology.findings}",
+                                       lambda: limits.get(self.topology.findings))
         if consumer is not self._consumer:
             self._paused = set()
         self._consumer = consumer

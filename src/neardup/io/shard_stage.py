@@ -211,8 +211,8 @@ class ShardProcessor(StageHooks):
             TopologyMismatchError: an existing topic has another partition count.
             KafkaException: the changelog could not be read.
         """
-        if not self._ensured:
-            self.topology.ensure_with(self.settings)
+        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
+            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
         for _, p in partitions:
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
