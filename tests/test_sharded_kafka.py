@@ -866,6 +866,51 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
     assert sorted(o.key for o in out) == sorted(str(r["id"]).encode() for r in stories), log[-3000:]
 
 
+def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_previous_commits(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    # A stage's computation may ask the broker (decide creates an input topic's outputs at
+    # its first verdict, prepare reads the findings topic's limit); in an outage that
+    # fails with a KafkaException while the previous batch's transaction is committing.
+    # The batch is retried; it once ended the stage (an AssertionError of the runtime).
+    import threading
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    from neardup.config import Settings
+    from neardup.io.shard_stage import ShardStage
+
+    topic = kafka_topic_factory("sharded-compute-error", partitions=2)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
+                        from_beginning=True, batch_size=50,
+                        kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
+    stage = ShardStage(settings, topology, "a")
+    compute, failed = stage.processor.compute, threading.Event()
+
+    def computing(batch):
+        if batch.messages and stage._pending is not None and not failed.is_set():
+            failed.set()
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "the broker did not answer (test)"))
+        return compute(batch)
+
+    stage.processor.compute = computing
+    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
+    messages = _stories_and_copies(20)
+    try:
+        stages.start("prepare")
+        stages.start("decide")
+        runner.start()
+        produce(kafka_bootstrap, topic, messages)
+        out = _outputs(kafka_bootstrap, topic, len(messages), 120, lambda: stages.alive() and runner.is_alive())
+        assert failed.is_set(), "no batch met the error while the previous one was committing"
+    finally:
+        stage.stop()
+        runner.join(60)
+        stages.stop()
+    assert sorted(o.key for o in out) == sorted(k for k, _ in messages), (tmp_path / "stages.log").read_text()[-3000:]
+
+
 def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootstrap, tmp_path, caplog):
     """A decisions table on disk whose position lies beyond the end of its topic (the
     topology's topics deleted and created again under the same app) describes another

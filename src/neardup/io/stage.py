@@ -986,7 +986,14 @@ class StageRuntime:
 
     def _process(self, batch: Batch) -> None:
         started = time.perf_counter()
-        work = self.processor.compute(batch)
+        try:
+            work = self.processor.compute(batch)
+        except KafkaException:
+            # a request of the processor's the broker did not answer (an outage): the batch
+            # fails as a produce error would, once the previous batch's commit is taken up
+            # (its own failure, if it failed, is raised instead: both are rewound)
+            self._finish_pending(more_in_hand=True)
+            raise
         assert self.producer is not None and self.consumer is not None
         self._finish_pending(more_in_hand=True)  # the previous batch's transaction, committed meanwhile
         self._call("begin_transaction", self.producer.begin_transaction)
