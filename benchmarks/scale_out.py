@@ -187,6 +187,10 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
                   f"at {len(reader.records):,} outputs")
         dead = [key for key, p in procs.items() if p.poll() is not None]
         if dead or time.perf_counter() - started > args.timeout:
+            for p in procs.values():  # the other stages would run on, orphaned
+                p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                p.wait(60)
             raise RuntimeError(f"stopped: {dead}, {len(reader.records)} of {n} outputs; see {args.log}")
         time.sleep(0.05)
     seconds = time.perf_counter() - started

@@ -11,7 +11,15 @@ from neardup.core.shingle import Shingling
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
 from neardup.sharded.reference import ShardedReference, run_sharded
-from neardup.sharded.routing import owned_bands, shard_of
+from neardup.sharded.records import (
+    BandRecord,
+    band_values,
+    findings_value,
+    found_value,
+    order_key,
+    parse_findings,
+)
+from neardup.sharded.routing import group_by_shard, owned_bands, shard_of
 from neardup.state.memory import MemoryStateStore
 from test_quality import _chains, _excerpt
 
@@ -54,6 +62,36 @@ def test_every_band_has_one_owner(buckets, shards):
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(ids)))
     for p, bands in enumerate(parts):
         assert (owner[bands] == p).all()
+
+
+@given(st.lists(st.lists(st.integers(0, 2**64 - 1), min_size=9, max_size=9), min_size=1, max_size=20),
+       st.integers(1, 20))
+@hsettings(max_examples=50, deadline=None)
+def test_a_batch_grouped_by_shard_is_each_documents_owned_bands(rows, shards):
+    buckets = np.array(rows, dtype=np.uint64)
+    grouped, bounds = group_by_shard(buckets, shards)
+    for i, row in enumerate(buckets):
+        for q, bands in enumerate(owned_bands(row, shards)):
+            assert grouped[i, bounds[i][q]:bounds[i][q + 1]].tolist() == row[bands].tolist()
+
+
+def test_band_and_findings_records_read_back_as_written():
+    rng = np.random.default_rng(3)
+    fp = np.unique(rng.integers(0, 2**32, size=50, dtype=np.uint64)).astype(np.uint32)
+    parts = [rng.integers(0, 2**63, size=k, dtype=np.uint64) for k in (1, 3)]
+    key = order_key(1_700_000_000_000, 2, 77)
+    for b, value in zip(parts, band_values("doc-é", parts, fp)):
+        rec = BandRecord.parse(key, value)
+        assert (rec.id, rec.buckets.tolist(), rec.fingerprints.tolist()) == ("doc-é", b.tolist(), fp.tolist())
+    earlier = order_key(1_699_999_999_000, 0, 5)
+    found = [found_value(key, 3, [(earlier, "x", 0.5, 0.75, 0.5), (earlier, "ü", 1.0, 1.0, 1.0)]),
+             found_value(earlier, 0, [], "malformed_band_record: cut short")]
+    assert parse_findings(findings_value(found)) == [
+        (key, 3, [(1_699_999_999_000, 0, 5, "x", 0.5, 0.75, 0.5), (1_699_999_999_000, 0, 5, "ü", 1.0, 1.0, 1.0)],
+         None),
+        (earlier, 0, [], "malformed_band_record: cut short")]
+    with pytest.raises(ValueError):
+        parse_findings(findings_value(found)[:-1])
 
 
 def test_buckets_spread_evenly_over_shards():

@@ -18,13 +18,19 @@ and documents are decided in order-key order across all decide processes
 each process publishes, per partition it owns, how far every document is decided (a
 record ``b"P" + partition`` in the decisions topic).
 
-What waits lives in memory and in the stage's changelog (partition q of
-``<app>.decide-changelog``), written in the batch's transaction: ``b"D" + order key`` ->
-the document record (``pack_message``), ``b"F" + order key + shard`` -> a finding; both
-deleted when the document is decided. A partition's waiting documents are read back when
-it is assigned, and after a failed batch (``aborted``). The decisions table needs no
-undo: a decision is a function of the findings and of earlier decisions, so one taken in
-a batch that failed is taken again the same.
+What waits lives in memory; the findings topic keeps its records. The offset committed
+for findings partition q is that of the earliest record of a document still waiting (or
+the batch's end when none waits), and the stage's changelog (partition q of
+``<app>.decide-changelog``, compacted), written in the batch's transaction, holds one
+record: ``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q),
+then the order keys (20 bytes each) of the documents waiting after the batch. When the
+partition is assigned, its records are read again from the committed offset: before the
+consumed offset, those of the documents listed are taken again, the others (decided
+before) skipped. After a failed batch (``aborted``) the runtime reads again from the
+failed batch's first offsets: the documents waiting as of the last commit are kept in
+memory for it. The decisions table needs no undo: a decision is a function of the
+findings and of earlier decisions, so one taken in a batch that failed is taken again
+the same.
 
 A record too large for its output topic goes to the dead-letter topic, with less of the
 message if need be (``neardup.io.messages.fit``, as in ``neardup run``). Not yet here
@@ -57,6 +63,7 @@ from neardup.io.topics import create_missing, new_topic, sized_outputs
 from neardup.io.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
+    ChangelogLayoutError,
     ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
@@ -66,21 +73,22 @@ from neardup.sharded.records import (
     SHARDS_HEADER,
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
+    FINDINGS_KIND,
     WATERMARK_KIND,
     Watermarks,
     check_engine,
     engine_digest,
     order_seq,
-    pack_message,
+    parse_findings,
     seq_order,
-    unpack_message,
 )
 from neardup.sharded.shard import Checked, Finding
 from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 
 log = logging.getLogger(__name__)
 
-_SHARD = struct.Struct(">i")
+_CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset, then the waiting order keys
+_PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progress record (components)
 Record = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
@@ -90,8 +98,11 @@ class _Waiting:
 
     record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
     findings: dict[int, list] = field(default_factory=dict)
-    logged: set[bytes] = field(default_factory=set)  # its changelog keys
     error: str | None = None  # a shard could not read its band record
+    first: int = 1 << 62  # the findings-topic offset of its earliest record
+
+    def copy(self) -> _Waiting:
+        return _Waiting(self.record, dict(self.findings), self.error, self.first)
 
 
 @dataclass
@@ -140,6 +151,12 @@ class DecideProcessor(StageHooks):
         self._outputs: set[str] = set()
         self._blocked: dict[int, set[bytes]] = {}  # complete documents waiting for a cluster
         self._retry_all = False  # after a restore: every waiting document is tried once
+        self._consumed: dict[int, int] = {}  # findings partition -> offset after its last batch's records
+        self._listed: dict[int, set[bytes]] = {}  # ... the documents waiting at its last commit (a restart)
+        # per partition, as of the last commit: (waiting documents, consumed offset); per
+        # batch computed and not yet committed, the same after it
+        self._committed: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        self._uncommitted: list[dict[int, tuple[dict[bytes, _Waiting], int]]] = []
         self._table_new = False  # decisions came to the table since the last batch
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
@@ -196,59 +213,68 @@ class DecideProcessor(StageHooks):
         return topic == self.topology.decisions or topic.endswith((".unique", ".duplicates", ".dlq"))
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Read back the waiting documents of the newly assigned partitions.
+        """Read the ``P`` records of the newly assigned partitions (their waiting
+        documents are read again from the findings topic).
 
         Raises:
             KafkaException: the changelog could not be read.
         """
         for _, q in partitions:
-            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            consumed, listed = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            self.partitions[q], self._consumed[q], self._listed[q] = {}, consumed, listed
+            self._committed[q] = ({}, consumed)
             self._blocked.pop(q, None)
         self._retry_all = True
 
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
-            self.partitions.pop(q, None)
-            self._blocked.pop(q, None)
-            self._marks.pop(q, None)
-            self._published.pop(q, None)
+            for state in (self.partitions, self._blocked, self._consumed, self._listed, self._committed,
+                          self._marks, self._published):
+                state.pop(q, None)
 
     def aborted(self) -> None:
+        """Back to the documents waiting as of the last commit (the runtime reads again
+        from the failed batch's first offsets)."""
         self.clusters.forget_taken()  # the retry takes them again
+        self._uncommitted = []
         for q in list(self.partitions):
-            self.partitions[q] = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            waiting, consumed = self._committed.get(q, ({}, -1))
+            self.partitions[q] = {order: w.copy() for order, w in waiting.items()}
+            self._consumed[q] = consumed
         self._blocked.clear()
         self._published.clear()  # the progress records of the failed batch were not written
+        self._marks.clear()  # taken again from the records read again, with their documents
         self._retry_all = True
 
-    def _restore(self, q: int) -> dict[bytes, _Waiting]:
-        waiting: dict[bytes, _Waiting] = {}
-        for chunk in read_to_end(self.settings, self.topology.decide_changelog, q):
+    def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:
+        written.seconds = seconds
+        if self._uncommitted:
+            for q, state in self._uncommitted.pop(0).items():
+                if q in self.partitions:
+                    self._committed[q] = state
+        return written
+
+    def _restore(self, q: int) -> tuple[int, set[bytes]]:
+        """Partition ``q``'s ``P`` record: (its consumed offset, -1 without one; the
+        order keys of the documents waiting at the last commit).
+
+        Raises:
+            ChangelogLayoutError: the partition holds records of an earlier layout.
+        """
+        consumed, listed = -1, set()
+        topic = self.topology.decide_changelog
+        for chunk in read_to_end(self.settings, topic, q):
             for m in chunk:
-                key, value = m.key(), m.value()
-                order = key[1:1 + ORDER.size]
+                value = m.value()
                 if value is None:
-                    w = waiting.get(order)
-                    if w is not None:
-                        w.logged.discard(key)
-                        if key[:1] == b"D":
-                            w.record = None
-                        else:
-                            w.findings.pop(_SHARD.unpack(key[1 + ORDER.size:])[0], None)
-                        if w.record is None and not w.findings:
-                            del waiting[order]
                     continue
-                w = waiting.setdefault(order, _Waiting())
-                w.logged.add(key)
-                if key[:1] == b"D":
-                    w.record = unpack_message(value)
-                else:
-                    d = orjson.loads(value)
-                    w.findings[_SHARD.unpack(key[1 + ORDER.size:])[0]] = d["checked"]
-                    w.error = d.get("error", w.error)
-        if waiting:
-            log.info("decide partition %d: %d documents waiting, read back", q, len(waiting))
-        return waiting
+                if m.key() != b"P" or (len(value) - _CONSUMED.size) % ORDER.size:
+                    raise ChangelogLayoutError(topic, q, f"a record of key {m.key()[:1]!r} and {len(value)} bytes")
+                (consumed,) = _CONSUMED.unpack_from(value)
+                listed = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
+        if listed:
+            log.info("decide partition %d: %d documents waiting, read again from the findings topic", q, len(listed))
+        return consumed, listed
 
     # --- the decisions table -----------------------------------------------------------
     def _apply_decisions(self, messages: list[Message]) -> int:
@@ -259,7 +285,7 @@ class DecideProcessor(StageHooks):
             if m.error() is not None or m.value() is None:
                 continue
             if len(m.key() or b"") != ORDER.size:  # a decide partition's progress (components)
-                self._progress[_SHARD.unpack(m.key()[1:])[0]] = int.from_bytes(m.value(), "big")
+                self._progress[_PARTITION.unpack(m.key()[1:])[0]] = int.from_bytes(m.value(), "big")
                 progress += 1
                 continue
             d = orjson.loads(m.value())
@@ -293,31 +319,51 @@ class DecideProcessor(StageHooks):
     def compute(self, batch: MessageBatch) -> tuple[list[Record], DecideWritten]:
         t = self.topology
         out: list[Record] = []
-        stats = DecideWritten(next_offsets(batch.messages), messages=len(batch.messages))
+        ends = next_offsets(batch.messages)
+        stats = DecideWritten(ends, messages=len(batch.messages))
         self._poll_table()
         new_decisions, self._table_new = self._table_new, False
         touched: dict[int, set[bytes]] = {}
         for m in batch.messages:
             q = m.partition()
+            offset = m.offset()
+            # read again after a restart: only the documents that were waiting are taken
+            listed = self._listed.get(q) if offset < self._consumed.get(q, -1) else None
             headers = list(m.headers() or [])
             kind = _header(headers, KIND_HEADER)
             if kind == WATERMARK_KIND:  # components: prepare's progress on this partition
                 self._watermark(m)
                 continue
             if kind == b"document":
-                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{m.offset()}")
+                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = _header(headers, ORDER_HEADER)
-                w = self.partitions[q].setdefault(order, _Waiting())
+                if listed is not None and order not in listed:
+                    continue
+                w = self._changing(self.partitions[q], order)
                 w.record = (m.key(), m.value(), headers)
+                w.first = min(w.first, offset)
+                touched.setdefault(q, set()).add(order)
+            elif kind == FINDINGS_KIND:
+                try:
+                    found = parse_findings(m.value() or b"")
+                except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                    log.error("findings topic %s[%d]@%d: not a findings record (%s); skipped", m.topic(), q,
+                              m.offset(), exc)
+                    continue
+                waiting, orders = self.partitions[q], touched.setdefault(q, set())
+                for order, shard, checked, error in found:
+                    if listed is not None and order not in listed:
+                        continue
+                    w = self._changing(waiting, order)
+                    w.findings[shard] = checked
+                    w.first = min(w.first, offset)
+                    if error is not None:
+                        w.error = error
+                    orders.add(order)
             else:
-                order = m.key()
-                w = self.partitions[q].setdefault(order, _Waiting())
-                d = orjson.loads(m.value())
-                w.findings[d["shard"]] = d["checked"]
-                if "error" in d:
-                    w.error = d["error"]
-            touched.setdefault(q, set()).add(order)
-        fresh = {q: set(orders) for q, orders in touched.items()}  # to the changelog if they wait
+                log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
+                          m.topic(), q, m.offset())
+        changed = set(touched)  # the partitions whose waiting documents change
         # Only what changed is tried: documents given a record or a finding in this batch,
         # and, once any decision is new (read from the table or taken here), those that
         # were complete but waited for a candidate's cluster.
@@ -326,7 +372,7 @@ class DecideProcessor(StageHooks):
             new_decisions = True
             touched = {q: set(waiting) for q, waiting in self.partitions.items()}
         if self.policy == "components":
-            self._decide_in_order(out, stats)
+            changed |= self._decide_in_order(out, stats)
             touched = {}
         while touched or new_decisions:
             decided = 0
@@ -340,6 +386,7 @@ class DecideProcessor(StageHooks):
                     if state == "decided":
                         del waiting[order]
                         blocked.discard(order)
+                        changed.add(q)
                         decided += 1
                     elif state == "blocked":
                         blocked.add(order)
@@ -347,40 +394,44 @@ class DecideProcessor(StageHooks):
             if not decided:
                 break
         self._expire()
-        for q in sorted(self.partitions):
+        end = {tp.partition: tp.offset for tp in ends}
+        after: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        for q in sorted(changed):
             waiting = self.partitions[q]
-            for order in fresh.get(q, ()):  # what came in this batch and still waits: to the changelog
-                w = waiting.get(order)
-                if w is None:
-                    continue
-                if w.record is not None and b"D" + order not in w.logged:
-                    key = b"D" + order
-                    w.logged.add(key)
-                    out.append((t.decide_changelog, q, key, pack_message(*w.record), []))
-                for shard, checked in w.findings.items():
-                    key = b"F" + order + _SHARD.pack(shard)
-                    if key not in w.logged:
-                        w.logged.add(key)
-                        logged = {"shard": shard, "checked": checked, **({"error": w.error} if w.error else {})}
-                        out.append((t.decide_changelog, q, key, orjson.dumps(logged), []))
-            stats.waiting += len(waiting)
+            consumed = self._consumed[q] = max(self._consumed.get(q, -1), end.get(q, -1))
+            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed) + b"".join(waiting), []))
+            after[q] = (dict(waiting), consumed)  # its documents are copied before they change
+        self._uncommitted.append(after)
+        for tp in ends:  # a restart reads again from the earliest record of a waiting document
+            tp.offset = min([tp.offset] + [w.first for w in self.partitions[tp.partition].values()])
+        stats.waiting = sum(len(waiting) for waiting in self.partitions.values())
         return out, stats
 
-    def _decide_in_order(self, out: list[Record], stats: DecideWritten) -> None:
+    @staticmethod
+    def _changing(waiting: dict[bytes, _Waiting], order: bytes) -> _Waiting:
+        """The waiting document ``order`` (new if none), a copy put in its place: the
+        states kept for ``aborted`` hold the former one (copy on write)."""
+        w = waiting.get(order)
+        w = waiting[order] = _Waiting() if w is None else w.copy()
+        return w
+
+    def _decide_in_order(self, out: list[Record], stats: DecideWritten) -> set[int]:
         """The components policy: a document's cluster is the union of its candidates'
         clusters with every merge decided before it, so documents are decided in
         order-key order: this process's in turn across its partitions, none while an
         earlier one waits (for its record, a finding, or a candidate's cluster), and none
         before every earlier document has come to its partitions (prepare's watermarks)
         and been decided on the others (their published progress). Then the progress of
-        each partition it owns goes to the decisions topic when it moved."""
-        limit = self._decidable()
+        each partition it owns goes to the decisions topic when it moved. Returns the
+        partitions with a document decided."""
+        limit, changed = self._decidable(), set()
         for order, q in sorted((order, q) for q, waiting in self.partitions.items() for order in waiting):
             if limit is None or order_seq(order) >= limit:
                 break
             if self._try(q, order, self.partitions[q][order], out, stats) != "decided":
                 break
             del self.partitions[q][order]
+            changed.add(q)
         for q, waiting in self.partitions.items():
             mark = self._marks[q].limit() if q in self._marks else None
             if mark is None:
@@ -390,7 +441,8 @@ class DecideProcessor(StageHooks):
                 first = min(first, order_seq(min(waiting)))
             if self._published.get(q) != first:
                 self._published[q] = first
-                out.append((self.topology.decisions, 0, b"P" + _SHARD.pack(q), first.to_bytes(24, "big"), []))
+                out.append((self.topology.decisions, 0, b"P" + _PARTITION.pack(q), first.to_bytes(24, "big"), []))
+        return changed
 
     def _decidable(self) -> int | None:
         """The seq below which every document of the partitions this process does not
@@ -425,23 +477,24 @@ class DecideProcessor(StageHooks):
         if w.record is None:
             return "incomplete"
         key, value, headers = w.record
-        shards = int(_header(headers, SHARDS_HEADER) or b"0")
+        named = dict(reversed(headers))  # a header's first value, by name
+        shards = int(named.get(SHARDS_HEADER) or b"0")
         if len(w.findings) < shards:
             return "incomplete"
         seq = order_seq(order)
-        topic = (_header(headers, TOPIC_HEADER) or b"").decode("utf-8")
+        topic = (named.get(TOPIC_HEADER) or b"").decode("utf-8")
         carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
-        error = _header(headers, ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
+        error = named.get(ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
         if error is not None:
             kind, _, reason = error.decode("utf-8").partition(": ")
             _, partition, offset = ORDER.unpack(order)
             outcome = Outcome.of_error(kind, reason, topic, partition, offset)
-            dropped = _header(headers, VALUE_BYTES_HEADER)
+            dropped = named.get(VALUE_BYTES_HEADER)
             if dropped is not None:  # too large for the findings topic: sent without its value
                 outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, dropped)],
                                   outcome.error_kind, "no_value")
         else:
-            names: dict[int, str] = {seq: (_header(headers, ID_HEADER) or b"").decode("utf-8")}
+            names: dict[int, str] = {seq: (named.get(ID_HEADER) or b"").decode("utf-8")}
             findings = []
             for checked in w.findings.values():
                 items = []
@@ -482,8 +535,6 @@ class DecideProcessor(StageHooks):
         out.append((topics[outcome.target], None, key if content != "headers_only" else None,
                     value if content == "whole" else None,
                     carried + outcome.headers if content != "headers_only" else outcome.headers))
-        for logged in w.logged:
-            out.append((self.topology.decide_changelog, q, logged, None, []))
         return "decided"
 
     def _held_from(self, seq: int) -> int | None:

@@ -62,7 +62,7 @@ from neardup.sharded.records import (
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
     WATERMARK_KIND,
-    BandRecord,
+    band_values,
     decide_partition,
     engine_digest,
     order_key,
@@ -70,7 +70,7 @@ from neardup.sharded.records import (
     time_mark,
     watermark_value,
 )
-from neardup.sharded.routing import owned_bands
+from neardup.sharded.routing import group_by_shard
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +138,19 @@ class PrepareProcessor(StageHooks):
         return topic in (self.topology.bands, self.topology.findings)
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Create the topology's topics (once), before anything is produced to them.
+        """Create the topology's topics (once), before anything is produced to them, and
+        read the findings topic's ``max.message.bytes`` (once).
 
         Raises:
             TopologyMismatchError: an existing topic has another partition count.
         """
-        if not self._ensured:
-            self.topology.ensure_with(self.settings)
+        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
+            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
+        if self._limit is None:  # read here, retried: in ``compute`` a broker outage would fail the batch
+            limits = TopicLimits(admin_config(self.settings))
+            self._limit = with_retries(f"reading max.message.bytes of {self.topology.findings}",
+                                       lambda: limits.get(self.topology.findings))
         if consumer is not self._consumer:
             self._paused = set()
         self._consumer = consumer
@@ -262,8 +267,9 @@ class PrepareProcessor(StageHooks):
         largest order key of each partition goes to ``_sent``."""
         t = self.topology
         p = self.preparer(batch.documents)
-        buckets = p.buckets
+        grouped, bounds = group_by_shard(p.buckets, t.shards)
         offsets = p.fingerprint_offsets
+        headers = [(ENGINE_HEADER, self.digest)]
         by_message: dict[int, tuple[str, list[Record]]] = {}
         valid = iter(range(len(p.valid)))
         at = {id(m): i for i, m in enumerate(batch.messages)}
@@ -282,10 +288,10 @@ class PrepareProcessor(StageHooks):
             v = next(valid)
             key = keys[i]
             fp = p.fingerprints[offsets[v]:offsets[v + 1]]
-            bands = [(q, b) for q, b in enumerate(owned_bands(buckets[v], t.shards)) if len(b)]
-            records = [(t.bands, q, key, BandRecord(key, doc.id, buckets[v][b], fp).value(),
-                        [(ENGINE_HEADER, self.digest)]) for q, b in bands]
-            by_message[i] = (doc.id, records)
+            cut = bounds[v]
+            shards = [q for q in range(t.shards) if cut[q + 1] > cut[q]]
+            values = band_values(doc.id, [grouped[v, cut[q]:cut[q + 1]] for q in shards], fp)
+            by_message[i] = (doc.id, [(t.bands, q, key, value, headers) for q, value in zip(shards, values)])
         out: list[Record] = []
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
             tp = (m.topic(), m.partition())

@@ -5,7 +5,10 @@ Each partition p of the band topic is one shard: its buckets and their members' 
 records held in its reorder window, and its changelog, partition p of
 ``<app>.shard-changelog`` (compacted). Every change is produced to the changelog in the
 batch's transaction, so the changelog's committed records are exactly the state of the
-committed input offsets. Where the state is kept:
+committed input offsets. The records held are not logged: the band topic holds them, and
+the offset committed for partition p is that of its earliest record still held (or the
+batch's end when none is), so that a restart reads them again (see "Held records" below).
+Where the state is kept:
 
 - in memory (``ShardIndex``; no ``state_dir``): rebuilt from the whole changelog partition
   when the partition is assigned (Kafka Streams' restore) and after a failed batch
@@ -31,12 +34,25 @@ until each partition's next watermark. A record arriving after a later one was r
 (a record stamped before its partition's watermark) is processed at once and counted as
 late.
 
+Held records: a shard releases in order-key order, so every record it has consumed with
+an order key at or below the last one released has been processed, and every one above
+it is held. After a restart (or on another process after a rebalance) the shard reads
+its band partition again from the committed offset (the earliest record held); a record
+before ``P``'s consumed offset is skipped if its order key is at or below the last
+released (processed before), held again otherwise. After a failed batch (``aborted``)
+the runtime reads again from the failed batch's first offsets only: the records held as
+of the last committed batch are kept in memory for it (``_Shard.committed_held``).
+
 Changelog records (key -> value; a null value deletes):
 
-- ``b"H" + order key`` -> the band record's value: held in the window.
 - ``b"M" + order key`` -> ``">I"`` n, n candidate order keys whose copy bucket it joined,
   then a band record value (id, the buckets it joined, its set): a member.
-- ``b"P"`` -> the watermark (``">q"``, ms) + the last order key released (none yet: empty).
+- ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
+  offset after the last record of the batch), then the last order key released (none
+  yet: empty).
+
+Findings go to decide as one findings record per batch and decide partition
+(``neardup.sharded.records``).
 
 Retention (``retention_ms``): the shard's index meets only the members held in the window
 (``neardup.sharded.shard``), and each time the window's floor has moved by an eighth of it,
@@ -57,7 +73,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from neardup.config import Settings
@@ -66,6 +81,9 @@ from neardup.io.partition_log import catch_up, read_to_end, with_retries
 from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
 from neardup.sharded.records import (
+    ENGINE_HEADER,
+    ChangelogLayoutError,
+    FINDINGS_KIND,
     KIND_HEADER,
     ORDER,
     WATERMARK_KIND,
@@ -73,6 +91,8 @@ from neardup.sharded.records import (
     check_engine,
     decide_partition,
     engine_digest,
+    findings_value,
+    found_value,
     order_seq,
     order_time,
     parse_watermarks,
@@ -83,7 +103,10 @@ from neardup.state.shard_store import ShardStore, member_parts, member_value
 
 log = logging.getLogger(__name__)
 
-_WATERMARK = struct.Struct(">q")
+_PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed offset
+#: The largest findings record produced, bytes (a batch's findings for one decide
+#: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
+FINDINGS_RECORD_BYTES = 512 << 10
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
@@ -93,19 +116,36 @@ class _Shard:
 
     index: ShardIndex
     store: ShardStore | None = None
-    held: dict[bytes, BandRecord] = field(default_factory=dict)
-    logged: set[bytes] = field(default_factory=set)  # held keys whose H record is committed or in this batch
+    # order key -> (record, its band-topic offset), in the order consumed (offset order)
+    held: dict[bytes, tuple[BandRecord, int]] = field(default_factory=dict)
+    committed_held: dict[bytes, tuple[BandRecord, int]] = field(default_factory=dict)  # as of the last commit
     queue: list[bytes] = field(default_factory=list)  # the held keys, a heap (a key may repeat)
-    fresh: list[bytes] = field(default_factory=list)  # keys held in this batch, their H records to write
     last: bytes = b""
     watermark: int = -(1 << 62)
+    consumed: int = -1  # band-topic offset after the last record of the batches logged (P)
     marks: dict[tuple[str, int], bytes] = field(default_factory=dict)  # input partition -> its watermark
     counts: dict[str, int] = field(default_factory=dict)  # input topic -> its partition count
 
-    def hold(self, rec: BandRecord) -> None:
-        self.held[rec.order] = rec
-        heapq.heappush(self.queue, rec.order)
-        self.fresh.append(rec.order)
+    def hold(self, rec: BandRecord, offset: int) -> None:
+        if rec.order not in self.held:
+            self.held[rec.order] = (rec, offset)
+            heapq.heappush(self.queue, rec.order)
+
+    def first_held(self) -> int | None:
+        """The band-topic offset of the earliest record held (None: none is)."""
+        return next(iter(self.held.values()))[1] if self.held else None
+
+    def progress(self, value: bytes, where: tuple[str, int]) -> None:
+        """Take a ``P`` record's value (watermark, consumed offset, last released) of
+        changelog partition ``where``.
+
+        Raises:
+            ChangelogLayoutError: a ``P`` of an earlier layout (a watermark alone).
+        """
+        if len(value) not in (_PROGRESS.size, _PROGRESS.size + ORDER.size):
+            raise ChangelogLayoutError(*where, f"a progress record of {len(value)} bytes")
+        self.watermark, self.consumed = _PROGRESS.unpack_from(value)
+        self.last = value[_PROGRESS.size:]
 
     def requeue(self) -> None:
         """The heap of ``held`` anew (after a restore)."""
@@ -116,9 +156,9 @@ class _Shard:
         """Take the held records at or below ``limit``, in order-key order."""
         out = []
         while self.queue and self.queue[0] <= limit:
-            rec = self.held.pop(heapq.heappop(self.queue), None)
-            if rec is not None:
-                out.append(rec)
+            held = self.held.pop(heapq.heappop(self.queue), None)
+            if held is not None:
+                out.append(held[0])
         return out
 
     def limit(self) -> bytes | None:
@@ -132,7 +172,7 @@ class _Shard:
 
 @dataclass
 class ShardWritten:
-    offsets: list[TopicPartition]
+    offsets: list[TopicPartition]  # per band partition: its earliest record held, else the batch's end
     messages: int = 0
     released: int = 0
     late: int = 0
@@ -164,8 +204,10 @@ class ShardProcessor(StageHooks):
         self.state_dir = state_dir
         self.retention_ms = retention_ms
         # per batch computed and not yet committed, in order: its changelog records per
-        # shard partition (what the stores take once it is committed)
-        self._uncommitted: list[dict[int, list[tuple[bytes, bytes | None]]]] = []
+        # shard partition (what the stores take once it is committed; with a state_dir),
+        # and the records each partition it touched holds after it
+        self._uncommitted: list[tuple[dict[int, list[tuple[bytes, bytes | None]]],
+                                      dict[int, dict[bytes, tuple[BandRecord, int]]]]] = []
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
@@ -183,8 +225,8 @@ class ShardProcessor(StageHooks):
             TopologyMismatchError: an existing topic has another partition count.
             KafkaException: the changelog could not be read.
         """
-        if not self._ensured:
-            self.topology.ensure_with(self.settings)
+        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
+            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
         for _, p in partitions:
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
@@ -197,10 +239,15 @@ class ShardProcessor(StageHooks):
                 shard.store.close()
 
     def aborted(self) -> None:
-        """Drop what memory holds and restore every shard from its changelog."""
+        """Drop what memory holds and restore every shard from its changelog, holding the
+        records held as of the last committed batch (the runtime reads again from the
+        failed batch's first offsets only)."""
         self._uncommitted = []
         for p in list(self.shards):
-            self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
+            held = self.shards[p].committed_held
+            shard = self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
+            shard.held, shard.committed_held = dict(held), held
+            shard.requeue()
 
     def committed(self, written: ShardWritten, seconds: float) -> ShardWritten:
         """The oldest batch not yet committed is: its changelog records go to the stores
@@ -208,7 +255,11 @@ class ShardProcessor(StageHooks):
         only the later batches' members."""
         written.seconds = seconds
         if self._uncommitted:
-            batch = self._uncommitted.pop(0)
+            batch, held = self._uncommitted.pop(0)
+            for p, records in held.items():
+                shard = self.shards.get(p)
+                if shard is not None:
+                    shard.committed_held = records
             for p, records in batch.items():
                 shard = self.shards.get(p)
                 if shard is None or shard.store is None:
@@ -216,7 +267,7 @@ class ShardProcessor(StageHooks):
                 shard.store.apply(records, written.positions.get(p))
                 assert isinstance(shard.index, StoredShardIndex)
                 shard.index.forget()
-                for later in self._uncommitted:
+                for later, _ in self._uncommitted:
                     for key, value in later.get(p, ()):
                         if key[:1] == b"M" and value is not None:
                             self._member(shard.index, key[1:], value)
@@ -249,28 +300,19 @@ class ShardProcessor(StageHooks):
                 records += 1
                 key, value = m.key(), m.value()
                 kind, order = key[:1], key[1:]
-                if kind == b"H":
-                    if value is None:
-                        shard.held.pop(order, None)
-                        shard.logged.discard(order)
-                    else:
-                        shard.held[order] = BandRecord.parse(order, value)
-                        shard.logged.add(order)
-                elif kind == b"M":
+                if kind == b"M":
                     if value is None:
                         members.pop(order, None)
                     else:
                         members.setdefault(order, value)
                 elif kind == b"P" and value is not None:
-                    shard.watermark, shard.last = _WATERMARK.unpack_from(value)[0], value[_WATERMARK.size:]
+                    shard.progress(value, (self.topology.shard_changelog, p))
         for order, value in members.items():
             self._member(shard.index, order, value)
         self._resume(shard)
-        shard.requeue()
         if records:
-            log.info("shard %d restored from %s: %d records, %d members, %d held, in %.1f s", p,
-                     self.topology.shard_changelog, records, len(shard.index.sets), len(shard.held),
-                     time.perf_counter() - started)
+            log.info("shard %d restored from %s: %d records, %d members, in %.1f s", p,
+                     self.topology.shard_changelog, records, len(shard.index.sets), time.perf_counter() - started)
         return shard
 
     def _restore_stored(self, p: int) -> _Shard:
@@ -298,16 +340,17 @@ class ShardProcessor(StageHooks):
             store.close()
             raise
         shard = _Shard(StoredShardIndex(self.engine, store, self.retention_ms), store)
-        shard.held = {order: BandRecord.parse(order, value) for order, value in store.prefixed(b"H")}
-        shard.logged = set(shard.held)
-        shard.requeue()
         progress = store.get(b"P")
         if progress is not None:
-            shard.watermark, shard.last = _WATERMARK.unpack_from(progress)[0], progress[_WATERMARK.size:]
+            try:
+                shard.progress(progress, (self.topology.shard_changelog, p))
+            except ChangelogLayoutError:
+                store.close()
+                raise
         self._resume(shard)
-        log.info("shard %d opened at %s: %s, %d changelog records read, %d held, in %.1f s", p, store.path,
+        log.info("shard %d opened at %s: %s, %d changelog records read, in %.1f s", p, store.path,
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
-                 len(shard.held), time.perf_counter() - started)
+                 time.perf_counter() - started)
         return shard
 
     @staticmethod
@@ -326,58 +369,79 @@ class ShardProcessor(StageHooks):
     def compute(self, batch: MessageBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
-        stats = ShardWritten(next_offsets(batch.messages), messages=len(batch.messages))
+        ends = next_offsets(batch.messages)
+        stats = ShardWritten(ends, messages=len(batch.messages))
+        found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
         touched: set[int] = set()
         behind = 0
+        prepared = [(ENGINE_HEADER, self.digest)]  # a band record's headers
         for m in batch.messages:
             p = m.partition()
             shard = self.shards[p]
             touched.add(p)
             headers = m.headers()
-            check_engine(headers, self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
-            if (KIND_HEADER, WATERMARK_KIND) in (headers or ()):
-                self._watermark(m, shard)
-                continue
+            if headers != prepared:
+                check_engine(headers, self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
+                if (KIND_HEADER, WATERMARK_KIND) in (headers or ()):
+                    self._watermark(m, shard)
+                    continue
             try:
                 rec = BandRecord.parse(m.key(), m.value())
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
-                self._malformed(m, exc, out, stats)
+                self._malformed(m, exc, found, stats)
+                continue
+            offset = m.offset()
+            if offset < shard.consumed:  # read again after a restart (see the module docstring)
+                if rec.order > shard.last:
+                    shard.hold(rec, offset)
                 continue
             shard.watermark = max(shard.watermark, order_time(rec.order))
             if shard.last and rec.order <= shard.last:
                 stats.late += 1
                 stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
                 behind = max(behind, stats.lateness_ms[-1])
-                self._release(p, shard, [rec], out, stats)
+                self._release(p, shard, [rec], out, found, stats)
             else:
-                shard.hold(rec)
+                shard.hold(rec, offset)
         if stats.late:
             log.warning("%d band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
+        t = self.topology
+        held: dict[int, dict[bytes, tuple[BandRecord, int]]] = {}
+        end = {tp.partition: tp.offset for tp in ends}
         for p in sorted(touched):
             shard = self.shards[p]
             limit = shard.limit()
-            self._release(p, shard, [] if limit is None else shard.ready(limit), out, stats)
+            self._release(p, shard, [] if limit is None else shard.ready(limit), out, found, stats)
             gone = shard.index.expired()
             if gone:  # out of the retention window: deleted from the index and the changelog
                 shard.index.remove(gone)
-                out += [(self.topology.shard_changelog, p, b"M" + seq_order(seq), None, []) for seq in gone]
+                out += [(t.shard_changelog, p, b"M" + seq_order(seq), None, []) for seq in gone]
                 stats.expired += len(gone)
-            for k in shard.fresh:
-                rec = shard.held.get(k)
-                if rec is not None and k not in shard.logged:
-                    shard.logged.add(k)
-                    out.append((self.topology.shard_changelog, p, b"H" + k, rec.value(), []))
-            shard.fresh = []
-            out.append((self.topology.shard_changelog, p, b"P",
-                        _WATERMARK.pack(shard.watermark) + shard.last, []))
+            shard.consumed = max(shard.consumed, end[p])
+            out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
             stats.held += len(shard.held)
+            held[p] = dict(shard.held)
+        for q in sorted(found):  # one findings record per decide partition (split if large)
+            chunk: list[bytes] = []
+            size = 0
+            for part in found[q]:
+                if chunk and size + len(part) > FINDINGS_RECORD_BYTES:
+                    out.append((t.findings, q, None, findings_value(chunk), [(KIND_HEADER, FINDINGS_KIND)]))
+                    chunk, size = [], 0
+                chunk.append(part)
+                size += len(part)
+            out.append((t.findings, q, None, findings_value(chunk), [(KIND_HEADER, FINDINGS_KIND)]))
+        for tp in ends:  # a restart reads again from the earliest record held
+            first = self.shards[tp.partition].first_held()
+            if first is not None:
+                tp.offset = min(tp.offset, first)
+        changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
         if self.state_dir is not None:  # for the stores, once the batch has committed
-            changes: dict[int, list[tuple[bytes, bytes | None]]] = {}
             for topic, part, key, value, _ in out:
-                if topic == self.topology.shard_changelog:
+                if topic == t.shard_changelog:
                     changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
-            self._uncommitted.append(changes)
+        self._uncommitted.append((changes, held))
         return out, stats
 
     @staticmethod
@@ -395,7 +459,7 @@ class ShardProcessor(StageHooks):
             if mark > shard.marks.get(tp, b""):
                 shard.marks[tp] = mark
 
-    def _malformed(self, m: Message, exc: Exception, out: list[Record], stats: ShardWritten) -> None:
+    def _malformed(self, m: Message, exc: Exception, found: dict[int, list[bytes]], stats: ShardWritten) -> None:
         """A band record of another layout (written by something else than prepare): its
         document, if its key names one, gets a finding with the error, which decide sends
         to the dead-letter topic; else it is skipped, logged."""
@@ -405,24 +469,22 @@ class ShardProcessor(StageHooks):
             log.error("band topic %s[%d]@%d: not a band record (%s); skipped", m.topic(), m.partition(),
                       m.offset(), exc)
             return
-        value = orjson.dumps({"shard": m.partition(), "checked": [], "error": f"malformed_band_record: {exc}"})
-        out.append((self.topology.findings, decide_partition(key, self.topology.decide_partitions), key, value,
-                    [(KIND_HEADER, b"finding")]))
+        found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
+            found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
     def _release(self, p: int, shard: _Shard, records: list[BandRecord], out: list[Record],
-                 stats: ShardWritten) -> None:
+                 found: dict[int, list[bytes]], stats: ShardWritten) -> None:
+        """Meet, verify and join ``records`` in order: their findings to ``found`` (by
+        decide partition), their members' changelog records to ``out``."""
         t = self.topology
+        index = shard.index
         for rec in records:
             seq = order_seq(rec.order)
-            finding, joins = shard.index.add(seq, rec.buckets, rec.fingerprints, rec.id)
-            checked = [[*ORDER.unpack(seq_order(c.seq)), shard.index.id_of(c.seq), c.jaccard, c.containment,
-                        c.similarity] for c in finding.checked]
-            value = orjson.dumps({"shard": p, "checked": checked})
-            out.append((t.findings, decide_partition(rec.order, t.decide_partitions), rec.order, value,
-                        [(KIND_HEADER, b"finding")]))
-            if rec.order in shard.logged:
-                shard.logged.discard(rec.order)
-                out.append((t.shard_changelog, p, b"H" + rec.order, None, []))
+            finding, joins = index.add(seq, rec.buckets, rec.fingerprints, rec.id)
+            checked = [(seq_order(c.seq), index.id_of(c.seq), c.jaccard, c.containment, c.similarity)
+                       for c in finding.checked]
+            found.setdefault(decide_partition(rec.order, t.decide_partitions), []).append(
+                found_value(rec.order, p, checked))
             if not joins.empty:
                 member = BandRecord(rec.order, rec.id, joins.buckets, rec.fingerprints).value()
                 out.append((t.shard_changelog, p, b"M" + rec.order,

@@ -66,8 +66,11 @@ Rebalances happen only inside ``consume`` (step 1), and the revoke callback firs
 for a step 5 in progress (at most until ``STEP5_WAIT_S``; a step 5 still running then
 counts as wedged, and its producer is replaced, aborting its transaction, before the next
 batch), so no transaction is open when partitions go and a revoked partition never
-leaves anything half-done. Newly assigned partitions are handed to ``Processor.check``
-before any of their messages is read.
+leaves anything half-done. If that step 5 fails, the batch's messages of the partitions
+revoked are not rewound with the rest: their next owner, maybe this consumer again,
+resumes at the group's committed offset (which a processor may keep before the batch's
+first offset, for the records it still holds). Newly assigned partitions are handed to
+``Processor.check`` before any of their messages is read.
 
 A check may take minutes (a restore from a long changelog), longer than the consumer
 may go without polling (``max.poll.interval.ms``, librdkafka's measure: past it the
@@ -442,6 +445,7 @@ class _Pending:
     error: BaseException | None = None
     deadline: float = 0.0  # time.monotonic() after which the thread counts as wedged
     seconds: float = 0.0  # from step 2 to the end of step 5
+    revoked: set[TP] = field(default_factory=set)  # partitions revoked meanwhile: never rewound
 
 
 class StageRuntime:
@@ -676,9 +680,10 @@ class StageRuntime:
         # No transaction may be committing when partitions go: their next owner resumes
         # at the group's committed offsets. Its outcome is taken up after the rebalance
         # (a wedged one: the producer is replaced then, which aborts the transaction).
+        gone = {(p.topic, p.partition) for p in partitions}
         if self._pending is not None:
             self._join_pending(self._pending)
-        gone = {(p.topic, p.partition) for p in partitions}
+            self._pending.revoked |= gone
         self.assignment = [p for p in self.assignment if (p.topic, p.partition) not in gone]
         self._unchecked = [tp for tp in self._unchecked if tp not in gone]
         if self._checking is not None:  # the processor is in ``check``: told once it has ended
@@ -981,7 +986,14 @@ class StageRuntime:
 
     def _process(self, batch: Batch) -> None:
         started = time.perf_counter()
-        work = self.processor.compute(batch)
+        try:
+            work = self.processor.compute(batch)
+        except KafkaException:
+            # a request of the processor's the broker did not answer (an outage): the batch
+            # fails as a produce error would, once the previous batch's commit is taken up
+            # (its own failure, if it failed, is raised instead: both are rewound)
+            self._finish_pending(more_in_hand=True)
+            raise
         assert self.producer is not None and self.consumer is not None
         self._finish_pending(more_in_hand=True)  # the previous batch's transaction, committed meanwhile
         self._call("begin_transaction", self.producer.begin_transaction)
@@ -1032,7 +1044,10 @@ class StageRuntime:
             return
         self._join_pending(pending)
         if pending.error is not None:
-            self._unsettled = pending.messages
+            # a partition revoked meanwhile is not rewound: its next owner (maybe this
+            # consumer again) resumes at the group's committed offset, which a processor
+            # may keep before the batch's first offset (records it still holds)
+            self._unsettled = [m for m in pending.messages if (m.topic(), m.partition()) not in pending.revoked]
             if isinstance(pending.error, ProducerWedged):
                 self._discard_producer()
             raise pending.error

@@ -21,6 +21,18 @@ Flink's per-source watermarks; Kafka Streams' stream time over a task's partitio
     topic's partition count, the watermark (an order key, 20 bytes): every record of
     that partition whose order key is at or below it has been sent before this record.
 
+Findings record (shard -> decide; key: none; header ``KIND_HEADER`` ``b"findings"``;
+partition: the decide partition of every document in it): what a shard process found,
+in one batch, for the documents of one decide partition, in release order:
+
+    ">I" count n of (document, shard partition) findings; then per finding:
+    the document's order key (20 bytes), ">iHH" the shard partition, candidate count m,
+    error length E,
+    the error (E bytes, UTF-8, ``kind: reason``: a band record the shard could not read),
+    then per verified candidate: its order key (20 bytes), ">ddd" its Jaccard,
+    containment (of the document in it) and the measure's similarity, ">H" its id
+    length L and its id (L bytes, UTF-8).
+
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
 (the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
@@ -44,16 +56,22 @@ ORDER_HEADER = "neardup-sharded-order"
 SHARDS_HEADER = "neardup-sharded-shards"
 ID_HEADER = "neardup-sharded-id"
 ERROR_HEADER = "neardup-sharded-error"
-KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"finding"
+KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"findings"
 TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
 ENGINE_HEADER = "neardup-sharded-engine"  # the engine settings' digest (``engine_digest``)
 VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent without its value
 SHARDED_PREFIX = "neardup-sharded-"
-_LEN = struct.Struct(">I")
-_NONE = 0xFFFFFFFF
 _MARKS = struct.Struct(">H")
 _MARK = struct.Struct(">ii")
 WATERMARK_KIND = b"watermark"  # the KIND_HEADER of a watermark record
+FINDINGS_KIND = b"findings"  # the KIND_HEADER of a findings record
+_FINDINGS = struct.Struct(">I")
+_FOUND = struct.Struct(">20siHH")
+_CANDIDATE = struct.Struct(">20sdddH")
+_CANDIDATE_FIELDS = struct.Struct(">qiqdddH")  # the same bytes, the order key's fields apart
+#: A verified candidate as a findings record carries it: (timestamp ms, partition,
+#: offset) of its order key, its id, Jaccard, containment, similarity.
+Candidate = tuple[int, int, int, str, float, float, float]
 #: The largest order key of a time: above every key of that millisecond.
 _LAST_OF_MS = ((1 << 31) - 1, (1 << 63) - 1)
 
@@ -120,6 +138,58 @@ class Watermarks:
         return None if any(m is None for m in marks) else min(marks)  # type: ignore[type-var]
 
 
+def found_value(order: bytes, shard: int, candidates: list[tuple[bytes, str, float, float, float]],
+                error: str | None = None) -> bytes:
+    """One finding of a findings record (the layout above).
+
+    Args:
+        order: the document's order key (20 bytes).
+        shard: the shard partition that found it.
+        candidates: per verified candidate, in verification order: (order key, id,
+            Jaccard, containment, similarity).
+        error: why its band record could not be read (``kind: reason``), or None.
+    """
+    raw_error = error.encode("utf-8") if error else b""
+    parts = [_FOUND.pack(order, shard, len(candidates), len(raw_error)), raw_error]
+    for key, cid, jaccard, containment, similarity in candidates:
+        raw = cid.encode("utf-8")
+        parts += [_CANDIDATE.pack(key, jaccard, containment, similarity, len(raw)), raw]
+    return b"".join(parts)
+
+
+def findings_value(found: list[bytes]) -> bytes:
+    """A findings record's value: ``found_value`` parts."""
+    return _FINDINGS.pack(len(found)) + b"".join(found)
+
+
+def parse_findings(value: bytes) -> list[tuple[bytes, int, list[Candidate], str | None]]:
+    """``findings_value``'s inverse: per finding (the document's order key, the shard
+    partition, its verified candidates, its error or None).
+
+    Raises:
+        ValueError (struct.error, UnicodeDecodeError): a record of another layout.
+    """
+    (n,) = _FINDINGS.unpack_from(value)
+    at = _FINDINGS.size
+    out = []
+    for _ in range(n):
+        order, shard, m, e = _FOUND.unpack_from(value, at)
+        at += _FOUND.size
+        error = value[at:at + e].decode("utf-8") if e else None
+        at += e
+        candidates = []
+        for _ in range(m):
+            ts, partition, offset, jaccard, containment, similarity, n_id = _CANDIDATE_FIELDS.unpack_from(value, at)
+            at += _CANDIDATE_FIELDS.size
+            candidates.append((ts, partition, offset, value[at:at + n_id].decode("utf-8"),
+                               jaccard, containment, similarity))
+            at += n_id
+        out.append((order, shard, candidates, error))
+    if at != len(value):
+        raise ValueError("findings record of the wrong length")
+    return out
+
+
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
     """The 20-byte order key of an input record."""
     return ORDER.pack(timestamp_ms, partition, offset)
@@ -133,6 +203,15 @@ def order_seq(key: bytes) -> int:
 
 class EngineMismatchError(ValueError):
     """A record prepared with other engine settings than this stage's."""
+
+
+class ChangelogLayoutError(ValueError):
+    """A stage's changelog record in the layout of an earlier version of neardup (held
+    band records, waiting documents, findings logged one by one; a shorter ``P``)."""
+
+    def __init__(self, topic: str, partition: int, what: str) -> None:
+        super().__init__(f"{topic}[{partition}] was written by an earlier version of neardup ({what}); "
+                         "this version reads it no more: start the deduplication under a new --app")
 
 
 def engine_digest(settings: object) -> bytes:
@@ -175,9 +254,7 @@ class BandRecord:
 
     def value(self) -> bytes:
         """The record's value (the layout above)."""
-        raw_id = self.id.encode("utf-8")
-        return b"".join((_BAND.pack(len(self.buckets), len(raw_id), len(self.fingerprints)), raw_id,
-                         self.buckets.astype("<u8").tobytes(), self.fingerprints.astype("<u4").tobytes()))
+        return band_values(self.id, [self.buckets], self.fingerprints)[0]
 
     @classmethod
     def parse(cls, key: bytes, value: bytes) -> BandRecord:
@@ -190,9 +267,26 @@ class BandRecord:
             raise ValueError("band record of the wrong length")
         raw_id = value[at:at + n_id]
         at += n_id
-        buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64)
-        fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32)
+        # read-only views of ``value`` (no copy on a little-endian machine)
+        buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64, copy=False)
+        fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32, copy=False)
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
+
+
+def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray) -> list[bytes]:
+    """The band record values (the layout above) of one document for several shard
+    partitions, its id and set encoded once.
+
+    Args:
+        doc_id: the document's id.
+        buckets: per shard partition, uint64, shape (k,): its bucket ids there.
+        fingerprints: uint32, sorted distinct: its shingle set.
+    """
+    raw_id = doc_id.encode("utf-8")
+    fp = fingerprints.astype("<u4", copy=False).tobytes()
+    f = len(fingerprints)
+    return [b"".join((_BAND.pack(len(b), len(raw_id), f), raw_id, b.astype("<u8", copy=False).tobytes(), fp))
+            for b in buckets]
 
 
 def seq_order(seq: int) -> bytes:
@@ -203,42 +297,3 @@ def seq_order(seq: int) -> bytes:
 def order_time(key: bytes) -> int:
     """The record timestamp (ms) of an order key."""
     return ORDER.unpack(key)[0]
-
-
-def pack_message(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> bytes:
-    """A record's key, value and headers as one value (a held document in a changelog):
-    each of key and value as ``">I"`` length (0xFFFFFFFF: None) and bytes, then ``">I"``
-    header count and per header its key and value the same way (key UTF-8)."""
-    parts = []
-    for field in (key, value):
-        parts += [_LEN.pack(_NONE), b""] if field is None else [_LEN.pack(len(field)), field]
-    parts.append(_LEN.pack(len(headers)))
-    for k, v in headers:
-        raw = k.encode("utf-8")
-        parts += [_LEN.pack(len(raw)), raw, _LEN.pack(len(v)), v]
-    return b"".join(parts)
-
-
-def unpack_message(data: bytes) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
-    """``pack_message``'s inverse."""
-    at = 0
-    fields: list[bytes | None] = []
-    for _ in range(2):
-        (n,) = _LEN.unpack_from(data, at)
-        at += 4
-        if n == _NONE:
-            fields.append(None)
-        else:
-            fields.append(data[at:at + n])
-            at += n
-    (count,) = _LEN.unpack_from(data, at)
-    at += 4
-    headers = []
-    for _ in range(count):
-        (n,) = _LEN.unpack_from(data, at)
-        k = data[at + 4:at + 4 + n].decode("utf-8")
-        at += 4 + n
-        (n,) = _LEN.unpack_from(data, at)
-        headers.append((k, data[at + 4:at + 4 + n]))
-        at += 4 + n
-    return fields[0], fields[1], headers

@@ -40,3 +40,25 @@ def owned_bands(buckets: np.ndarray, shards: int) -> list[np.ndarray]:
     """
     owner = shard_of(buckets, shards)
     return [np.flatnonzero(owner == p) for p in range(shards)]
+
+
+def group_by_shard(buckets: np.ndarray, shards: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Every document's bucket ids grouped by the shard partition owning them (a batch at
+    once: what ``owned_bands`` gives one document).
+
+    Args:
+        buckets: uint64, shape (n, bands): each document's bucket id in each band.
+        shards: number of shard partitions.
+
+    Returns:
+        ``grouped``, uint64, shape (n, bands): each row's bucket ids ordered by owner,
+        in band order within one owner; and ``bounds``, n lists of ``shards + 1`` ints:
+        document i's bucket ids on shard q are ``grouped[i, bounds[i][q]:bounds[i][q + 1]]``.
+    """
+    owner = shard_of(buckets, shards)
+    order = np.argsort(owner, axis=1, kind="stable")
+    grouped = np.take_along_axis(np.asarray(buckets, dtype=np.uint64), order, axis=1)
+    counts = (owner[:, :, None] == np.arange(shards)).sum(axis=1)
+    bounds = np.zeros((len(owner), shards + 1), dtype=np.int64)
+    np.cumsum(counts, axis=1, out=bounds[:, 1:])
+    return grouped, bounds.tolist()

@@ -266,15 +266,12 @@ class ShardIndex:
                         best = max(best, self._check(m, fingerprints, checked))
         accepted = {c for c, x in checked.items() if x.similarity >= s.threshold}
         only_new = s.duplicate_buckets == "new" and accepted
-        joined: list[int] = []
-        held: set[int] = set()
-        for b, members in zip(bucket_ids, lists):
-            held.update(members)
-            if len(members) >= s.max_bucket_size or (only_new and not accepted.isdisjoint(members)):
-                continue
-            joined.append(b)
+        cap = s.max_bucket_size
+        joined = [b for b, members in zip(bucket_ids, lists)
+                  if len(members) < cap and not (only_new and not accepted.isdisjoint(members))]
         copied: list[int] = []
         if copies and accepted and all(x.jaccard < 1.0 for x in checked.values()):
+            held = {m for members in lists for m in members}
             for c, x in checked.items():
                 if s.threshold <= x.jaccard < 1.0 and c in held and len(self._copies(c)) < s.max_bucket_size:
                     copied.append(c)
@@ -287,8 +284,13 @@ class ShardIndex:
         """Add what ``add`` added for a document (also to add it again: a restore, in the
         same order)."""
         self.last = max(self.last, seq)
+        buckets = self.buckets
         for b in joins.buckets.tolist():
-            self.buckets.setdefault(b, []).append(seq)
+            members = buckets.get(b)
+            if members is None:
+                buckets[b] = [seq]
+            else:
+                members.append(seq)
         for c in joins.copies:
             self.copies.setdefault(c, []).append(seq)
         self.sets[seq] = fingerprints

@@ -19,16 +19,13 @@ here (applied before, or its record compacted away) changes nothing. A store wit
 position (new) is wiped and restored in full; a restore cut short resumes at the position
 of its last chunk (``neardup.io.partition_log.catch_up``).
 
-One caveat, Kafka Streams' too: a store whose position is older than the changelog's
-``delete.retention.ms`` (24 h by default) may miss a deletion of a held record that the
-broker compacted away in the meantime; such a record is released again.
-
 Key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes, whose
 byte order is the documents' order):
 
-- the changelog's records, as they are: ``b"H" + order key`` (a band record held in the
-  reorder window), ``b"M" + order key`` (a member: its copy joins, buckets and shingle
-  set), ``b"P"`` (watermark and last released order key);
+- the changelog's records, as they are: ``b"M" + order key`` (a member: its copy joins,
+  buckets and shingle set), ``b"P"`` (watermark, consumed band-topic offset and last
+  released order key; the records held in the reorder window are not logged, the band
+  topic keeps them: ``neardup.io.shard_stage``);
 - ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
   the order they joined;
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
