@@ -19,6 +19,24 @@ documents in order-key order (record timestamp, partition, offset).
 
 Printed: messages/s, CPU µs per document per stage, peak RSS per process, bytes per
 document per topic, agreement; the load average before and after each run.
+
+Latency at a paced load (``--paced`` M, 0 by default: off), the approach of
+``kafka_e2e.py``'s phase 2. The backlog and the paced documents go to the input
+partitions but the last ``--idle-partitions`` (document i to partition i mod the others;
+the idle ones get no record at all). Once the reader has seen every backlog output, M more
+documents of the replayed stream (the ones after the backlog) are produced at ``--rate``
+per second (record timestamp = the ``produce()`` call, CreateTime, this machine's clock)
+while the stages keep running. The reader (``read_committed``, ``fetch.wait.max.ms`` 10)
+keeps each output's record timestamp (CreateTime, stamped by decide's producer inside its
+transaction) and its arrival (``time.time()``). Printed for the M paced documents, in ms:
+p50 / p90 / p99 / max of *to output* (output record timestamp minus input record
+timestamp) and *visible* (arrival at the reader minus input record timestamp: after
+decide's transaction commit), the processes per stage, the stages' CPU during the paced
+phase (µs per paced document, and cores), and the load average before and after the paced
+phase. Agreement with one process then covers the backlog and the paced documents. The
+stages hold a band record until every input partition's watermark is past it, and an idle
+partition's watermark is the wall clock minus ``--reorder-window-ms``: that window is a
+floor under the paced latency.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
@@ -61,11 +80,16 @@ def create(bootstrap: str, topics: dict[str, int]) -> None:
 
 
 def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]],
-            spacing_ms: int = 0) -> dict[bytes, tuple[int, int, int]]:
+            spacing_ms: int = 0, partitions: int | None = None,
+            rate: float | None = None) -> dict[bytes, tuple[int, int, int]]:
     """Produce in order; the order key (timestamp, partition, offset) of each key. With
     ``spacing_ms``, record timestamps are set: ``spacing_ms`` apart, the last one now (a
-    backlog spanning ``len(messages) * spacing_ms`` of record time)."""
+    backlog spanning ``len(messages) * spacing_ms`` of record time). With ``partitions``,
+    message i goes to partition i % ``partitions`` (else: the key's partition). With
+    ``rate`` (messages/s), message i is produced ``i / rate`` s after the first, its record
+    timestamp the time of its ``produce()`` call (``spacing_ms`` 0)."""
     first = int(time.time() * 1000) - len(messages) * spacing_ms
+    started = time.perf_counter()
     where: dict[bytes, tuple[int, int, int]] = {}
 
     def delivered(err, msg) -> None:  # type: ignore[no-untyped-def]
@@ -74,7 +98,13 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]],
 
     p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
     for i, (key, value) in enumerate(messages):
+        if rate:
+            wait = started + i / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
         stamp = {"timestamp": first + i * spacing_ms} if spacing_ms else {}
+        if partitions:
+            stamp["partition"] = i % partitions
         while True:
             try:
                 p.produce(topic, key=key, value=value, on_delivery=delivered, **stamp)
@@ -87,23 +117,31 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]],
 
 
 class Outputs(threading.Thread):
-    """Reads the output topics (read_committed) and keeps each record's headers."""
+    """Reads the output topics (read_committed) and keeps each record's headers, record
+    timestamp (ms) and arrival. ``fetch_wait_ms``: the consumer's ``fetch.wait.max.ms``
+    (how long the broker may hold a fetch that has no data; small to time arrivals)."""
 
-    def __init__(self, bootstrap: str, topics: list[str]) -> None:
+    def __init__(self, bootstrap: str, topics: list[str], fetch_wait_ms: int = 500) -> None:
         super().__init__(daemon=True)
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
-                                  "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
+                                  "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                                  "fetch.wait.max.ms": fetch_wait_ms})
         self.consumer.subscribe(topics)
         self.records: list[tuple[bytes, dict[str, bytes]]] = []
         self.arrivals: list[float] = []  # perf_counter of each record's arrival here
+        self.timestamps_ms: list[int] = []  # each record's timestamp (CreateTime: decide's produce)
+        self.arrivals_ms: list[float] = []  # time.time() of each record's arrival here, in ms
+        self.wait_s = min(0.2, fetch_wait_ms / 1000)
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for m in self.consumer.consume(1000, timeout=0.2):
+            for m in self.consumer.consume(1000, timeout=self.wait_s):
                 if m.error() is None:
                     self.records.append((m.key(), dict(m.headers() or [])))
                     self.arrivals.append(time.perf_counter())
+                    self.timestamps_ms.append(m.timestamp()[1])
+                    self.arrivals_ms.append(time.time() * 1000)
         self.consumer.close()
 
 
@@ -141,13 +179,22 @@ def one_process(docs: list[Document], cluster_policy: str = "canonical") -> dict
     return out
 
 
+def cpu_by_role(procs: dict[tuple[str, int], subprocess.Popen], gone: dict[str, float]) -> dict[str, float]:
+    """CPU seconds (user + system) per stage: its live processes' and ``gone``'s."""
+    return {role: gone[role] + sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
+            for role in ROLES}
+
+
 def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[tuple[bytes, bytes]],
-               reference: dict[bytes, tuple[int, int, int]] | None, state_mode: str = "memory") -> dict[str, object]:
+               reference: dict[bytes, tuple[int, int, int]] | None, state_mode: str = "memory",
+               paced: Sequence[tuple[bytes, bytes]] = ()) -> dict[str, object]:
     topic = f"bench-scale-{uuid.uuid4().hex[:8]}"
     app = f"bench-app-{uuid.uuid4().hex[:8]}"
     create(bootstrap, {topic: args.input_partitions, **{f"{topic}.{s}": 1 for s in ("unique", "duplicates", "dlq")}})
-    where = produce(bootstrap, topic, messages, args.spacing_ms)
-    reader = Outputs(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"])
+    fed = args.input_partitions - args.idle_partitions if args.idle_partitions else None
+    where = produce(bootstrap, topic, messages, args.spacing_ms, partitions=fed)
+    reader = Outputs(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
+                     fetch_wait_ms=10 if paced else 500)
     reader.start()
     load_before = os.getloadavg()
     log = open(args.log, "ab")
@@ -196,8 +243,11 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     seconds = time.perf_counter() - started
     arrivals = reader.arrivals[:n]  # stalls counted from the first output (start-up apart)
     stall = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
-    cpu = {role: cpu_gone[role] + sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
-           for role in ROLES}
+    cpu = cpu_by_role(procs, cpu_gone)
+    latency: dict[str, object] = {}
+    if paced:
+        latency = paced_phase(args, bootstrap, topic, procs, reader, paced, fed, n, cpu, cpu_gone, where)
+        n += len(paced)
     rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
            for role in ROLES}
     for p in procs.values():
@@ -217,16 +267,18 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
     result: dict[str, object] = {
         "processes_per_stage": k, "chaos": args.chaos, "longest_output_stall_seconds": stall,
-        "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": n / seconds,
+        "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": len(messages) / seconds,
         "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
-        "cpu_us_per_document": {r: 1e6 * c / n for r, c in cpu.items()},
+        "cpu_us_per_document": {r: 1e6 * c / len(messages) for r, c in cpu.items()},
         "peak_rss_mb_per_process": rss,
         "records_per_document": {t: r / n for t, (r, _) in topics.items()},
         "bytes_per_document": {t: b / n for t, (_, b) in topics.items()},
         "load_before": load_before, "load_after": load_after,
     }
+    if paced:
+        result["paced"] = latency
     if reference is not None:
-        order = sorted(messages, key=lambda kv: where[kv[0]])
+        order = sorted([*messages, *paced], key=lambda kv: where[kv[0]])
         import json
 
         docs = [Document(str(json.loads(v)["id"]), json.loads(v)["text"]) for _, v in order]
@@ -241,6 +293,50 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     if args.with_run:
         result["run"] = one_run(bootstrap, topic, n, args.batch_size)
     return result
+
+
+def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, procs: dict[tuple[str, int], subprocess.Popen],
+                reader: Outputs, paced: Sequence[tuple[bytes, bytes]], fed: int | None, n: int,
+                cpu_before: dict[str, float], cpu_gone: dict[str, float],
+                where: dict[bytes, tuple[int, int, int]]) -> dict[str, object]:
+    """With the backlog's ``n`` outputs seen: produce ``paced`` at ``args.rate`` to the
+    ``fed`` partitions, wait for their outputs (at most ``args.timeout`` s), and return the
+    latencies in ms (``benchlib.quantiles``), the stages' CPU over the phase, and the load
+    averages before and after it. ``where`` gets the paced records' order keys.
+
+    Raises:
+        RuntimeError: a stage process ended, or the outputs did not all come in time.
+    """
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    print(f"  producing {len(paced):,} paced documents at {args.rate:,.0f}/s ...", file=sys.stderr, flush=True)
+    sent = produce(bootstrap, topic, paced, partitions=fed, rate=args.rate)
+    produce_s = time.perf_counter() - started
+    where.update(sent)
+    m = n + len(paced)
+    while len(reader.records) < m:
+        dead = [key for key, p in procs.items() if p.poll() is not None]
+        if dead or time.perf_counter() - started > args.timeout:
+            raise RuntimeError(f"paced phase stopped: {dead}, {len(reader.records)} of {m} outputs; see {args.log}")
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    cpu = cpu_by_role(procs, cpu_gone)
+    load_after = os.getloadavg()
+    out_ms: dict[bytes, int] = {}
+    seen_ms: dict[bytes, float] = {}
+    for (key, _), ts, seen in zip(reader.records, reader.timestamps_ms, reader.arrivals_ms):
+        out_ms.setdefault(key, ts)  # the first output of a key (a repeat would be counted apart)
+        seen_ms.setdefault(key, seen)
+    keys = [key for key, _ in paced]
+    to_output = [out_ms[key] - sent[key][0] for key in keys if key in out_ms]
+    visible = [seen_ms[key] - sent[key][0] for key in keys if key in seen_ms]
+    return {"documents": len(paced), "rate": args.rate, "idle_partitions": args.idle_partitions,
+            "produce_seconds": produce_s, "seconds": seconds,
+            "output_minus_input_ms": benchlib.quantiles(to_output),
+            "visible_minus_input_ms": benchlib.quantiles(visible),
+            "cpu_us_per_document": {r: 1e6 * (cpu[r] - cpu_before[r]) / len(paced) for r in ROLES},
+            "cpu_cores": {r: (cpu[r] - cpu_before[r]) / seconds for r in ROLES},
+            "load_before": load_before, "load_after": load_after}
 
 
 def one_run(bootstrap: str, topic: str, n: int, batch_size: int) -> dict[str, float]:
@@ -301,17 +397,34 @@ def main() -> None:
     ap.add_argument("--state", nargs="+", choices=["memory", "disk"], default=["memory"],
                     help="where the shard and decide stages keep their state: memory, or disk (--state-dir: "
                          "a RocksDB store per shard partition, and decide's decisions table); each is run")
+    ap.add_argument("--paced", type=int, default=0, metavar="M",
+                    help="after the backlog's outputs, M more documents at --rate per second: latency from input "
+                         "to output (default 0: none)")
+    ap.add_argument("--rate", type=float, default=500.0, help="paced documents per second (default 500)")
+    ap.add_argument("--idle-partitions", type=int, default=0,
+                    help="of the input partitions, how many (the last) get no record; document i goes to "
+                         "partition i %% (partitions - idle) (default 0: the key's partition)")
     ap.add_argument("--log", type=Path, default=Path("scale_out.log"))
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "scale_out.json")
     args = ap.parse_args()
+    if not 0 <= args.idle_partitions < args.input_partitions:
+        ap.error("--idle-partitions must be at least 0 and below --input-partitions")
+    if args.paced < 0 or args.rate <= 0:
+        ap.error("--paced must be at least 0 and --rate positive")
+    if args.paced and (args.chaos or args.spacing_ms):
+        ap.error("--paced goes with neither --chaos nor --spacing-ms")
     bootstrap, how, _ = start_broker(args.shared_broker)
     corpus = benchlib.load_corpus(benchlib.default_corpus())
-    messages = [encode(i, t) for i, t in benchlib.replay_stream(corpus, args.docs)]
-    print(f"{len(messages):,} documents, {args.input_partitions} input partitions, {args.shards} shards, "
-          f"{args.decide_partitions} decide partitions; broker {how}; nproc {os.cpu_count()}")
+    stream = [encode(i, t) for i, t in benchlib.replay_stream(corpus, args.docs + args.paced)]
+    messages, paced = stream[:args.docs], stream[args.docs:]
+    print(f"{len(messages):,} documents, {args.input_partitions} input partitions"
+          f"{f' ({args.idle_partitions} idle)' if args.idle_partitions else ''}, {args.shards} shards, "
+          f"{args.decide_partitions} decide partitions, reorder window {args.reorder_window_ms} ms"
+          f"{f'; then {args.paced:,} paced at {args.rate:,.0f}/s' if args.paced else ''}; broker {how}; "
+          f"nproc {os.cpu_count()}")
     runs = []
     for i, (k, mode) in enumerate((k, mode) for k in args.processes for mode in args.state):
-        r = run_config(args, bootstrap, k, messages, reference={}, state_mode=mode)
+        r = run_config(args, bootstrap, k, messages, reference={}, state_mode=mode, paced=paced)
         runs.append(r)
         print(f"\n{k} process(es) per stage, state in {mode}: {r['messages_per_second']:,.0f} messages/s "
               f"({r['seconds']:.1f} s "
@@ -327,6 +440,21 @@ def main() -> None:
             print(f"  neardup run over the same topic right after: {r['run']['messages_per_second']:,.0f} messages/s "
                   f"({r['run']['seconds']:.1f} s from launch), CPU {r['run']['cpu_us_per_document']:,.0f} µs per document "
                   f"(the stages together: {sum(r['cpu_us_per_document'].values()):,.0f})")
+        if "paced" in r:
+            pc = r["paced"]
+            print(f"  paced: {pc['documents']:,} documents at {pc['rate']:,.0f}/s over "
+                  f"{args.input_partitions - args.idle_partitions} of {args.input_partitions} input partitions "
+                  f"({pc['idle_partitions']} idle), {k} process(es) per stage, reorder window "
+                  f"{args.reorder_window_ms} ms; produced in {pc['produce_seconds']:.1f} s, all outputs seen "
+                  f"{pc['seconds']:.1f} s after the first; load {'/'.join(f'{x:.2f}' for x in pc['load_before'])} -> "
+                  f"{'/'.join(f'{x:.2f}' for x in pc['load_after'])} (1/5/15 min)")
+            for name, q in (("to output (output CreateTime - input CreateTime)", pc["output_minus_input_ms"]),
+                            ("visible (arrival at read_committed reader - input CreateTime)",
+                             pc["visible_minus_input_ms"])):
+                print(f"    {name}, ms: " + (", ".join(f"{s} {q[s]:,.0f}" for s in ("p50", "p90", "p99", "max"))
+                                               + f" ({q['count']:,} documents)" if q["count"] else "none"))
+            print("    CPU µs per paced document: " + ", ".join(f"{s} {v:,.0f}" for s, v in pc["cpu_us_per_document"].items())
+                  + "; cores: " + ", ".join(f"{s} {v:.2f}" for s, v in pc["cpu_cores"].items()))
         if "agreement" in r:
             print(f"  agreement with one process (verdict, match, cluster): {r['agreement']:.5f}; "
                   f"verdicts {r['verdict_agreement']:.5f}, clusters {r['cluster_agreement']:.5f}; "
@@ -335,6 +463,7 @@ def main() -> None:
                                     "input_partitions": args.input_partitions, "shards": args.shards,
                                     "decide_partitions": args.decide_partitions,
                                     "reorder_window_ms": args.reorder_window_ms, "spacing_ms": args.spacing_ms,
+                                    "paced": args.paced, "rate": args.rate, "idle_partitions": args.idle_partitions,
                                     "runs": runs})
 
 
