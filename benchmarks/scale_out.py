@@ -211,6 +211,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              "--decide-partitions", str(args.decide_partitions), "--instance", str(i),
              "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
+             *(["--batch-max-ms", str(args.batch_max_ms)] if args.batch_max_ms else []),
              "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *extra],
             stdout=log, stderr=subprocess.STDOUT)
 
@@ -385,6 +386,8 @@ def main() -> None:
                     help="record timestamps this many ms apart (a backlog spanning docs x spacing of record time); "
                          "0: the producer's clock")
     ap.add_argument("--batch-size", type=int, default=500)
+    ap.add_argument("--batch-max-ms", type=int, default=0,
+                    help="the stages' longest wait to fill a batch, ms (0: their default)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--with-run", action="store_true",
                     help="then neardup run over the same input topic, a whole process: its time and CPU per document")

@@ -88,6 +88,7 @@ from neardup.sharded.records import (
     ORDER,
     WATERMARK_KIND,
     BandRecord,
+    Watermarks,
     check_engine,
     decide_partition,
     engine_digest,
@@ -95,7 +96,6 @@ from neardup.sharded.records import (
     found_value,
     order_seq,
     order_time,
-    parse_watermarks,
     seq_order,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
@@ -123,8 +123,7 @@ class _Shard:
     last: bytes = b""
     watermark: int = -(1 << 62)
     consumed: int = -1  # band-topic offset after the last record of the batches logged (P)
-    marks: dict[tuple[str, int], bytes] = field(default_factory=dict)  # input partition -> its watermark
-    counts: dict[str, int] = field(default_factory=dict)  # input topic -> its partition count
+    watermarks: Watermarks = field(default_factory=Watermarks)  # from the watermark records read
 
     def hold(self, rec: BandRecord, offset: int) -> None:
         if rec.order not in self.held:
@@ -162,12 +161,8 @@ class _Shard:
         return out
 
     def limit(self) -> bytes | None:
-        """The order key up to which every input partition has been sent (None: a
-        partition of an input topic has no watermark yet, or no watermark came at all)."""
-        if not self.counts:
-            return None
-        marks = [self.marks.get((t, i)) for t, n in self.counts.items() for i in range(n)]
-        return None if any(m is None for m in marks) else min(marks)  # type: ignore[type-var]
+        """The order key up to which every input partition has been sent (``Watermarks.limit``)."""
+        return self.watermarks.limit()
 
 
 @dataclass
@@ -449,15 +444,10 @@ class ShardProcessor(StageHooks):
         """Take a watermark record's marks (each partition's largest); one of another
         layout is logged and skipped (the next one serves)."""
         try:
-            marks = parse_watermarks(m.value() or b"")
+            shard.watermarks.take(m.value() or b"")
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             log.error("band topic %s[%d]@%d: not a watermark record (%s); skipped", m.topic(), m.partition(),
                       m.offset(), exc)
-            return
-        for tp, (count, mark) in marks.items():
-            shard.counts[tp[0]] = max(count, shard.counts.get(tp[0], 0))
-            if mark > shard.marks.get(tp, b""):
-                shard.marks[tp] = mark
 
     def _malformed(self, m: Message, exc: Exception, found: dict[int, list[bytes]], stats: ShardWritten) -> None:
         """A band record of another layout (written by something else than prepare): its
