@@ -212,7 +212,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
              *(["--batch-max-ms", str(args.batch_max_ms)] if args.batch_max_ms else []),
-             "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *extra],
+             "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *args.stage_arg, *extra],
             stdout=log, stderr=subprocess.STDOUT)
 
     for role in ROLES:
@@ -386,6 +386,9 @@ def main() -> None:
                     help="record timestamps this many ms apart (a backlog spanning docs x spacing of record time); "
                          "0: the producer's clock")
     ap.add_argument("--batch-size", type=int, default=500)
+    ap.add_argument("--stage-arg", action="append", default=[],
+                    help="an argument passed to every stage process as is (repeat it, e.g. --stage-arg=-X "
+                         "--stage-arg=fetch.wait.max.ms=50)")
     ap.add_argument("--batch-max-ms", type=int, default=0,
                     help="the stages' longest wait to fill a batch, ms (0: their default)")
     ap.add_argument("--timeout", type=float, default=900)
