@@ -337,6 +337,21 @@ class _Stages:
         self.procs.clear()
 
 
+def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir: Path | None = None):
+    """A shard stage in this process (its processor's methods can be replaced), batches of
+    50, short sessions, and the thread that will run it (not started)."""
+    import threading
+
+    from neardup.config import Settings
+    from neardup.io.shard_stage import ShardStage
+
+    settings = Settings(bootstrap_servers=bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
+                        from_beginning=True, batch_size=50,
+                        kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
+    stage = ShardStage(settings, topology, "a", state_dir)
+    return stage, threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
+
+
 def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive) -> list:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -849,16 +864,13 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
 
     from confluent_kafka import Producer, TopicPartition
 
-    from neardup.config import Settings
-    from neardup.io.shard_stage import ShardProcessor, ShardStage
+    from neardup.io.shard_stage import ShardProcessor
 
     topic = kafka_topic_factory("sharded-reassigned", partitions=2)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=20_000)
-    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
-                        from_beginning=True, batch_size=50,
-                        kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
-    stage = ShardStage(settings, topology, "a", tmp_path / "shard-state" if shard_state == "disk" else None)
+    stage, runner = _shard_in_process(kafka_bootstrap, topic, topology,
+                                      tmp_path / "shard-state" if shard_state == "disk" else None)
     processor = stage.processor
     assert isinstance(processor, ShardProcessor)
     armed, fired, taken_up = threading.Event(), threading.Event(), threading.Event()
@@ -889,7 +901,6 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
             consumer[0].resume(paused)
 
     processor.check, processor.write, processor.aborted = checking, writing, aborting
-    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
     stories = excerpt(20)
     try:
         stages.start("prepare")
@@ -928,16 +939,10 @@ def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_pre
 
     from confluent_kafka import KafkaError, KafkaException
 
-    from neardup.config import Settings
-    from neardup.io.shard_stage import ShardStage
-
     topic = kafka_topic_factory("sharded-compute-error", partitions=2)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
-    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
-                        from_beginning=True, batch_size=50,
-                        kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
-    stage = ShardStage(settings, topology, "a")
+    stage, runner = _shard_in_process(kafka_bootstrap, topic, topology)
     compute, failed = stage.processor.compute, threading.Event()
 
     def computing(batch):
@@ -947,7 +952,6 @@ def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_pre
         return compute(batch)
 
     stage.processor.compute = computing
-    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
     messages = _stories_and_copies(20)
     try:
         stages.start("prepare")

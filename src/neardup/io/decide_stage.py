@@ -82,7 +82,7 @@ from neardup.sharded.records import (
     parse_findings,
     seq_order,
 )
-from neardup.sharded.shard import Checked, Finding
+from neardup.sharded.shard import Checked, Finding, window_time
 from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class DecideProcessor(StageHooks):
                  retention_ms: int | None = None) -> None:
         self.settings = settings
         self.retention_ms = retention_ms
-        self._future_ms = 1000 * settings.engine().future_tolerance_s
+        self._future_s = settings.engine().future_tolerance_s
         self._latest = -(1 << 62)  # the latest document time decided here (ms), for expiry
         self.threshold = settings.engine().threshold
         self.policy = settings.engine().cluster_policy
@@ -543,10 +543,7 @@ class DecideProcessor(StageHooks):
         shards' floor when they process it in order; also moves ``_latest``."""
         if self.retention_ms is None:
             return None
-        t = seq >> 96
-        now = time.time() * 1000
-        if t > now + self._future_ms:
-            t = int(now)
+        t, _ = window_time(seq, self._future_s)
         self._latest = max(self._latest, t)
         return t - self.retention_ms
 

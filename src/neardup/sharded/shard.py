@@ -118,6 +118,17 @@ def seq_time(seq: int) -> int:
     return seq >> 96
 
 
+def window_time(seq: int, future_tolerance_s: float) -> tuple[int, bool]:
+    """Document ``seq``'s time (ms) for the retention window, and whether it lay beyond
+    now plus ``future_tolerance_s`` (seconds) and was taken as now (as one process takes
+    it: ``neardup.core.retention``)."""
+    t = seq_time(seq)
+    now = time.time() * 1000
+    if t > now + 1000 * future_tolerance_s:
+        return int(round(now)), True
+    return t, False
+
+
 class ShardIndex:
     """The buckets one shard partition owns and the sets of their members (in memory).
 
@@ -161,10 +172,8 @@ class ShardIndex:
         now plus the future tolerance); returns the floor for that document."""
         t = seq_time(seq)
         if self.retention_ms is not None:
-            now = time.time() * 1000
-            if t > now + 1000 * self.settings.future_tolerance_s:
-                t = int(round(now))
-                self.future += 1
+            t, future = window_time(seq, self.settings.future_tolerance_s)
+            self.future += future
         self.mark = max(self.mark, t)
         return self.floor()
 
