@@ -52,10 +52,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import benchlib
@@ -64,6 +64,7 @@ from kafka_e2e import encode, start_broker
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Detector
+from neardup.sharded.records import FINDINGS_KIND, KIND_HEADER, ORDER, order_key, parse_findings
 from neardup.state.memory import MemoryStateStore
 
 ROLES = ("prepare", "shard", "decide")
@@ -143,6 +144,50 @@ class Outputs(threading.Thread):
                     self.timestamps_ms.append(m.timestamp()[1])
                     self.arrivals_ms.append(time.time() * 1000)
         self.consumer.close()
+
+
+def stamps(bootstrap: str, topic: str, keys: Callable[[Message], list[bytes]]) -> dict[bytes, int]:
+    """The latest record timestamp (CreateTime, ms: the producing stage's ``produce()``
+    call) per key that ``keys`` finds in a committed record of ``topic``."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                  "enable.partition.eof": True})
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    out: dict[bytes, int] = {}
+    ended: set[int] = set()
+    deadline = time.monotonic() + 300
+    while len(ended) < len(parts) and time.monotonic() < deadline:
+        for m in c.consume(10_000, timeout=1.0):
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    ended.add(m.partition())
+                continue
+            for key in keys(m):
+                out[key] = max(out.get(key, 0), m.timestamp()[1])
+    c.close()
+    return out
+
+
+def stage_times(bootstrap: str, app: str, sent: dict[bytes, tuple[int, int, int]],
+                outputs: dict[bytes, int]) -> dict[str, dict[str, float]]:
+    """Where the time from input to output goes, per document of ``sent`` (key -> its
+    order key's parts): ms from the input's CreateTime to its last band record's
+    (prepare), from there to its last finding's (shard: the reorder hold, and the
+    shards' batches), and from there to its output's (decide); quantiles of each."""
+    bands = stamps(bootstrap, f"{app}.bands",
+                   lambda m: [m.key()] if m.key() is not None and len(m.key()) == ORDER.size else [])
+    found = stamps(bootstrap, f"{app}.findings", lambda m: [
+        f[0] for f in parse_findings(m.value())] if dict(m.headers() or []).get(KIND_HEADER) == FINDINGS_KIND else [])
+    parts: dict[str, list[float]] = {"prepare": [], "shard": [], "decide": []}
+    for key, (ts, partition, offset) in sent.items():
+        order = order_key(ts, partition, offset)
+        if order in bands and order in found and key in outputs:
+            parts["prepare"].append(bands[order] - ts)
+            parts["shard"].append(found[order] - bands[order])
+            parts["decide"].append(outputs[key] - found[order])
+    return {stage: benchlib.quantiles(v) for stage, v in parts.items()}
 
 
 def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
@@ -277,6 +322,10 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         "load_before": load_before, "load_after": load_after,
     }
     if paced:
+        outputs: dict[bytes, int] = {}
+        for (key, _), ts in zip(reader.records, reader.timestamps_ms):
+            outputs.setdefault(key, ts)
+        latency["stages_ms"] = stage_times(bootstrap, app, {key: where[key] for key, _ in paced}, outputs)
         result["paced"] = latency
     if reference is not None:
         order = sorted([*messages, *paced], key=lambda kv: where[kv[0]])
@@ -459,6 +508,9 @@ def main() -> None:
                              pc["visible_minus_input_ms"])):
                 print(f"    {name}, ms: " + (", ".join(f"{s} {q[s]:,.0f}" for s in ("p50", "p90", "p99", "max"))
                                                + f" ({q['count']:,} documents)" if q["count"] else "none"))
+            for stage, q in pc["stages_ms"].items():
+                print(f"    of which {stage} (to its last record's CreateTime), ms: "
+                      + (", ".join(f"{s} {q[s]:,.0f}" for s in ("p50", "p90", "p99", "max")) if q["count"] else "none"))
             print("    CPU µs per paced document: " + ", ".join(f"{s} {v:,.0f}" for s, v in pc["cpu_us_per_document"].items())
                   + "; cores: " + ", ".join(f"{s} {v:.2f}" for s, v in pc["cpu_cores"].items()))
         if "agreement" in r:

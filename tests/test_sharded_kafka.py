@@ -432,11 +432,18 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
         for p, last in _last_offsets(kafka_bootstrap, internal).items():
             assert committed_offset(kafka_bootstrap, f"{topology.app}.{stage}", internal, p) == last + 1
     # band records held and documents waiting are not logged (the band and findings
-    # topics keep them): the changelogs hold the members and each partition's progress
+    # topics keep them): the changelogs hold the members, each partition's progress, and
+    # the order key of each document waiting after a batch, once (a tombstone when decided)
     logged = read_all(kafka_bootstrap, [topology.shard_changelog, topology.decide_changelog], idle_s=2.0)
     kinds = Counter((o.topic, o.key[:1]) for o in logged)
-    assert set(kinds) == {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"),
-                          (topology.decide_changelog, b"P")}, kinds
+    assert {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"),
+            (topology.decide_changelog, b"P")} <= set(kinds) <= {
+        (topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.decide_changelog, b"P"),
+        (topology.decide_changelog, b"W")}, kinds
+    progress = [o for o in logged if o.topic == topology.decide_changelog and o.key == b"P"]
+    assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
+    waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")
+    assert all(n <= 2 for n in waits.values()), waits.most_common(3)  # added once, deleted once
     assert kinds[(topology.shard_changelog, b"M")] >= len(messages) / 2  # the documents joining buckets
     # the findings of a batch go to decide in one record per decide partition
     findings = read_all(kafka_bootstrap, [topology.findings], idle_s=2.0)
@@ -991,6 +998,33 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
         assert "is beyond the end of" in caplog.text and "read in full" in caplog.text, caplog.text
     finally:
         processor.close()
+
+
+def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstrap, tmp_path):
+    """Decide's changelog partition read back: the consumed offset of the last ``P``
+    record, and the documents waiting, one ``W`` record each (a tombstone: decided), with
+    those listed in a ``P`` record of the earlier layout (offset, then order keys). The
+    earlier layout's are not counted as logged: the next batch writes their ``W``
+    records before its ``P`` record replaces the list."""
+    import struct
+
+    from neardup.config import Settings
+    from neardup.io.decide_stage import DecideProcessor
+    from neardup.sharded.records import order_key
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    keys = [order_key(1_700_000_000_000 + i, 0, i) for i in range(5)]
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-waiting"], group_id=topology.app)
+    processor = DecideProcessor(settings, topology, None)
+    produce(kafka_bootstrap, topology.decide_changelog, [(b"P", struct.pack(">q", 40) + keys[0] + keys[1])])
+    assert processor._restore(0) == (40, {keys[0], keys[1]}, set())  # the earlier layout
+    produce(kafka_bootstrap, topology.decide_changelog, [
+        (b"W" + keys[0], b""), (b"W" + keys[2], b""), (b"W" + keys[3], b""), (b"W" + keys[4], b""),
+        (b"P", struct.pack(">q", 57)),  # a batch after the upgrade: keys[1] was decided in it
+        (b"W" + keys[3], None), (b"W" + keys[0], None), (b"P", struct.pack(">q", 60)),  # the next batch
+    ])
+    assert processor._restore(0) == (60, {keys[2], keys[4]}, {keys[2], keys[4]})
 
 
 @pytest.mark.parametrize("role", ["shard", "decide"])

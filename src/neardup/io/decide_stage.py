@@ -21,12 +21,15 @@ record ``b"P" + partition`` in the decisions topic).
 What waits lives in memory; the findings topic keeps its records. The offset committed
 for findings partition q is that of the earliest record of a document still waiting (or
 the batch's end when none waits), and the stage's changelog (partition q of
-``<app>.decide-changelog``, compacted), written in the batch's transaction, holds one
-record: ``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q),
-then the order keys (20 bytes each) of the documents waiting after the batch. When the
-partition is assigned, its records are read again from the committed offset: before the
-consumed offset, those of the documents listed are taken again, the others (decided
-before) skipped. After a failed batch (``aborted``) the runtime reads again from the
+``<app>.decide-changelog``, compacted), written in the batch's transaction, holds
+``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q), and one
+record per document waiting after the batch: ``b"W"`` + its order key -> ``b""``,
+deleted (a tombstone) in the batch that decides it. So a batch logs what changed, not
+every document still waiting (a backlog keeps tens of thousands waiting per partition).
+An earlier layout's ``P`` record, with the waiting order keys after the offset, is read
+too. When the partition is assigned, its records are read again from the committed
+offset: before the consumed offset, those of the documents listed are taken again, the
+others (decided before) skipped. After a failed batch (``aborted``) the runtime reads again from the
 failed batch's first offsets: the documents waiting as of the last commit are kept in
 memory for it. The decisions table needs no undo: a decision is a function of the
 findings and of earlier decisions, so one taken in a batch that failed is taken again
@@ -87,7 +90,8 @@ from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 
 log = logging.getLogger(__name__)
 
-_CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset, then the waiting order keys
+_CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset (an earlier layout: then the waiting order keys)
+_WAITING = b"W"  # the key of a waiting document's changelog record: this, then its order key
 _PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progress record (components)
 Record = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
 
@@ -153,10 +157,14 @@ class DecideProcessor(StageHooks):
         self._retry_all = False  # after a restore: every waiting document is tried once
         self._consumed: dict[int, int] = {}  # findings partition -> offset after its last batch's records
         self._listed: dict[int, set[bytes]] = {}  # ... the documents waiting at its last commit (a restart)
+        # the documents with a ``W`` record in the changelog, per partition: as of the last
+        # batch computed, and as of the last commit
+        self._logged: dict[int, set[bytes]] = {}
+        self._logged_committed: dict[int, set[bytes]] = {}
         # per partition, as of the last commit: (waiting documents, consumed offset); per
         # batch computed and not yet committed, the same after it
         self._committed: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
-        self._uncommitted: list[dict[int, tuple[dict[bytes, _Waiting], int]]] = []
+        self._uncommitted: list[dict[int, tuple[dict[bytes, _Waiting], int, set[bytes]]]] = []
         self._table_new = False  # decisions came to the table since the last batch
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
@@ -220,8 +228,9 @@ class DecideProcessor(StageHooks):
             KafkaException: the changelog could not be read.
         """
         for _, q in partitions:
-            consumed, listed = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
+            consumed, listed, logged = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
             self.partitions[q], self._consumed[q], self._listed[q] = {}, consumed, listed
+            self._logged[q], self._logged_committed[q] = set(logged), logged
             self._committed[q] = ({}, consumed)
             self._blocked.pop(q, None)
         self._retry_all = True
@@ -229,7 +238,7 @@ class DecideProcessor(StageHooks):
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
             for state in (self.partitions, self._blocked, self._consumed, self._listed, self._committed,
-                          self._marks, self._published):
+                          self._marks, self._published, self._logged, self._logged_committed):
                 state.pop(q, None)
 
     def aborted(self) -> None:
@@ -241,6 +250,7 @@ class DecideProcessor(StageHooks):
             waiting, consumed = self._committed.get(q, ({}, -1))
             self.partitions[q] = {order: w.copy() for order, w in waiting.items()}
             self._consumed[q] = consumed
+            self._logged[q] = set(self._logged_committed.get(q, ()))
         self._blocked.clear()
         self._published.clear()  # the progress records of the failed batch were not written
         self._marks.clear()  # taken again from the records read again, with their documents
@@ -249,32 +259,41 @@ class DecideProcessor(StageHooks):
     def committed(self, written: DecideWritten, seconds: float) -> DecideWritten:
         written.seconds = seconds
         if self._uncommitted:
-            for q, state in self._uncommitted.pop(0).items():
+            for q, (waiting, consumed, logged) in self._uncommitted.pop(0).items():
                 if q in self.partitions:
-                    self._committed[q] = state
+                    self._committed[q] = (waiting, consumed)
+                    self._logged_committed[q] = logged
         return written
 
-    def _restore(self, q: int) -> tuple[int, set[bytes]]:
-        """Partition ``q``'s ``P`` record: (its consumed offset, -1 without one; the
-        order keys of the documents waiting at the last commit).
+    def _restore(self, q: int) -> tuple[int, set[bytes], set[bytes]]:
+        """Partition ``q``'s changelog: (its consumed offset, -1 without one; the order
+        keys of the documents waiting at the last commit; those of them with a ``W``
+        record, the rest being listed in a ``P`` record of the earlier layout).
 
         Raises:
-            ChangelogLayoutError: the partition holds records of an earlier layout.
+            ChangelogLayoutError: the partition holds records of another layout.
         """
-        consumed, listed = -1, set()
+        consumed, in_p, logged = -1, set(), set()
         topic = self.topology.decide_changelog
         for chunk in read_to_end(self.settings, topic, q):
             for m in chunk:
-                value = m.value()
+                key, value = m.key() or b"", m.value()
+                if key[:1] == _WAITING and len(key) == 1 + ORDER.size and not value:
+                    if value is None:
+                        logged.discard(key[1:])
+                    else:
+                        logged.add(key[1:])
+                    continue
                 if value is None:
                     continue
-                if m.key() != b"P" or (len(value) - _CONSUMED.size) % ORDER.size:
-                    raise ChangelogLayoutError(topic, q, f"a record of key {m.key()[:1]!r} and {len(value)} bytes")
+                if key != b"P" or (len(value) - _CONSUMED.size) % ORDER.size:
+                    raise ChangelogLayoutError(topic, q, f"a record of key {key[:1]!r} and {len(value)} bytes")
                 (consumed,) = _CONSUMED.unpack_from(value)
-                listed = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
+                in_p = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
+        listed = in_p | logged
         if listed:
             log.info("decide partition %d: %d documents waiting, read again from the findings topic", q, len(listed))
-        return consumed, listed
+        return consumed, listed, logged
 
     # --- the decisions table -----------------------------------------------------------
     def _apply_decisions(self, messages: list[Message]) -> int:
@@ -395,12 +414,16 @@ class DecideProcessor(StageHooks):
                 break
         self._expire()
         end = {tp.partition: tp.offset for tp in ends}
-        after: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        after: dict[int, tuple[dict[bytes, _Waiting], int, set[bytes]]] = {}
         for q in sorted(changed):
             waiting = self.partitions[q]
             consumed = self._consumed[q] = max(self._consumed.get(q, -1), end.get(q, -1))
-            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed) + b"".join(waiting), []))
-            after[q] = (dict(waiting), consumed)  # its documents are copied before they change
+            logged, now = self._logged.setdefault(q, set()), set(waiting)
+            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in sorted(logged - now)]
+            out += [(t.decide_changelog, q, _WAITING + order, b"", []) for order in sorted(now - logged)]
+            out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed), []))
+            self._logged[q] = now
+            after[q] = (dict(waiting), consumed, now)  # its documents are copied before they change
         self._uncommitted.append(after)
         for tp in ends:  # a restart reads again from the earliest record of a waiting document
             tp.offset = min([tp.offset] + [w.first for w in self.partitions[tp.partition].values()])
