@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -448,6 +449,60 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     # the findings of a batch go to decide in one record per decide partition
     findings = read_all(kafka_bootstrap, [topology.findings], idle_s=2.0)
     assert sum(o.headers.get(KIND_HEADER) == b"findings" for o in findings) < len(messages) / 2
+
+
+def _findings_lag(bootstrap: str, topology: Topology) -> int:
+    """The most records of one findings partition that decide's group has not passed."""
+    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+    from confluent_kafka.admin import OffsetSpec
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    tps = [TopicPartition(topology.findings, q) for q in range(topology.decide_partitions)]
+    [future] = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"{topology.app}.decide", tps)]).values()
+    committed = {tp.partition: tp.offset for tp in future.result(10).topic_partitions}
+    ends = {tp.partition: f.result(10).offset for tp, f in admin.list_offsets({tp: OffsetSpec.latest() for tp in tps}).items()}
+    return max(end - max(committed.get(q, 0), 0) for q, end in ends.items())
+
+
+def test_a_backlog_does_not_grow_what_waits_for_decide_past_the_bound(kafka_bootstrap, kafka_topic_factory,
+                                                                       tmp_path):
+    """Prepare runs ahead of the shards in a backlog; with ``--max-undecided`` it holds
+    back once a findings partition has more records than that not yet decided (the
+    documents waiting in decide's memory), reading on as the shards release: what waits
+    stays near the bound (without it, it reached the whole backlog of a partition, 1,514
+    of 1,500 documents and their findings records, here), and every message comes out
+    once with the sharded verdicts."""
+    bound = 150
+    topic = kafka_topic_factory("sharded-lead", partitions=2)
+    messages = _stories_and_copies(2000)
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=4, decide_partitions=2)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log)
+    lags: list[int] = []
+    try:
+        stages.start("shard")
+        stages.start("decide")
+        stages.start("prepare", "a", "--max-undecided", str(bound))
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.1):
+                lags.append(_findings_lag(kafka_bootstrap, topology))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out = _outputs(kafka_bootstrap, topic, len(messages), 300, stages.alive)
+        done.set()
+        sampler.join(30)
+    finally:
+        stages.stop()
+    text = log.read_text()
+    print(f"findings records not yet decided, per sample: {lags}")
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), log=text)
+    assert "holding back" in text and "no longer holding back" in text, text[-3000:]
+    assert max(lags) <= 5 * bound, lags  # the bound, and what is in flight when it is met
 
 
 def test_a_backlog_read_unevenly_gives_the_verdicts_of_order_key_order(kafka_bootstrap, kafka_topic_factory,

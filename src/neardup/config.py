@@ -120,6 +120,7 @@ class Settings(BaseSettings):
     shards: int = Field(4, ge=1)
     decide_partitions: int = Field(2, ge=1)
     reorder_window_ms: int = Field(500, ge=0)
+    max_undecided: int = Field(10_000, ge=1)  # prepare: the bound on what waits downstream (per decide partition)
     instance: str | None = None  # default: the host name
     kafka: dict[str, str] = {}
     # operations

@@ -27,6 +27,22 @@ ahead of the partition furthest behind (of those with records still to read) is 
 until that one catches up or is read to its end (Kafka Streams picks the partition with
 the smallest head timestamp), so that the shards hold little while they wait.
 
+A bound on what waits downstream (``max_undecided``): in a backlog prepare runs ahead of
+the shards (its work per document is a fraction of theirs), and every document it sends
+waits in decide's memory, its record there, until its findings come; documents past the
+watermark wait in the shards' memory too. A ``LeadMonitor`` thread reads, every
+``LEAD_CHECK_S``, how many records of each findings partition decide's consumer group has
+not passed (its committed offset is that of its earliest document still waiting) and, once
+one holds more than ``max_undecided``, the order key of the earliest band record the shards
+have not released (the record at the shard group's committed offset of each band
+partition: the earliest held, or the next to read). Until every findings partition is
+under half the bound again, prepare reads only the partitions whose last record sent is at
+or behind that key, and pauses the rest, so that what it sends is what the shards release
+next. The partition holding the shards back is never paused (its last record is behind the
+earliest one held), so the pipeline cannot deadlock; with no record unreleased in the
+shards (decide alone is behind), every partition is paused until decide catches up. Lead
+is flow control only: the records sent, and so the verdicts, are the same.
+
 Nothing is stored: a batch whose transaction fails is consumed again from the group's
 committed offsets and gives the same records (the preparation is a pure function of the
 messages, the watermarks go back to those of the last committed batch), so exactly once
@@ -49,6 +65,7 @@ from neardup.detector import Preparer, warm_up
 from neardup.io.clients import admin_config
 from neardup.io.limits import TopicLimits
 from neardup.io.partition_log import with_retries
+from neardup.io.rdkafka_log import rdkafka_logger
 from neardup.io.messages import MessageError, carried_headers, record_size, to_document
 from neardup.io.stage import StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.io.topology import Topology
@@ -81,6 +98,113 @@ IDLE_MARK_S = 0.2
 #: Record time, ms, an input partition may run ahead of the one furthest behind before it
 #: is paused (see the module docstring).
 AHEAD_MS = 10_000
+#: Seconds between two reads of what waits downstream (``LeadMonitor``).
+LEAD_CHECK_S = 0.25
+
+
+class LeadMonitor:
+    """What waits downstream of prepare, read from the broker every ``LEAD_CHECK_S`` in a
+    thread of its own (see the module docstring), and added to by the stage's thread with
+    the document records it sends between two reads (``sent``), so that prepare holds
+    back at once rather than a read later.
+
+    A read that fails (the broker out) is logged at DEBUG and the last values kept.
+    """
+
+    def __init__(self, settings: Settings, topology: Topology, limit: int) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        self.topology, self.limit = topology, limit
+        app = topology.app
+        self._groups = {"decide": f"{app}.decide", "shard": f"{app}.shard"}
+        self._admin = AdminClient(admin_config(settings))
+        self._probe = Consumer({**settings.kafka, "bootstrap.servers": settings.bootstrap_servers,
+                                "group.id": f"neardup-lead-{app}", "enable.auto.commit": False,
+                                "isolation.level": "read_committed", "max.partition.fetch.bytes": 65536,
+                                "fetch.max.bytes": 1 << 20, "logger": rdkafka_logger()})
+        self.sent = [0] * topology.decide_partitions  # document records sent, per decide partition (stage thread)
+        # per decide partition, at the last read: records decide has not passed, and ``sent`` then
+        self._read_at: tuple[list[int], list[int]] | None = None
+        self.released: int | None = None  # the record time (ms) of the earliest band record not released
+        self.over = False  # holding back (stage thread)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="neardup-lead", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._probe.close()
+
+    def undecided(self) -> int:
+        """The most records of one findings partition that decide has not passed: as read,
+        plus the document records sent since (-1 before the first read)."""
+        read_at = self._read_at
+        if read_at is None:
+            return -1
+        behind, sent = read_at
+        return max(b + now - then for b, now, then in zip(behind, self.sent, sent))
+
+    def holding_back(self) -> bool:
+        """Whether prepare holds back now: over ``limit``, until under ``limit // 2``
+        (called from the stage's thread)."""
+        undecided = self.undecided()
+        over = undecided > (self.limit // 2 if self.over else self.limit)
+        if over != self.over:
+            self.over = over
+            log.info("%s: %d records of a findings partition not yet decided (bound %d); reading %s",
+                     "holding back" if over else "no longer holding back", undecided, self.limit,
+                     "only the partitions behind what the shards release" if over else "every partition")
+        return over
+
+    def _run(self) -> None:
+        while not self._stop.wait(LEAD_CHECK_S):
+            try:
+                self._read()
+            except Exception as exc:  # noqa: BLE001 - advisory: the last values stand
+                log.debug("reading what waits downstream: %s", exc)
+
+    def _behind(self, group: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
+        """Per partition of ``topic``: (``group``'s committed offset, else the earliest
+        offset; the end offset)."""
+        from confluent_kafka import ConsumerGroupTopicPartitions
+        from confluent_kafka.admin import OffsetSpec
+
+        tps = [TopicPartition(topic, q) for q in range(partitions)]
+        [future] = self._admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group, tps)], request_timeout=5).values()
+        committed = {tp.partition: tp.offset for tp in future.result().topic_partitions}
+        ends = {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
+            {tp: OffsetSpec.latest() for tp in tps}, request_timeout=5).items()}
+        starts = {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
+            {tp: OffsetSpec.earliest() for tp in tps}, request_timeout=5).items()}
+        return {q: (committed[q] if committed.get(q, -1) >= 0 else starts[q], ends[q]) for q in ends}
+
+    def _read(self) -> None:
+        t = self.topology
+        sent = list(self.sent)  # before the offsets: a record sent meanwhile is counted twice, never missed
+        behind = self._behind(self._groups["decide"], t.findings, t.decide_partitions)
+        self._read_at = ([behind[q][1] - behind[q][0] for q in range(t.decide_partitions)], sent)
+        if self.over or self.undecided() > self.limit // 2:
+            self.released = self._earliest_unreleased()
+
+    def _earliest_unreleased(self) -> int | None:
+        """The record time (ms) of the earliest band record at or after the shard group's
+        committed offset of any band partition; None if every partition is passed."""
+        t = self.topology
+        behind = {q: at for q, (at, end) in self._behind(self._groups["shard"], t.bands, t.shards).items() if at < end}
+        if not behind:
+            return None
+        self._probe.assign([TopicPartition(t.bands, q, at) for q, at in behind.items()])
+        first: dict[int, int] = {}
+        deadline = time.monotonic() + 2 * LEAD_CHECK_S
+        while len(first) < len(behind) and time.monotonic() < deadline:
+            for m in self._probe.consume(100, timeout=0.5):
+                key = m.key()
+                if m.error() is None and m.partition() not in first and key is not None and len(key) == 20:
+                    first[m.partition()] = order_time(key)
+        self._probe.unassign()
+        return min(first.values(), default=None)
 
 
 @dataclass
@@ -128,10 +252,17 @@ class PrepareProcessor(StageHooks):
         self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
         self._marked_at = 0.0
         self._paused: set[TP] = set()
+        self.lead: LeadMonitor | None = None  # started with the stage (``open``)
 
     def open(self) -> None:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
                          daemon=True).start()
+        self.lead = LeadMonitor(self.settings, self.topology, self.settings.max_undecided)
+
+    def close(self) -> None:
+        if self.lead is not None:
+            self.lead.close()
+            self.lead = None
 
 
     def is_output(self, topic: str) -> bool:
@@ -192,14 +323,21 @@ class PrepareProcessor(StageHooks):
 
     def _in_step(self, consumer: Consumer, behind: list[TP]) -> None:
         """Pause the partitions more than ``AHEAD_MS`` ahead of the one furthest behind,
-        resume those no longer ahead (all of them when none is behind)."""
+        resume those no longer ahead (all of them when none is behind). While the lead
+        monitor holds back: pause those whose last record sent is past the earliest
+        record the shards have not released (every one, if none is), resume the others."""
         heads = {tp: order_time(self._sent[tp]) for tp in behind if tp in self._sent}
-        active = [heads[tp] for tp in heads if tp not in self._paused]
-        floor = min(active, default=None)
-        pause = [tp for tp, t in heads.items()
-                 if floor is not None and t > floor + AHEAD_MS and tp not in self._paused]
-        resume = [tp for tp in self._paused
-                  if floor is None or tp not in heads or heads[tp] <= floor + AHEAD_MS]
+        lead = self.lead
+        limit: float | None
+        if lead is not None and lead.holding_back():
+            released = lead.released
+            limit = float("-inf") if released is None else released
+        else:
+            active = [heads[tp] for tp in heads if tp not in self._paused]
+            floor = min(active, default=None)
+            limit = None if floor is None else floor + AHEAD_MS
+        pause = [tp for tp, t in heads.items() if limit is not None and t > limit and tp not in self._paused]
+        resume = [tp for tp in self._paused if limit is None or tp not in heads or heads[tp] <= limit]
         if pause:
             consumer.pause([TopicPartition(t, p) for t, p in pause])
             self._paused.update(pause)
@@ -310,7 +448,10 @@ class PrepareProcessor(StageHooks):
             if record_size(m.key(), value, headers) > self._findings_limit():  # its dead letter goes without it
                 headers.append((VALUE_BYTES_HEADER, str(len(value or b"")).encode()))
                 value = None
-            out.append((t.findings, decide_partition(key, t.decide_partitions), m.key(), value, headers))
+            q = decide_partition(key, t.decide_partitions)
+            out.append((t.findings, q, m.key(), value, headers))
+            if self.lead is not None:
+                self.lead.sent[q] += 1
         return out
 
     def _findings_limit(self) -> int:
