@@ -609,7 +609,7 @@ def test_the_components_policy_through_the_stages(kafka_bootstrap, kafka_topic_f
     stages = _Stages(kafka_bootstrap, topic, topology, log, extra=flags)
     table = ("--state-dir", str(tmp_path / "decide-state"))
     try:
-        stages.start("prepare")
+        stages.start("prepare", "a", "--max-undecided", "20")  # and holding back often: nothing stalls
         stages.start("shard")
         stages.start("decide", "a", *table)
         stages.start("decide", "b")
@@ -623,6 +623,7 @@ def test_the_components_policy_through_the_stages(kafka_bootstrap, kafka_topic_f
     assert len(out) == len(docs), log.read_text()[-4000:]
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), engine=engine, log=log.read_text())
     assert "from offset" in log.read_text()  # the restarted decide reopened its table
+    assert "holding back" in log.read_text()
     # the clusters are those of components, not of the canonical policy
     ordered = [json.loads(v) for _, v in _in_order(kafka_bootstrap, topic)]
     canonical = ShardedReference(EngineSettings(threshold=0.5), topology.shards).process(

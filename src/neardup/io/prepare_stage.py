@@ -40,8 +40,10 @@ under half the bound again, prepare reads only the partitions whose last record 
 or behind that key, and pauses the rest, so that what it sends is what the shards release
 next. The partition holding the shards back is never paused (its last record is behind the
 earliest one held), so the pipeline cannot deadlock; with no record unreleased in the
-shards (decide alone is behind), every partition is paused until decide catches up. Lead
-is flow control only: the records sent, and so the verdicts, are the same.
+shards (decide alone is behind), every partition is paused until decide catches up, but
+under the components policy, where decide waits for the watermarks too, the partitions
+furthest behind are read on. Lead is flow control only: the records sent, and so the
+verdicts, are the same.
 
 Nothing is stored: a batch whose transaction fails is consumed again from the group's
 committed offsets and gives the same records (the preparation is a pure function of the
@@ -331,7 +333,12 @@ class PrepareProcessor(StageHooks):
         limit: float | None
         if lead is not None and lead.holding_back():
             released = lead.released
-            limit = float("-inf") if released is None else released
+            if released is not None:
+                limit = released
+            elif self.marked[1:]:  # decide waits for the watermarks: the partitions furthest behind go on
+                limit = min(heads.values(), default=None)
+            else:
+                limit = float("-inf")
         else:
             active = [heads[tp] for tp in heads if tp not in self._paused]
             floor = min(active, default=None)
