@@ -56,7 +56,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
@@ -154,27 +154,35 @@ class Outputs(threading.Thread):
         self.consumer.close()
 
 
-def stamps(bootstrap: str, topic: str, keys: Callable[[Message], list[bytes]]) -> dict[bytes, int]:
-    """The latest record timestamp (CreateTime, ms: the producing stage's ``produce()``
-    call) per key that ``keys`` finds in a committed record of ``topic``."""
+def committed_records(bootstrap: str, topic: str) -> Iterator[Message]:
+    """Every committed record of every partition of ``topic``, from its start to its end
+    (at most 300 s of reading)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
                   "auto.offset.reset": "earliest", "isolation.level": "read_committed",
                   "enable.partition.eof": True})
-    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-    c.assign([TopicPartition(topic, p, 0) for p in parts])
-    out: dict[bytes, int] = {}
-    ended: set[int] = set()
-    deadline = time.monotonic() + 300
-    while len(ended) < len(parts) and time.monotonic() < deadline:
-        for m in c.consume(10_000, timeout=1.0):
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        c.assign([TopicPartition(topic, p, 0) for p in parts])
+        ended: set[int] = set()
+        deadline = time.monotonic() + 300
+        while len(ended) < len(parts) and time.monotonic() < deadline:
+            for m in c.consume(10_000, timeout=1.0):
+                err = m.error()
+                if err is None:
+                    yield m
+                elif err.code() == KafkaError._PARTITION_EOF:
                     ended.add(m.partition())
-                continue
-            for key in keys(m):
-                out[key] = max(out.get(key, 0), m.timestamp()[1])
-    c.close()
+    finally:
+        c.close()
+
+
+def stamps(bootstrap: str, topic: str, keys: Callable[[Message], list[bytes]]) -> dict[bytes, int]:
+    """The latest record timestamp (CreateTime, ms: the producing stage's ``produce()``
+    call) per key that ``keys`` finds in a committed record of ``topic``."""
+    out: dict[bytes, int] = {}
+    for m in committed_records(bootstrap, topic):
+        for key in keys(m):
+            out[key] = max(out.get(key, 0), m.timestamp()[1])
     return out
 
 
@@ -200,24 +208,10 @@ def stage_times(bootstrap: str, app: str, sent: dict[bytes, tuple[int, int, int]
 
 def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
     """(records, key + value bytes) committed in every partition of ``topic``."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
-                  "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-                  "enable.partition.eof": True})
-    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-    c.assign([TopicPartition(topic, p, 0) for p in parts])
     records = size = 0
-    ended: set[int] = set()
-    deadline = time.monotonic() + 300
-    while len(ended) < len(parts) and time.monotonic() < deadline:
-        for m in c.consume(10_000, timeout=1.0):
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    ended.add(m.partition())
-                continue
-            records += 1
-            size += len(m.key() or b"") + len(m.value() or b"")
-    c.close()
+    for m in committed_records(bootstrap, topic):
+        records += 1
+        size += len(m.key() or b"") + len(m.value() or b"")
     return records, size
 
 
