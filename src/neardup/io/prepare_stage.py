@@ -136,7 +136,8 @@ class LeadMonitor:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10)
-        self._probe.close()
+        if not self._thread.is_alive():  # a read still waiting on a broker that is out keeps it
+            self._probe.close()
 
     def undecided(self) -> int:
         """The most records of one findings partition that decide has not passed: as read,
