@@ -102,6 +102,8 @@ IDLE_MARK_S = 0.2
 AHEAD_MS = 10_000
 #: Seconds between two reads of what waits downstream (``LeadMonitor``).
 LEAD_CHECK_S = 0.25
+#: Seconds without a read of what waits downstream before the log says the bound is not kept.
+UNREAD_WARN_S = 30.0
 
 
 class LeadMonitor:
@@ -110,7 +112,10 @@ class LeadMonitor:
     the document records it sends between two reads (``sent``), so that prepare holds
     back at once rather than a read later.
 
-    A read that fails (the broker out) is logged at DEBUG and the last values kept.
+    A read that fails (the broker out) is logged at DEBUG and the last values kept; after
+    ``UNREAD_WARN_S`` without one, a warning says the bound is not kept. Until the first
+    read prepare does not hold back: a monitor that cannot read (e.g. no right to describe
+    decide's group) must not stop the stage.
     """
 
     def __init__(self, settings: Settings, topology: Topology, limit: int) -> None:
@@ -161,11 +166,18 @@ class LeadMonitor:
         return over
 
     def _run(self) -> None:
+        read_at = time.monotonic()  # the last read that succeeded (or the start)
+        warned = False
         while not self._stop.wait(LEAD_CHECK_S):
             try:
                 self._read()
+                read_at, warned = time.monotonic(), False
             except Exception as exc:  # noqa: BLE001 - advisory: the last values stand
                 log.debug("reading what waits downstream: %s", exc)
+                if not warned and time.monotonic() - read_at > UNREAD_WARN_S:
+                    warned = True  # once per spell: the bound is not kept while it cannot be read
+                    log.warning("--max-undecided is not enforced: what waits downstream could not be read for "
+                                "%.0f s (%s)", time.monotonic() - read_at, exc)
 
     def _behind(self, group: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
         """Per partition of ``topic``: (``group``'s committed offset, else the earliest
