@@ -294,7 +294,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     cpu = cpu_by_role(procs, cpu_gone)
     latency: dict[str, object] = {}
     if paced:
-        latency = paced_phase(args, bootstrap, topic, procs, reader, paced, fed, n, cpu, cpu_gone, where)
+        latency = paced_phase(args, bootstrap, topic, app, procs, reader, paced, fed, n, cpu, cpu_gone, where)
         n += len(paced)
     rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
            for role in ROLES}
@@ -324,10 +324,6 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         "load_before": load_before, "load_after": load_after,
     }
     if paced:
-        outputs: dict[bytes, int] = {}
-        for (key, _), ts in zip(reader.records, reader.timestamps_ms):
-            outputs.setdefault(key, ts)
-        latency["stages_ms"] = stage_times(bootstrap, app, {key: where[key] for key, _ in paced}, outputs)
         result["paced"] = latency
     if reference is not None:
         order = sorted([*messages, *paced], key=lambda kv: where[kv[0]])
@@ -347,13 +343,14 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     return result
 
 
-def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, procs: dict[tuple[str, int], subprocess.Popen],
+def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, app: str, procs: dict[tuple[str, int], subprocess.Popen],
                 reader: Outputs, paced: Sequence[tuple[bytes, bytes]], fed: int | None, n: int,
                 cpu_before: dict[str, float], cpu_gone: dict[str, float],
                 where: dict[bytes, tuple[int, int, int]]) -> dict[str, object]:
     """With the backlog's ``n`` outputs seen: produce ``paced`` at ``args.rate`` to the
     ``fed`` partitions, wait for their outputs (at most ``args.timeout`` s), and return the
-    latencies in ms (``benchlib.quantiles``), the stages' CPU over the phase, and the load
+    latencies in ms (``benchlib.quantiles``), where they went per stage (``stage_times``,
+    reading the ``app``'s internal topics), the stages' CPU over the phase, and the load
     averages before and after it. ``where`` gets the paced records' order keys.
 
     Raises:
@@ -388,6 +385,7 @@ def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, procs: dic
             "produce_seconds": produce_s, "seconds": seconds,
             "output_minus_input_ms": benchlib.quantiles(to_output),
             "output_minus_input_after_first_second_ms": benchlib.quantiles(settled),
+            "stages_ms": stage_times(bootstrap, app, {key: sent[key] for key in keys}, out_ms),
             "visible_minus_input_ms": benchlib.quantiles(visible),
             "cpu_us_per_document": {r: 1e6 * (cpu[r] - cpu_before[r]) / len(paced) for r in ROLES},
             "cpu_cores": {r: (cpu[r] - cpu_before[r]) / seconds for r in ROLES},

@@ -188,12 +188,14 @@ class LeadMonitor:
         tps = [TopicPartition(topic, q) for q in range(partitions)]
         [future] = self._admin.list_consumer_group_offsets(
             [ConsumerGroupTopicPartitions(group, tps)], request_timeout=5).values()
-        committed = {tp.partition: tp.offset for tp in future.result().topic_partitions}
+        at = {tp.partition: tp.offset for tp in future.result().topic_partitions if tp.offset >= 0}
         ends = {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
             {tp: OffsetSpec.latest() for tp in tps}, request_timeout=5).items()}
-        starts = {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
-            {tp: OffsetSpec.earliest() for tp in tps}, request_timeout=5).items()}
-        return {q: (committed[q] if committed.get(q, -1) >= 0 else starts[q], ends[q]) for q in ends}
+        uncommitted = [tp for tp in tps if tp.partition not in at]
+        if uncommitted:  # the group has not committed there yet: all of it is ahead of the group
+            at |= {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
+                {tp: OffsetSpec.earliest() for tp in uncommitted}, request_timeout=5).items()}
+        return {q: (at[q], ends[q]) for q in ends}
 
     def _read(self) -> None:
         t = self.topology
@@ -257,7 +259,8 @@ class PrepareProcessor(StageHooks):
         self.preparer = Preparer(settings.engine())
         self.digest = engine_digest(settings.engine())
         # decide orders its decisions by the watermarks under the components policy only
-        self.marked = [topology.bands] + ([topology.findings] if settings.engine().cluster_policy == "components" else [])
+        self._components = settings.engine().cluster_policy == "components"
+        self.marked = [topology.bands] + ([topology.findings] if self._components else [])
         self._ensured = False
         self._limit: int | None = None
         self._consumer: Consumer | None = None
@@ -348,7 +351,7 @@ class PrepareProcessor(StageHooks):
             released = lead.released
             if released is not None:
                 limit = released
-            elif self.marked[1:]:  # decide waits for the watermarks: the partitions furthest behind go on
+            elif self._components:  # decide waits for the watermarks: the partitions furthest behind go on
                 limit = min(heads.values(), default=None)
             else:
                 limit = float("-inf")
