@@ -284,6 +284,7 @@ class _Stages:
     def __init__(self, bootstrap: str, topic: str, topology: Topology, log: Path, reorder_ms: int = 1000,
                  extra: tuple[str, ...] = ()) -> None:
         self.args = [bootstrap, topic, topology.app, str(topology.shards), str(topology.decide_partitions)]
+        self.log_path = log
         self.reorder_ms = str(reorder_ms)
         self.extra = list(extra)
         self.log = open(log, "ab")
@@ -311,6 +312,13 @@ class _Stages:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
+
+    def report(self) -> str:
+        """Which stages have exited, with their codes, and the end of their shared log."""
+        self.log.flush()
+        ended = [f"{role}/{instance} exited {p.returncode}" for (role, instance), p in self.procs.items()
+                 if p.poll() is not None]
+        return f"{', '.join(ended) or 'none exited'}\n{self.log_path.read_text(errors='replace')[-6000:]}"
 
     def stop_upstream_first(self, topology: Topology, timeout_s: float = 120.0) -> None:
         """SIGTERM prepare, then shard once it has committed every record of the band
@@ -359,7 +367,8 @@ def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive)
         out = read_all(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"], idle_s=2.0, timeout_s=30)
         if len(out) >= expected or time.monotonic() > deadline:
             return out
-        assert alive(), "a stage stopped"
+        stages = getattr(alive, "__self__", None)
+        assert alive(), f"a stage stopped: {stages.report() if isinstance(stages, _Stages) else ''}"
 
 
 def _through_the_stages(stages: _Stages, bootstrap: str, topic: str, expected: int, log: Path) -> list:

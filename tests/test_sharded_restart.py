@@ -68,11 +68,11 @@ def test_stages_survive_a_broker_restart_mid_stream(own_broker, tmp_path):
         time.sleep(6)  # about 150 messages in, the stages busy
         own_broker.kill()
         time.sleep(5)
-        assert stages.alive(), "every stage must survive the broker's crash"
+        assert stages.alive(), f"every stage must survive the broker's crash: {stages.report()}"
         own_broker.restart()
         feed.finish()
         out = _outputs(bs, topic, len(messages), 300, stages.alive)
-        assert stages.alive(), "a stage stopped after the restart"
+        assert stages.alive(), f"a stage stopped after the restart: {stages.report()}"
     finally:
         stages.stop()
     log = (tmp_path / "stages.log").read_text()

@@ -59,7 +59,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer,
+                             TopicPartition)
 
 from neardup.config import Settings
 from neardup.core.types import Document
@@ -119,16 +120,20 @@ class LeadMonitor:
     """
 
     def __init__(self, settings: Settings, topology: Topology, limit: int) -> None:
-        from confluent_kafka.admin import AdminClient
-
         self.topology, self.limit = topology, limit
         app = topology.app
-        self._groups = {"decide": f"{app}.decide", "shard": f"{app}.shard"}
-        self._admin = AdminClient(admin_config(settings))
-        self._probe = Consumer({**settings.kafka, "bootstrap.servers": settings.bootstrap_servers,
-                                "group.id": f"neardup-lead-{app}", "enable.auto.commit": False,
-                                "isolation.level": "read_committed", "max.partition.fetch.bytes": 65536,
-                                "fetch.max.bytes": 1 << 20, "logger": rdkafka_logger()})
+        base = {k: v for k, v in settings.kafka.items() if k != "group.instance.id"}
+        base |= {"bootstrap.servers": settings.bootstrap_servers, "enable.auto.commit": False,
+                 "logger": rdkafka_logger()}
+        # Consumers that never subscribe, so never join their group: ``committed`` reads the
+        # group's offsets and ``offsets_for_times`` the partitions' ends. Not an AdminClient:
+        # librdkafka 2.16 aborts the process (rd_kafka_enq_once_del_source_return's assertion)
+        # when a coordinator request of its admin API times out across a broker restart.
+        self._groups = {role: Consumer({**base, "group.id": f"{app}.{role}",
+                                        "isolation.level": "read_uncommitted"})
+                        for role in ("decide", "shard")}
+        self._probe = Consumer({**base, "group.id": f"neardup-lead-{app}", "isolation.level": "read_committed",
+                                "max.partition.fetch.bytes": 65536, "fetch.max.bytes": 1 << 20})
         self.sent = [0] * topology.decide_partitions  # document records sent, per decide partition (stage thread)
         # per decide partition, at the last read: records decide has not passed, and ``sent`` then
         self._read_at: tuple[list[int], list[int]] | None = None
@@ -142,7 +147,8 @@ class LeadMonitor:
         self._stop.set()
         self._thread.join(10)
         if not self._thread.is_alive():  # a read still waiting on a broker that is out keeps it
-            self._probe.close()
+            for consumer in (self._probe, *self._groups.values()):
+                consumer.close()
 
     def undecided(self) -> int:
         """The most records of one findings partition that decide has not passed: as read,
@@ -179,28 +185,33 @@ class LeadMonitor:
                     log.warning("--max-undecided is not enforced: what waits downstream could not be read for "
                                 "%.0f s (%s)", time.monotonic() - read_at, exc)
 
-    def _behind(self, group: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
-        """Per partition of ``topic``: (``group``'s committed offset, else the earliest
-        offset; the end offset)."""
-        from confluent_kafka import ConsumerGroupTopicPartitions
-        from confluent_kafka.admin import OffsetSpec
-
+    def _behind(self, role: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
+        """Per partition of ``topic``: (the ``role`` group's committed offset, else the
+        earliest offset; the end offset, high watermark). Raises ``KafkaException`` when the
+        broker does not answer within 5 s."""
+        reader = self._groups[role]
         tps = [TopicPartition(topic, q) for q in range(partitions)]
-        [future] = self._admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(group, tps)], request_timeout=5).values()
-        at = {tp.partition: tp.offset for tp in future.result().topic_partitions if tp.offset >= 0}
-        ends = {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
-            {tp: OffsetSpec.latest() for tp in tps}, request_timeout=5).items()}
+        at = {tp.partition: tp.offset for tp in reader.committed(tps, timeout=5) if tp.offset >= 0}
+        ends = self._offsets(reader, tps, OFFSET_END)
         uncommitted = [tp for tp in tps if tp.partition not in at]
         if uncommitted:  # the group has not committed there yet: all of it is ahead of the group
-            at |= {tp.partition: f.result().offset for tp, f in self._admin.list_offsets(
-                {tp: OffsetSpec.earliest() for tp in uncommitted}, request_timeout=5).items()}
+            at |= self._offsets(reader, uncommitted, OFFSET_BEGINNING)
         return {q: (at[q], ends[q]) for q in ends}
+
+    @staticmethod
+    def _offsets(reader: Consumer, tps: list[TopicPartition], which: int) -> dict[int, int]:
+        """The earliest (``OFFSET_BEGINNING``) or end (``OFFSET_END``) offset of each of
+        ``tps``, in one ListOffsets request per leader."""
+        found = reader.offsets_for_times([TopicPartition(tp.topic, tp.partition, which) for tp in tps], timeout=5)
+        failed = [tp for tp in found if tp.error is not None or tp.offset < 0]
+        if failed:
+            raise KafkaException(failed[0].error or KafkaError(KafkaError._NOENT))
+        return {tp.partition: tp.offset for tp in found}
 
     def _read(self) -> None:
         t = self.topology
         sent = list(self.sent)  # before the offsets: a record sent meanwhile is counted twice, never missed
-        behind = self._behind(self._groups["decide"], t.findings, t.decide_partitions)
+        behind = self._behind("decide", t.findings, t.decide_partitions)
         self._read_at = ([behind[q][1] - behind[q][0] for q in range(t.decide_partitions)], sent)
         if self.over or self.undecided() > self.limit // 2:
             self.released = self._earliest_unreleased()
@@ -209,7 +220,7 @@ class LeadMonitor:
         """The record time (ms) of the earliest band record at or after the shard group's
         committed offset of any band partition; None if every partition is passed."""
         t = self.topology
-        behind = {q: at for q, (at, end) in self._behind(self._groups["shard"], t.bands, t.shards).items() if at < end}
+        behind = {q: at for q, (at, end) in self._behind("shard", t.bands, t.shards).items() if at < end}
         if not behind:
             return None
         self._probe.assign([TopicPartition(t.bands, q, at) for q, at in behind.items()])
