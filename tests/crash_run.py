@@ -17,7 +17,7 @@ import sys
 
 from neardup.config import load_settings
 from neardup.detector import Detector
-from neardup.io.kafka import KafkaDeduplicator
+from neardup.run import KafkaDeduplicator
 from neardup.state.rocksdb import RocksDBStateStore
 
 

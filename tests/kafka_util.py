@@ -196,7 +196,7 @@ def run_until_committed(settings, state_dir: Path, target: int, timeout_s: float
     import threading
 
     from neardup.detector import Detector
-    from neardup.io.kafka import KafkaDeduplicator
+    from neardup.run import KafkaDeduplicator
     from neardup.state.rocksdb import RocksDBStateStore
 
     engine = settings.engine()

@@ -22,7 +22,7 @@ from neardup.config import (
 from neardup.core.settings import EngineSettings
 from neardup.embedded import dedup_files
 from neardup.evaluate import evaluate
-from neardup.io.produce import produce_files
+from neardup.kafka.produce import produce_files
 from neardup.pipeline import prepared_ahead
 
 

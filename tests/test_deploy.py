@@ -39,7 +39,7 @@ from neardup.config import DEFAULT_METRICS_PORT
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Detector
-from neardup.io.kafka import BatchStats
+from neardup.run import BatchStats
 from neardup.metrics import Metrics
 from neardup.server import MetricsServer
 from neardup.state.rocksdb import RocksDBStateStore
@@ -521,9 +521,9 @@ def test_k8s_sharded_has_a_workload_per_stage_whose_args_parse(tmp_path):
 
 def real_stage_metrics_output() -> str:
     """/metrics of every stage's StageMetrics, fed with the stages' own batch results, over HTTP."""
-    from neardup.io.decide_stage import DecideWritten
-    from neardup.io.prepare_stage import PrepareWritten
-    from neardup.io.shard_stage import ShardWritten
+    from neardup.sharded.decide_stage import DecideWritten
+    from neardup.sharded.prepare_stage import PrepareWritten
+    from neardup.sharded.shard_stage import ShardWritten
     from neardup.metrics import StageMetrics
     from confluent_kafka import TopicPartition
 

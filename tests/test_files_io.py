@@ -1,4 +1,4 @@
-"""The embedded mode's JSONL reading and writing (``neardup.io.files``) through
+"""The embedded mode's JSONL reading and writing (``neardup.files``) through
 ``dedup_files``: records come out byte for byte as they came, and what orjson reads
 differently from ``json`` is read as ``json`` reads it."""
 
@@ -58,7 +58,7 @@ def test_a_corrupt_gzip_input_is_one_error(tmp_path: Path) -> None:
 
     import pytest
 
-    from neardup.io.files import InputError
+    from neardup.files import InputError
 
     data = bytearray(gzip.compress(('{"id": "a", "text": "%s"}\n' % STORY).encode() * 50))
     data[20] ^= 0xFF  # inside the deflate stream

@@ -23,7 +23,7 @@ from kafka_util import create_topic, excerpt, produce, read_all, start_run, stop
 from neardup.cli import main
 from neardup.core.types import Document
 from neardup.extract import main_text
-from neardup.io.messages import MessageError, to_document
+from neardup.kafka.messages import MessageError, to_document
 from neardup.records import NoMainText, RecordError, record_text
 from neardup.sitepages import SITES, distinct_stories, site_pages
 

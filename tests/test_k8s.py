@@ -210,8 +210,8 @@ def test_k8s_single_process_transactional_id_is_unique_per_group_and_stable_per_
 
 
 def test_k8s_sharded_stages_have_stable_instances_and_static_membership(tmp_path, monkeypatch):
-    from neardup.io.prepare_stage import PrepareStage
-    from neardup.io.topology import Topology
+    from neardup.sharded.prepare_stage import PrepareStage
+    from neardup.sharded.topology import Topology
 
     objects = render(K8S / "sharded")
     (configmap,) = [o for o in objects if o["kind"] == "ConfigMap"]

@@ -1,5 +1,5 @@
 """The state outlives its directory: restored from its changelog topic on the real broker,
-with every verdict identical to an uninterrupted run (``neardup.io.changelog``)."""
+with every verdict identical to an uninterrupted run (``neardup.kafka.changelog``)."""
 
 from __future__ import annotations
 

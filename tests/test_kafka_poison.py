@@ -22,7 +22,7 @@ from kafka_util import committed_offset, create_topic, excerpt, produce, read_al
 from test_messages import POISON
 
 from neardup.config import load_settings
-from neardup.io.limits import HEADERS_ALLOWANCE, TopicLimits
+from neardup.kafka.limits import HEADERS_ALLOWANCE, TopicLimits
 
 JSON = {"text_field": ["text"], "id_field": "id"}
 #: max.message.bytes of the input topics here: 10 MiB, ten times the broker's default.
@@ -352,7 +352,7 @@ def test_topic_limits_are_read_from_the_broker(kafka_bootstrap, caplog):
     after ``forget``."""
     small = create_topic(kafka_bootstrap, f"small-{uuid.uuid4().hex[:12]}", {"max.message.bytes": "500000"})
     limits = TopicLimits({"bootstrap.servers": kafka_bootstrap})
-    with caplog.at_level(logging.WARNING, logger="neardup.io.limits"):
+    with caplog.at_level(logging.WARNING, logger="neardup.kafka.limits"):
         assert limits.get(small) == 500_000
         assert limits.get(f"absent-{uuid.uuid4().hex}") == 1_048_588  # the broker's default
     assert f"topic {small} takes record batches of at most 500000 bytes" in caplog.text

@@ -149,7 +149,7 @@ def test_a_consumer_restarted_after_sigkill_gets_its_partition_at_once(kafka_boo
     stamps = {}
     for line in log.read_text().splitlines():
         for what in ("subscribed to", "assigned"):
-            if f"neardup.io.stage: {what}" in line and what not in stamps:
+            if f"neardup.kafka.stage: {what}" in line and what not in stamps:
                 stamps[what] = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     waited = (stamps["assigned"] - stamps["subscribed to"]).total_seconds()
     print(f"assigned {waited:.1f} s after subscribing")

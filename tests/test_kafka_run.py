@@ -33,7 +33,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector
 from neardup.embedded import dedup_files
-from neardup.io.kafka import KafkaDeduplicator
+from neardup.run import KafkaDeduplicator
 from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
@@ -513,7 +513,7 @@ def test_rebalance_while_a_batch_is_read_ahead_keeps_exactly_once(kafka_bootstra
             joined[0].start()
             time.sleep(2)  # the group rebalances; the revocation waits in our queue
 
-    caplog.set_level(logging.INFO, logger="neardup.io")
+    caplog.set_level(logging.INFO, logger="neardup")
     dedup = _run_in_thread(settings, tmp_path / "state", on_batch, len(records))
     assert joined, "the second member joined"
     joined[0].join(10)
@@ -546,7 +546,7 @@ def test_a_dead_worker_is_replaced_by_preparing_inline(kafka_bootstrap, kafka_to
             for pid in killed:
                 os.kill(pid, signal.SIGKILL)
 
-    caplog.set_level(logging.INFO, logger="neardup.io")
+    caplog.set_level(logging.INFO, logger="neardup")
     dedup = _run_in_thread(settings, tmp_path / "state", on_batch, len(records))
     assert len(killed) == 1
     assert "the preparing worker process died" in caplog.text

@@ -23,8 +23,8 @@ from test_kafka_poison import _set_limit
 
 from neardup.config import load_settings
 from neardup.detector import Detector
-from neardup.io.kafka import KafkaDeduplicator
-from neardup.io.progress import Progress
+from neardup.run import KafkaDeduplicator
+from neardup.kafka.progress import Progress
 from neardup.metrics import Metrics
 from neardup.server import MetricsServer, Readiness
 from neardup.state.rocksdb import RocksDBStateStore
@@ -112,7 +112,7 @@ def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bo
         assert len(retries) >= 2, [r.getMessage() for r in retries]
         assert [r.levelno for r in retries if r.levelno >= logging.WARNING] == [logging.WARNING]
         refusals = [r for r in caplog.records
-                    if r.name == "neardup.io.kafka" and "headers alone was refused" in r.getMessage()]
+                    if r.name == "neardup.run" and "headers alone was refused" in r.getMessage()]
         assert len(refusals) == 1, [r.getMessage() for r in refusals]
 
     assert not runner.is_alive()
@@ -130,8 +130,8 @@ def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, 
 
     from confluent_kafka.admin import AdminClient
 
-    from neardup.io.prepare_stage import PrepareStage
-    from neardup.io.topology import Topology
+    from neardup.sharded.prepare_stage import PrepareStage
+    from neardup.sharded.topology import Topology
     from neardup.metrics import StageMetrics
 
     topic = create_topic(kafka_bootstrap, f"stall-stage-{uuid.uuid4().hex[:12]}")

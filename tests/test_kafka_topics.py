@@ -1,5 +1,5 @@
 """The topics neardup creates take the operator's partition count and replication factor
-(``--topic-partitions``, ``--topic-replication-factor``; ``neardup.io.topics``), on the
+(``--topic-partitions``, ``--topic-replication-factor``; ``neardup.kafka.topics``), on the
 real broker.
 
 The local broker has one node, so a replication factor of 1 is all it can take: the
@@ -20,8 +20,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from kafka_util import create_topic, produce, start_run, stop, wait_committed
 from test_sharded_kafka import _Stages, _through_the_stages
 
-from neardup.io.limits import HEADERS_ALLOWANCE, SET_BYTES_PER_TEXT_BYTE
-from neardup.io.topology import Topology
+from neardup.kafka.limits import HEADERS_ALLOWANCE, SET_BYTES_PER_TEXT_BYTE
+from neardup.sharded.topology import Topology
 
 
 def _described(bootstrap: str, names: list[str]) -> dict[str, tuple[int, int, str]]:

@@ -1,5 +1,5 @@
 """Large messages are never lost, on the real broker: the topics ``neardup run`` creates
-take any record its input topics accept plus neardup's headers (``neardup.io.topics``),
+take any record its input topics accept plus neardup's headers (``neardup.kafka.topics``),
 so a message of an input that takes 10 MiB reaches ``.unique`` or, over
 ``--max-message-bytes``, a dead letter with its value; only an output topic that exists
 already with a smaller limit makes a dead letter leave the value out, and then it says
@@ -16,8 +16,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from kafka_util import create_topic, produce, read_all, run_until_committed, start_run, stop, wait_committed
 from neardup.config import Settings
-from neardup.io.limits import HEADERS_ALLOWANCE
-from neardup.io.messages import HEADER_ERROR, HEADER_SOURCE_OFFSET, HEADER_SOURCE_TOPIC, HEADER_VALUE_BYTES
+from neardup.kafka.limits import HEADERS_ALLOWANCE
+from neardup.kafka.messages import HEADER_ERROR, HEADER_SOURCE_OFFSET, HEADER_SOURCE_TOPIC, HEADER_VALUE_BYTES
 from neardup.metrics import Metrics
 
 MIB = 1 << 20
@@ -84,7 +84,7 @@ def test_an_existing_smaller_dead_letter_topic_leaves_the_value_out_and_says_so(
     metrics = Metrics()
     settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"g-{topic}",
                         from_beginning=True, metrics_port=0)
-    with caplog.at_level(logging.WARNING, logger="neardup.io.topics"):
+    with caplog.at_level(logging.WARNING, logger="neardup.kafka.topics"):
         run_until_committed(settings, tmp_path / "state", len(values),
                             on_batch=lambda dedup, stats: metrics.observe_batch(stats))
     needed = INPUT_LIMIT + HEADERS_ALLOWANCE

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neardup.core.types import Verdict
-from neardup.io.messages import (
+from neardup.kafka.messages import (
     HEADER_CONTAINMENT,
     HEADER_JACCARD,
     HEADER_OVERHEAD,

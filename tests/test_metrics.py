@@ -353,7 +353,7 @@ def test_documents_expired_is_a_counter_read_from_the_state():
 
 
 def test_restore_in_progress_and_its_statistics():
-    from neardup.io.changelog import RestoreStats
+    from neardup.kafka.changelog import RestoreStats
 
     metrics = Metrics()
     metrics.observe_restore(True)
@@ -370,7 +370,7 @@ def test_restore_in_progress_and_its_statistics():
 def test_one_label_name_for_a_verdict():
     """``verdict`` in both modes (unique|duplicate); ``outcome`` only for a transaction's
     committed|aborted; decide's dead letters in a counter of their own, as ``run``'s."""
-    from neardup.io.decide_stage import DecideWritten
+    from neardup.sharded.decide_stage import DecideWritten
     from neardup.metrics import StageMetrics
 
     stage = StageMetrics("decide")

@@ -15,7 +15,7 @@ import numpy as np
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
-from neardup.io.files import Line, numbered_lines, read_lines
+from neardup.files import Line, numbered_lines, read_lines
 from neardup.pipeline import ParseLines, PrepareTexts, PrepareWorker, prepared_ahead
 
 SETTINGS = EngineSettings()

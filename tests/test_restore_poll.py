@@ -1,6 +1,6 @@
 """A restore longer than ``max.poll.interval.ms`` keeps the consumer in its group:
 the stage runtime runs ``Processor.check`` in a thread of its own while its consumer keeps
-polling with the partitions held paused (``neardup.io.stage``)."""
+polling with the partitions held paused (``neardup.kafka.stage``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_util import produce, read_all, unique
 from neardup.config import load_settings
-from neardup.io.partition_log import read_to_end
-from neardup.io.topology import Topology
+from neardup.kafka.partition_log import read_to_end
+from neardup.sharded.topology import Topology
 from neardup.sharded.records import ORDER
 from test_sharded_kafka import _check_verdicts, _Stages, _stories_and_copies
 

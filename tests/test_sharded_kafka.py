@@ -24,8 +24,8 @@ from neardup.config import load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
-from neardup.io.prepare_stage import PrepareStage
-from neardup.io.topology import Topology, TopologyMismatchError
+from neardup.sharded.prepare_stage import PrepareStage
+from neardup.sharded.topology import Topology, TopologyMismatchError
 from neardup.sharded.records import (
     ERROR_HEADER,
     ID_HEADER,
@@ -352,7 +352,7 @@ def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir:
     import threading
 
     from neardup.config import Settings
-    from neardup.io.shard_stage import ShardStage
+    from neardup.sharded.shard_stage import ShardStage
 
     settings = Settings(bootstrap_servers=bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
                         from_beginning=True, batch_size=50,
@@ -946,7 +946,7 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
 
     from confluent_kafka import Producer, TopicPartition
 
-    from neardup.io.shard_stage import ShardProcessor
+    from neardup.sharded.shard_stage import ShardProcessor
 
     topic = kafka_topic_factory("sharded-reassigned", partitions=2)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
@@ -1054,7 +1054,7 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
     topology's topics deleted and created again under the same app) describes another
     topic: it is wiped and the topic read in full, not trusted."""
     from neardup.config import Settings
-    from neardup.io.decide_stage import DecideProcessor
+    from neardup.sharded.decide_stage import DecideProcessor
     from neardup.sharded.records import order_key, order_seq
     from neardup.state.decisions import StoredDecisionsTable
 
@@ -1066,7 +1066,7 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
     settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-ahead"], group_id=topology.app)
     processor = DecideProcessor(settings, topology, tmp_path)
     try:
-        with caplog.at_level("INFO", logger="neardup.io.decide_stage"):
+        with caplog.at_level("INFO", logger="neardup.sharded.decide_stage"):
             processor.start(None)
         assert stale not in processor.clusters  # the old entry is gone
         assert processor.clusters.position() is None  # nothing read from the new, empty topic
@@ -1084,7 +1084,7 @@ def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstra
     import struct
 
     from neardup.config import Settings
-    from neardup.io.decide_stage import DecideProcessor
+    from neardup.sharded.decide_stage import DecideProcessor
     from neardup.sharded.records import order_key
 
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)

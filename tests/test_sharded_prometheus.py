@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kafka_util import produce, read_all
-from neardup.io.topology import Topology
+from neardup.sharded.topology import Topology
 from test_sharded_kafka import _stories_and_copies
 
 ROOT = Path(__file__).resolve().parent.parent

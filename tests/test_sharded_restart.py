@@ -15,7 +15,7 @@ import uuid
 from confluent_kafka import Producer
 
 from conftest import create_topics
-from neardup.io.topology import Topology
+from neardup.sharded.topology import Topology
 from test_sharded_kafka import _check_verdicts, _outputs, _Stages, _stories_and_copies
 
 

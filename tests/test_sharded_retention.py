@@ -210,7 +210,7 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     from kafka_util import read_all
     from test_sharded_kafka import _Stages, _outputs
 
-    from neardup.io.topology import Topology
+    from neardup.sharded.topology import Topology
     from neardup.sharded.records import order_key, order_seq
     from neardup.state.shard_store import ShardStore
 

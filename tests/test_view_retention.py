@@ -11,7 +11,7 @@ from kafka_util import create_topic, produce, unique
 from rocksdict import WriteBatch
 
 from neardup.config import Settings
-from neardup.io.partition_log import catch_up
+from neardup.kafka.partition_log import catch_up
 from neardup.state.view import TopicView
 
 

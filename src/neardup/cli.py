@@ -423,13 +423,13 @@ def _observed(metrics: Any, readiness: Any, lag: Any, observe: Any, refresh: Any
 
 def cmd_run(settings: Settings, engine: EngineSettings) -> int:
     from neardup.detector import Detector
-    from neardup.io.changelog import ChangelogWriter
-    from neardup.io.kafka import KafkaDeduplicator
-    from neardup.io.progress import Progress
+    from neardup.kafka.changelog import ChangelogWriter
+    from neardup.run import KafkaDeduplicator
+    from neardup.kafka.progress import Progress
     from neardup.server import Readiness
     from neardup.state.rocksdb import RocksDBStateStore
 
-    from neardup.io.kafka_config import check_kafka_settings
+    from neardup.kafka.kafka_config import check_kafka_settings
 
     check_kafka_settings(settings)  # before the metrics server or the state start
     token = _query_token(settings)
@@ -504,12 +504,12 @@ def _query_server(settings: Settings, engine: EngineSettings, store: Any, token:
 
 
 def cmd_stage(role: str, settings: Settings) -> int:
-    """One stage of a sharded deduplication (``neardup.io.prepare_stage``, ``shard_stage``,
+    """One stage of a sharded deduplication (``neardup.sharded.prepare_stage``, ``shard_stage``,
     ``decide_stage``); every stage gets the same engine and topology settings."""
     import socket
 
-    from neardup.io.kafka_config import check_kafka_settings
-    from neardup.io.topology import Topology
+    from neardup.kafka.kafka_config import check_kafka_settings
+    from neardup.sharded.topology import Topology
 
     check_kafka_settings(settings)
     if not settings.bootstrap_servers:
@@ -542,7 +542,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if role != "prepare":
         stage_settings = stage_settings.model_copy(update={"from_beginning": True})
     from neardup.metrics import StageMetrics
-    from neardup.io.progress import Progress
+    from neardup.kafka.progress import Progress
     from neardup.server import MetricsServer, Readiness
 
     progress = Progress(name=f"the {role} stage")
@@ -555,16 +555,16 @@ def cmd_stage(role: str, settings: Settings) -> int:
     callbacks = {**_observed(metrics, readiness, lambda: runtime.lag(), metrics.observe), "progress": progress}
     try:
         if role == "prepare":
-            from neardup.io.prepare_stage import PrepareStage
+            from neardup.sharded.prepare_stage import PrepareStage
 
             runtime = PrepareStage(stage_settings, topology, instance, **callbacks)
         elif role == "shard":
-            from neardup.io.shard_stage import ShardStage
+            from neardup.sharded.shard_stage import ShardStage
 
             runtime = ShardStage(stage_settings, topology, instance, settings.state_dir, retention_ms,
                                  **callbacks)
         else:
-            from neardup.io.decide_stage import DecideStage
+            from neardup.sharded.decide_stage import DecideStage
 
             runtime = DecideStage(stage_settings, topology, instance, settings.state_dir, retention_ms, **callbacks)
         runtime.run()
@@ -575,8 +575,8 @@ def cmd_stage(role: str, settings: Settings) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from neardup.io.kafka_config import read_value_files
-    from neardup.io.produce import ProduceError, produce_files
+    from neardup.kafka.kafka_config import read_value_files
+    from neardup.kafka.produce import ProduceError, produce_files
 
     _setup_logging(Settings(log_level=args.log_level, log_format=args.log_format))
     try:
@@ -625,7 +625,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings, engine: EngineSetting
         from neardup.evaluate import evaluate, render
     except ImportError as exc:
         raise ValueError(f"neardup eval needs the eval extra: pip install 'neardup[eval]' ({exc})") from None
-    from neardup.io.files import open_binary, read_lines
+    from neardup.files import open_binary, read_lines
     from neardup.plots import write_plots
     from neardup.records import lookup
 

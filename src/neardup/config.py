@@ -12,7 +12,7 @@ librdkafka settings in a ``[kafka]`` table::
     "security.protocol" = "SASL_SSL"
     "sasl.password" = "@/run/secrets/kafka"
 
-A librdkafka value ``@PATH`` is read from the file PATH (``neardup.io.kafka_config``).
+A librdkafka value ``@PATH`` is read from the file PATH (``neardup.kafka.kafka_config``).
 
 Each setting's variable is ``NEARDUP_`` and its name in capitals (``variable``):
 ``NEARDUP_NUM_PERM``, ``NEARDUP_INPUT_TOPICS`` (comma-separated), ``NEARDUP_KAFKA`` (a
@@ -50,7 +50,7 @@ from neardup.core.normalize import TextNorm
 from neardup.core.retention import parse_duration
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
-from neardup.io.kafka_config import read_value_files
+from neardup.kafka.kafka_config import read_value_files
 
 DEFAULT_METRICS_PORT = 9464  # ``run``; ``dedup`` serves no metrics unless given a port
 DEFAULT_STATE_DIR = Path("neardup-state")  # ``run``; ``dedup`` uses a temporary directory
@@ -105,7 +105,7 @@ class Settings(BaseSettings):
     duplicate_topic: str | None = None
     dlq_topic: str | None = None
     batch_max_ms: int = Field(200, ge=1)
-    partition_wait_ms: int = Field(2000, ge=0)  # run: timestamp synchronisation (neardup.io.intake)
+    partition_wait_ms: int = Field(2000, ge=0)  # run: timestamp synchronisation (neardup.kafka.intake)
     max_message_bytes: int = Field(1 << 20, ge=1)
     from_beginning: bool = False
     transactional_id: str | None = None
@@ -380,6 +380,6 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
     kafka = given.pop("kafka", None)
     settings = _sourced(environment=True, table=table)(**given)
     # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key; then
-    # ``@PATH`` values are read from their files (neardup.io.kafka_config).
+    # ``@PATH`` values are read from their files (neardup.kafka.kafka_config).
     merged = {**settings.kafka, **Settings._stringify(dict(kafka or {}))}
     return settings.model_copy(update={"kafka": read_value_files(merged)})

@@ -3,7 +3,7 @@
 A rerun never destroys earlier output: each batch's state commit records, with the
 inputs' positions, the outputs' lengths in bytes, and a rerun cuts the outputs back to
 them before it goes on, so a run killed at any point and run again gives exactly the
-outputs of an uninterrupted run (``neardup.io.files.OutputFiles``).
+outputs of an uninterrupted run (``neardup.files.OutputFiles``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.extract import require_extractor
 from neardup.detector import Detector
-from neardup.io.files import (
+from neardup.files import (
     READ_ERRORS,
     Input,
     InputError,
@@ -251,9 +251,9 @@ def dedup_files(
     """Deduplicate ``inputs`` (JSONL, gzipped or not, or ``-``) in order, into ``out_dir``.
 
     With ``state_dir`` the state persists: a later run finds duplicates of earlier runs'
-    documents, an input already read (known by its content, ``neardup.io.files.Input``)
+    documents, an input already read (known by its content, ``neardup.files.Input``)
     is resumed after its last committed line, and outputs the state recorded are
-    continued (``neardup.io.files.OutputFiles``). Without it the state lives in a
+    continued (``neardup.files.OutputFiles``). Without it the state lives in a
     temporary directory removed at the end. Every input is checked before any output is
     touched.
 

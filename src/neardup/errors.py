@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from neardup.config import default
-from neardup.io.kafka_config import redact
+from neardup.kafka.kafka_config import redact
 from neardup.server import ServerError
 from neardup.state.base import SettingsMismatchError, StateError
 

@@ -18,7 +18,7 @@ Feeding it:
   rebalances (drops the lag of partitions no longer assigned).
 - ``transaction_aborted()`` from ``on_abort``.
 - ``watch_progress(progress)`` once: ``neardup_input_waiting_since_timestamp_seconds``
-  reads the consumer's ``neardup.io.progress.Progress`` at every scrape.
+  reads the consumer's ``neardup.kafka.progress.Progress`` at every scrape.
 - ``observe_restore(event)`` from a changelog restore's ``on_restore``: True when it
   begins (``neardup_restore_in_progress`` 1), its ``RestoreStats`` when it ends.
 - ``refresh_state(store)`` after batches: reads ``store.stats()`` at most every
@@ -52,7 +52,7 @@ from neardup.state import codec
 
 if TYPE_CHECKING:
     from neardup.core.settings import EngineSettings
-    from neardup.io.kafka import BatchStats
+    from neardup.run import BatchStats
 
 VERDICTS = ("unique", "duplicate")
 DEAD_LETTER_REASONS = ("tombstone", "too_large", "invalid_utf8", "invalid_json", "missing_field", "empty_text",
@@ -268,7 +268,7 @@ class Metrics:
 
     def observe_restore(self, stats: Any) -> None:
         """A restore from the changelog began (``stats`` True) or ended (``stats`` a
-        ``neardup.io.changelog.RestoreStats``: records, bytes, seconds)."""
+        ``neardup.kafka.changelog.RestoreStats``: records, bytes, seconds)."""
         if stats is True:
             self.restore_in_progress.set(1)
             return
@@ -303,7 +303,7 @@ class Metrics:
         self._lag_labels &= keep
 
     def watch_progress(self, progress: Any) -> None:
-        """Read ``progress.waiting_since()`` (a ``neardup.io.progress.Progress``) into
+        """Read ``progress.waiting_since()`` (a ``neardup.kafka.progress.Progress``) into
         ``neardup_input_waiting_since_timestamp_seconds`` at every scrape."""
         self.waiting_since.set_function(progress.waiting_since)
 

@@ -4,7 +4,7 @@ Normalising, shingling, MinHashing and banding (``Preparer``) need no state, nor
 parsing the input, so a worker process can do them for the next batch while this process
 verifies, clusters and writes the current one: the two halves then share the machine's
 two cores. What the worker does with a batch is a ``PrepareJob``: ``PrepareTexts`` for
-documents already parsed (the Kafka consumer, ``neardup.io.kafka``, which drives a
+documents already parsed (the Kafka consumer, ``neardup.run``, which drives a
 ``PrepareWorker`` itself), or ``ParseLines`` for raw input lines (the file mode,
 ``neardup.embedded``). ``prepared_ahead`` runs a job ahead of the caller, results in
 input order.
@@ -28,7 +28,7 @@ from neardup.core import numba_math_without_scipy
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import PreparedBatch, Preparer
-from neardup.io.files import Line, parse_line
+from neardup.files import Line, parse_line
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -85,7 +85,7 @@ _Parsed = tuple[int, str | None, str | None, float | None, str | None, str | Non
 @dataclass(frozen=True)
 class ParseLines:
     """The ``PrepareJob`` of a batch of input lines, ``(number, bytes)``: each is parsed
-    (``neardup.io.files.parse_line``) and the documents' texts prepared, in the worker
+    (``neardup.files.parse_line``) and the documents' texts prepared, in the worker
     process when there is one, so that parsing JSON shares the second core too. What
     comes back is each line without its parsed record (``spliceable`` says how its output
     is written) nor its bytes, which the caller keeps.

@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by every command
     from neardup.core.settings import EngineSettings
-    from neardup.io.progress import Progress
+    from neardup.kafka.progress import Progress
     from neardup.metrics import Metrics
     from neardup.state.kv import KeyValueStateStore
 
@@ -44,7 +44,7 @@ class ServerError(RuntimeError):
 class Readiness:
     """Readiness of a Kafka consumer: partitions assigned, the broker heard from within
     ``broker_timeout`` seconds, and not stalled (``progress``: input waiting with no batch
-    committed for longer than its ``stall_after``, ``neardup.io.progress``). Thread-safe;
+    committed for longer than its ``stall_after``, ``neardup.kafka.progress``). Thread-safe;
     ``check`` is the ``/readyz`` test.
 
     Feed it with ``set_assignment`` (``on_assignment``) and ``broker_answered``

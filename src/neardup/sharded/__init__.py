@@ -8,4 +8,8 @@ document's verdict is assembled from the answers of every shard it touched
 (``decide.decide``). ``reference.run_sharded`` runs all of it in one process, in order:
 the model the Kafka stages are checked against, and the measure of how far the sharded
 rule's verdicts are from one process's.
+
+The three Kafka stages run these rules on the exactly-once runtime (``neardup.kafka``):
+``prepare_stage``, ``shard_stage`` and ``decide_stage``, over the internal topics of
+``topology``.
 """

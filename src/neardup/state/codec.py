@@ -32,9 +32,9 @@ shingles   seq u64 BE                                sorted distinct shingle fin
                                                      (low 32 bits of the hashes), u32 LE
 positions  source name, UTF-8                        next position, u64 LE
 verdicts   caller-defined bytes                      caller-defined bytes (Kafka: the
-                                                     ``Outcome`` record, neardup.io.messages;
+                                                     ``Outcome`` record, neardup.kafka.messages;
                                                      under NUL "topic-id:" topic, the
-                                                     topic's id, neardup.io.state_check;
+                                                     topic's id, neardup.kafka.state_check;
                                                      files: outputs' lengths and the inputs
                                                      read per path, neardup.embedded)
 ========== ========================================= ==================================

@@ -31,7 +31,7 @@ With a retention window (``expire_before``; canonical policy only: a forest's ro
 be older than the window), the decisions of documents stamped before a
 time are dropped: a shard reports only members held in its window, so once no document
 still to decide can have them as candidates their decisions are never looked up. The
-caller picks that time (decide: ``neardup.io.decide_stage``). A lookup below it that finds
+caller picks that time (decide: ``neardup.sharded.decide_stage``). A lookup below it that finds
 nothing (a document processed far later than its time) gets the document as its own
 canonical (``fallbacks`` counts them): its verdict stays right, its cluster may be a new
 one. The canonicals' external ids stay while a held decision names them (clusters outlive

@@ -1,5 +1,5 @@
 """One shard partition's state in a local RocksDB directory: the materialised view of its
-changelog partition (``neardup.io.shard_stage``), as a Kafka Streams state store is of its
+changelog partition (``neardup.sharded.shard_stage``), as a Kafka Streams state store is of its
 changelog topic, plus the two indexes a shard looks up (a bucket's members, a document's
 copy bucket).
 
@@ -17,7 +17,7 @@ puts and deletes), so a position may lag behind what the store holds. A deleted 
 buckets' lists and its own copy bucket in the same write; a deletion of a member that is not
 here (applied before, or its record compacted away) changes nothing. A store without a
 position (new) is wiped and restored in full; a restore cut short resumes at the position
-of its last chunk (``neardup.io.partition_log.catch_up``).
+of its last chunk (``neardup.kafka.partition_log.catch_up``).
 
 Key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes, whose
 byte order is the documents' order):
@@ -25,7 +25,7 @@ byte order is the documents' order):
 - the changelog's records, as they are: ``b"M" + order key`` (a member: its copy joins,
   buckets and shingle set), ``b"P"`` (watermark, consumed band-topic offset and last
   released order key; the records held in the reorder window are not logged, the band
-  topic keeps them: ``neardup.io.shard_stage``);
+  topic keeps them: ``neardup.sharded.shard_stage``);
 - ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
   the order they joined;
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
-from neardup.io.bounded import discard
-from neardup.io.clients import admin_config
-from neardup.io.limits import TopicLimits, input_limits, internal_max_bytes
-from neardup.io.topics import BROKER_DEFAULT, create_missing, new_topic
+from neardup.kafka.bounded import discard
+from neardup.kafka.clients import admin_config
+from neardup.kafka.limits import TopicLimits, input_limits, internal_max_bytes
+from neardup.kafka.topics import BROKER_DEFAULT, create_missing, new_topic
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The decide stage of a sharded deduplication (docs/scale-out.md): a stateful
-``Processor`` on the stage runtime (``neardup.io.stage``), consuming the findings topic.
+``Processor`` on the stage runtime (``neardup.kafka.stage``), consuming the findings topic.
 
 A document's record (from prepare) and the findings of the shards it touched (from the
 shards) meet on its decide partition. Once all have come, and the cluster of every
@@ -36,7 +36,7 @@ findings and of earlier decisions, so one taken in a batch that failed is taken 
 the same.
 
 A record too large for its output topic goes to the dead-letter topic, with less of the
-message if need be (``neardup.io.messages.fit``, as in ``neardup run``). Not yet here
+message if need be (``neardup.kafka.messages.fit``, as in ``neardup run``). Not yet here
 (docs/scale-out.md): metrics; the fallback when the broker refuses a record that fitted
 by its topic's limit as read (``neardup run``'s per-message errors).
 """
@@ -55,15 +55,15 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, Topic
 from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
-from neardup.io.bounded import discard
-from neardup.io.clients import admin_config
-from neardup.io.limits import TopicLimits
-from neardup.io.messages import HEADER_VALUE_BYTES, Outcome, fit
-from neardup.io.partition_log import catch_up, read_to_end, with_retries
-from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
-from neardup.io.topics import create_missing, new_topic, sized_outputs
-from neardup.io.topology import Topology
+from neardup.kafka.bounded import discard
+from neardup.kafka.clients import admin_config
+from neardup.kafka.limits import TopicLimits
+from neardup.kafka.messages import HEADER_VALUE_BYTES, Outcome, fit
+from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
+from neardup.kafka.rdkafka_log import rdkafka_logger
+from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.kafka.topics import create_missing, new_topic, sized_outputs
+from neardup.sharded.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
     ChangelogLayoutError,
@@ -543,7 +543,7 @@ class DecideProcessor(StageHooks):
             out.append((self.topology.decisions, 0, order, orjson.dumps(decision), []))
         self._create_outputs(topic)
         # a record too large for its topic goes to the dead-letter topic, with less of the
-        # message if need be (as in ``neardup run``: ``neardup.io.messages.fit``)
+        # message if need be (as in ``neardup run``: ``neardup.kafka.messages.fit``)
         topics = {"unique": f"{topic}.unique", "duplicate": f"{topic}.duplicates", "dlq": f"{topic}.dlq"}
         _, partition, offset = ORDER.unpack(order)
         outcome = fit(outcome, key, value, carried, {t: (n, self._limits.get(n)) for t, n in topics.items()},
@@ -586,7 +586,7 @@ class DecideProcessor(StageHooks):
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there
         (a record produced to a topic being created was once seen lost, see
-        ``neardup.io.kafka``), with ``--topic-partitions``, ``--topic-replication-factor``
+        ``neardup.run``), with ``--topic-partitions``, ``--topic-replication-factor``
         and a ``max.message.bytes`` that takes any record of ``topic`` (``sized_outputs``).
 
         Raises:

@@ -14,8 +14,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
-from neardup.io.clients import admin_config
-from neardup.io.rdkafka_log import rdkafka_logger
+from neardup.kafka.clients import admin_config
+from neardup.kafka.rdkafka_log import rdkafka_logger
 
 log = logging.getLogger(__name__)
 CHUNK = 10_000

@@ -1,5 +1,5 @@
 """The prepare stage of a sharded deduplication (docs/scale-out.md): a stateless
-``Processor`` on the stage runtime (``neardup.io.stage``).
+``Processor`` on the stage runtime (``neardup.kafka.stage``).
 
 Per batch: decode the input messages, normalise, shingle, MinHash and band the documents
 (``neardup.detector.Preparer``, as in one process), then produce, in the batch's
@@ -65,13 +65,13 @@ from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError,
 from neardup.config import Settings
 from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
-from neardup.io.clients import admin_config
-from neardup.io.limits import TopicLimits
-from neardup.io.partition_log import with_retries
-from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.messages import MessageError, carried_headers, record_size, to_document
-from neardup.io.stage import StageHooks, StageRuntime, TP, next_offsets, produce
-from neardup.io.topology import Topology
+from neardup.kafka.clients import admin_config
+from neardup.kafka.limits import TopicLimits
+from neardup.kafka.partition_log import with_retries
+from neardup.kafka.rdkafka_log import rdkafka_logger
+from neardup.kafka.messages import MessageError, carried_headers, record_size, to_document
+from neardup.kafka.stage import StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
     ERROR_HEADER,

@@ -7,7 +7,7 @@ is idle (nothing consumed) with no failed batch to take again. A failed batch ke
 waiting even through an idle ``consume`` (its partitions were rewound, it comes back),
 until a batch commits or the consumer has no partitions left. A batch of no messages
 (``Processor.due``) that commits while a batch of messages keeps failing does not end it
-(the runtime's rule, ``neardup.io.stage``). So an idle
+(the runtime's rule, ``neardup.kafka.stage``). So an idle
 consumer with nothing to read is never stalled; one that retries a batch that cannot be
 committed (a dead-letter topic that refuses even neardup's headers alone, say) is, from
 the moment it first consumed that batch.

@@ -12,9 +12,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
-from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, bounded
-from neardup.io.limits import PRODUCER_MAX_BYTES
-from neardup.io.rdkafka_log import rdkafka_logger
+from neardup.kafka.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, bounded
+from neardup.kafka.limits import PRODUCER_MAX_BYTES
+from neardup.kafka.rdkafka_log import rdkafka_logger
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The shard stage of a sharded deduplication (docs/scale-out.md): a stateful
-``Processor`` on the stage runtime (``neardup.io.stage``).
+``Processor`` on the stage runtime (``neardup.kafka.stage``).
 
 Each partition p of the band topic is one shard: its buckets and their members' sets, the
 records held in its reorder window, and its changelog, partition p of
@@ -22,7 +22,7 @@ Where the state is kept:
 
 Order: a band record is held until every input partition's watermark is past its order
 key, then processed with the others released, in order-key order. The watermarks come
-from prepare (``neardup.io.prepare_stage``: a watermark record to every shard partition
+from prepare (``neardup.sharded.prepare_stage``: a watermark record to every shard partition
 with each batch, and while idle), and are the largest order key prepare has sent of each
 input partition, or the wall clock minus ``reorder_window_ms`` for a partition read to its
 end; a shard waits for every partition of every input topic it has heard of. So however
@@ -77,9 +77,9 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.io.partition_log import catch_up, read_to_end, with_retries
-from neardup.io.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
-from neardup.io.topology import Topology
+from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
+from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
     ChangelogLayoutError,
@@ -312,7 +312,7 @@ class ShardProcessor(StageHooks):
 
     def _restore_stored(self, p: int) -> _Shard:
         """Open partition ``p``'s store and apply the changelog's records from its position
-        (``neardup.state.shard_store``, ``neardup.io.partition_log.catch_up``); without
+        (``neardup.state.shard_store``, ``neardup.kafka.partition_log.catch_up``); without
         one (a new store), or with one beyond the changelog's end, wiped and every record."""
         previous = self.shards.pop(p, None)
         if previous is not None and previous.store is not None:

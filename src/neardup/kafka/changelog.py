@@ -52,11 +52,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from neardup.config import Settings
-from neardup.io.bounded import CALL_TIMEOUT_S, bounded, discard
-from neardup.io.clients import admin_config
-from neardup.io.limits import TopicLimits, input_limits, internal_max_bytes
-from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.topics import create_missing, new_topic
+from neardup.kafka.bounded import CALL_TIMEOUT_S, bounded, discard
+from neardup.kafka.clients import admin_config
+from neardup.kafka.limits import TopicLimits, input_limits, internal_max_bytes
+from neardup.kafka.rdkafka_log import rdkafka_logger
+from neardup.kafka.topics import create_missing, new_topic
 from neardup.state import codec
 from neardup.state.base import StateError, StateUpdate
 

@@ -10,13 +10,13 @@ later gets outputs sized for it when it is first assigned. An output topic that 
 already (created beforehand, or shared by input topics of which one added later takes
 larger records) keeps its limit; a smaller one than needed is logged at assignment, with
 the command that raises it, and a record it cannot take goes to the dead-letter topic,
-or, if that is too small as well, goes there without its value (``neardup.io.messages.fit``,
+or, if that is too small as well, goes there without its value (``neardup.kafka.messages.fit``,
 counted by ``neardup_dead_letter_value_left_out``).
 
 Every place that creates topics goes through ``create_missing``: the outputs and
-dead-letter topics of ``neardup run`` (``neardup.io.kafka``) and of the decide stage, the
-changelog of ``neardup run`` (``neardup.io.changelog``), and the internal topics of the
-sharded stages (``neardup.io.topology``).
+dead-letter topics of ``neardup run`` (``neardup.run``) and of the decide stage, the
+changelog of ``neardup run`` (``neardup.kafka.changelog``), and the internal topics of the
+sharded stages (``neardup.sharded.topology``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import logging
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from neardup.io.limits import TopicLimits, input_limits, output_max_bytes
+from neardup.kafka.limits import TopicLimits, input_limits, output_max_bytes
 
 log = logging.getLogger(__name__)
 

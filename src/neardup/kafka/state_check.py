@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neardup.io.messages import source_name
+from neardup.kafka.messages import source_name
 from neardup.state.base import StateError, StateStore, StateUpdate
 
 log = logging.getLogger(__name__)

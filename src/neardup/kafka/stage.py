@@ -1,6 +1,6 @@
 """A transactional Kafka stage: consume a batch -> process -> produce -> state commit ->
 offsets and commit, exactly once. It knows nothing of what the stage computes: that is
-its ``Processor`` (``neardup.io.kafka``'s deduplication is one).
+its ``Processor`` (``neardup.run``'s deduplication is one).
 
 Each batch is one Kafka transaction and one atomic state write. The steps, in order:
 
@@ -11,7 +11,7 @@ Each batch is one Kafka transaction and one atomic state write. The steps, in or
 2. ``Processor.compute``: the batch's results, without writing anything (this overlaps
    the previous batch's step 5).
 3. ``begin_transaction``; ``Processor.write`` produces the batch's records into it
-   (the outputs, and the state changes to the changelog, ``neardup.io.changelog``) ...
+   (the outputs, and the state changes to the changelog, ``neardup.kafka.changelog``) ...
 4. ... then commits its state atomically: its state changes, each partition's new input
    position, and what a replay needs to produce the same records again.
 5. ``send_offsets_to_transaction`` (next offset per partition, with the consumer group's
@@ -35,7 +35,7 @@ What a crash leaves, and how a restart (same ``transactional.id``, same state) r
   state changes not yet known committed).
 - after step 5: both agree; nothing to repair.
 - a producer abandoned while the process lives on (a transactional call that has not
-  returned after ``CALL_WAIT_S``, ``neardup.io.bounded``; librdkafka's own timeouts do
+  returned after ``CALL_WAIT_S``, ``neardup.kafka.bounded``; librdkafka's own timeouts do
   not hold after a broker restart): as a crash at the same point. The abandoned producer
   is never called again; a new one with the same ``transactional.id`` fences it and has
   the broker abort its open transaction (a wedged call that returns later cannot commit:
@@ -105,7 +105,7 @@ on it elsewhere, e.g. in another process). Batch k + 1 is only held in memory:
 - ``stop()`` finishes batch k and drops batch k + 1 (the next consumer resumes at the
   committed offset).
 
-Progress (``neardup.io.progress``): the runtime tells its ``Progress`` when a batch is in
+Progress (``neardup.kafka.progress``): the runtime tells its ``Progress`` when a batch is in
 hand, committed or failed, and when it is idle; a consumer whose input has waited with no
 batch committed for ``STALL_AFTER_S`` is stalled (``/readyz``, a gauge, a log line once a
 minute). A failed batch's retry is logged at its first failure only, the stall then once
@@ -132,10 +132,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from neardup.config import Settings
-from neardup.io.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
-from neardup.io.clients import consumer_config, init_transactions, producer_config, retriable
-from neardup.io.intake import OrderedIntake
-from neardup.io.progress import Progress
+from neardup.kafka.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
+from neardup.kafka.clients import consumer_config, init_transactions, producer_config, retriable
+from neardup.kafka.intake import OrderedIntake
+from neardup.kafka.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ MAX_PRODUCER_RESETS = 3
 #: max.poll.interval.ms (300 s).
 TRANSACTION_RETRY_S = 60.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
-#: (``neardup.io.bounded``), this is a backstop above their sum.
+#: (``neardup.kafka.bounded``), this is a backstop above their sum.
 STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
 #: Seconds a consumer may go without any assignment (an empty one counts), after it
 #: subscribed or lost all its partitions, while it sees a broker up, before it is
@@ -189,7 +189,7 @@ class Processor(Protocol):
     ``committed`` (after step 5)."""
 
     reads_ahead: bool  # a full batch's successor is read ahead and handed to ``ahead``
-    orders_partitions: bool  # messages of several partitions read in order-key order (``neardup.io.intake``)
+    orders_partitions: bool  # messages of several partitions read in order-key order (``neardup.kafka.intake``)
 
     def open(self) -> None:
         """Before connecting (start what takes long)."""
@@ -373,7 +373,7 @@ class _Consumer(Consumer):
     paused apart, so that neither undoes the other (librdkafka keeps one pause flag per
     partition).
 
-    - *asked*: ``pause``/``resume`` as called by the intake (``neardup.io.intake``) or
+    - *asked*: ``pause``/``resume`` as called by the intake (``neardup.kafka.intake``) or
       the processor (e.g. prepare's flow control), from any thread;
     - *held*: ``hold``/``release`` by the runtime while the partitions' ``Processor.check``
       runs (see ``StageRuntime._check``).
@@ -461,7 +461,7 @@ class StageRuntime:
         on_broker: called whenever the broker was heard from: transactions initialised,
             a batch committed, or librdkafka statistics (every ``statistics.interval.ms``,
             default 5000 here) showing a broker connection up. Readiness checks use it.
-        progress: told of every batch in hand, committed or failed (``neardup.io.progress``);
+        progress: told of every batch in hand, committed or failed (``neardup.kafka.progress``);
             default: one of its own.
 
     Raises:
@@ -630,7 +630,7 @@ class StageRuntime:
 
     def _replace_consumer(self) -> None:
         """A new consumer in place of the current one: its partitions are given up as in
-        a revocation, the old consumer is dropped uncalled (``neardup.io.bounded.discard``),
+        a revocation, the old consumer is dropped uncalled (``neardup.kafka.bounded.discard``),
         and the new one subscribes; the partitions resume at the group's committed offsets."""
         old, self.consumer = self.consumer, None
         self._revoked(old, list(self.assignment))
@@ -662,7 +662,7 @@ class StageRuntime:
             return
 
     def _discard_producer(self) -> None:
-        """Drop the producer, never to call it again (``neardup.io.bounded.discard``)."""
+        """Drop the producer, never to call it again (``neardup.kafka.bounded.discard``)."""
         producer, self.producer = self.producer, None
         if producer is not None:
             discard(producer)
@@ -787,7 +787,7 @@ class StageRuntime:
     def _consume(self, timeout: float) -> Batch | None:
         """Up to ``batch_size`` messages, waiting at most ``timeout`` s, read by the
         processor; None if none. With a processor that orders partitions, the messages
-        released in order-key order (``neardup.io.intake``), consumed until the batch is
+        released in order-key order (``neardup.kafka.intake``), consumed until the batch is
         full or ``timeout`` has passed: a partition waited for must not cut batches short."""
         size = self.settings.batch_size
         if self._intake is None:

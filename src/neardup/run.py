@@ -1,5 +1,5 @@
 """Exactly-once streaming deduplication: the ``neardup run`` stage, a ``Processor`` on the
-transactional stage runtime (``neardup.io.stage``, whose docstring gives the steps of a
+transactional stage runtime (``neardup.kafka.stage``, whose docstring gives the steps of a
 batch and the crash table). This module says what those steps do here.
 
 - Reading (step 1): a message whose offset lies below the partition's input position
@@ -15,7 +15,7 @@ batch and the crash table). This module says what those steps do here.
   ``TopicLimits``) goes to the dead-letter topic instead, and a dead letter larger than
   that topic's limit goes without the value (and, if still too large, without key and
   headers), its reason saying so and ``neardup-value-bytes`` the value's size
-  (``neardup.io.messages.fit``). With the changelog on (``neardup.io.changelog``), the
+  (``neardup.kafka.messages.fit``). With the changelog on (``neardup.kafka.changelog``), the
   state changes go into the same transaction, after those a crash or an aborted
   transaction left unconfirmed.
 - State commit (step 4), one RocksDB write: the detector's state changes, each
@@ -29,7 +29,7 @@ same, i.e. per partition; with several partitions the interleaving (and so which
 the canonical) follows arrival order.
 
 These repairs need the state the group's offsets were committed with. When partitions
-are assigned, and before any of their messages is read, ``neardup.io.state_check``
+are assigned, and before any of their messages is read, ``neardup.kafka.state_check``
 compares the state with the broker: a partition the group has committed offsets for but
 the state has never seen (state directory deleted or replaced, and no changelog to
 restore it from), a state behind the group's offsets, or a topic deleted and created
@@ -48,7 +48,7 @@ produces the marked message at that stage (storing it), and the others as before
 
 Pipeline (``pipeline``, on by default; ``--no-pipeline`` turns it off). Normalising,
 shingling, MinHashing and banding a batch (``Preparer``) need no state, so a worker
-process does them for a batch read ahead (``neardup.io.stage``) while this process runs
+process does them for a batch read ahead (``neardup.kafka.stage``) while this process runs
 steps 2-5 of the batch before it: the two share the machine's cores. A batch that is not
 full is prepared in this process, so a consumer that keeps up waits for no one; so is
 every batch until the worker has started (its imports and compiled code take about a
@@ -75,12 +75,12 @@ from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 from neardup.config import Settings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.detector import Detector, BatchResult, PreparedBatch, warm_up
-from neardup.io import state_check
-from neardup.io.changelog import ChangelogWriter, RestoreStats
-from neardup.io.bounded import discard
-from neardup.io.clients import admin_config
-from neardup.io.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, TopicLimits
-from neardup.io.messages import (
+from neardup.kafka import state_check
+from neardup.kafka.changelog import ChangelogWriter, RestoreStats
+from neardup.kafka.bounded import discard
+from neardup.kafka.clients import admin_config
+from neardup.kafka.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, TopicLimits
+from neardup.kafka.messages import (
     LAST_STAGE,
     OFFSET_BE,
     Limits,
@@ -93,10 +93,10 @@ from neardup.io.messages import (
     verdict_key,
     verdict_key_prefix,
 )
-from neardup.io.progress import Progress
-from neardup.io.rdkafka_log import rdkafka_logger
-from neardup.io.stage import TP, StageRuntime, fatal
-from neardup.io.topics import create_missing, new_topic, sized_outputs
+from neardup.kafka.progress import Progress
+from neardup.kafka.rdkafka_log import rdkafka_logger
+from neardup.kafka.stage import TP, StageRuntime, fatal
+from neardup.kafka.topics import create_missing, new_topic, sized_outputs
 from neardup.pipeline import PrepareWorker, WorkerDied
 from neardup.state.base import StateStore
 
@@ -104,7 +104,7 @@ log = logging.getLogger(__name__)
 
 #: Produce errors of one record that no retry can cure (too large for the topic, refused
 #: by it, e.g. no key for a compacted topic): the message falls back to its next stage
-#: (``neardup.io.messages.fit``) instead of failing its batch again and again.
+#: (``neardup.kafka.messages.fit``) instead of failing its batch again and again.
 PER_MESSAGE_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
     KafkaError.INVALID_MSG, KafkaError.INVALID_RECORD, KafkaError.INVALID_TIMESTAMP,
@@ -187,7 +187,7 @@ class _Written:
 
 
 class DedupProcessor:
-    """The deduplication stage's ``Processor`` (``neardup.io.stage``).
+    """The deduplication stage's ``Processor`` (``neardup.kafka.stage``).
 
     Args:
         settings: record, topic and batch settings.
@@ -249,7 +249,7 @@ class DedupProcessor:
     # --- lifecycle ------------------------------------------------------------------
     def start(self, producer: Producer) -> None:
         """With the changelog on: restore the state from it, or write to it what it lacks
-        (``neardup.io.changelog``)."""
+        (``neardup.kafka.changelog``)."""
         if self.changelog is not None:
             self.changelog.start(self.store, producer)
             self._positions.clear()

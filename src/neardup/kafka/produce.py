@@ -20,7 +20,7 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
 from neardup.config import FILE_ID_FIELD
-from neardup.io.limits import PRODUCER_MAX_BYTES
+from neardup.kafka.limits import PRODUCER_MAX_BYTES
 from neardup.records import RecordError, record_id
 
 log = logging.getLogger(__name__)

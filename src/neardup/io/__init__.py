@@ -1,1 +1,0 @@
-"""Adapters at the edge: JSONL files for the embedded mode, Kafka for streaming."""
