@@ -43,7 +43,6 @@ def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) ->
     return raw
 
 
-
 @njit(nogil=True, cache=True)
 def _densify(raw: np.ndarray, nonempty: np.ndarray, probes: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Fill each empty bin j of a non-empty document from bin ``probes[j, t]`` for the

@@ -29,7 +29,6 @@ _SECRET = np.frombuffer(bytes.fromhex(
 ), dtype=np.uint8)
 
 
-
 def _secret_word(offset: int, width: int = 8) -> np.uint64:
     """The ``width``-byte little-endian integer at ``offset`` in the secret: a constant of
     the compiled code (read once here, not specialised per offset by numba)."""

@@ -328,9 +328,6 @@ class DecideProcessor(StageHooks):
 
     # --- a batch --------------------------------------------------------------------
 
-
-
-
     def due(self) -> bool:
         """Whether decisions read from the table may let a waiting document go."""
         return self._poll_table() > 0 and any(self.partitions.values())
@@ -618,7 +615,6 @@ class DecideProcessor(StageHooks):
         for topic, partition, key, value, headers in records:
             produce(producer, topic, key, value, headers, partition)
         return stats
-
 
 
 class DecideStage(StageRuntime):

@@ -293,7 +293,6 @@ class PrepareProcessor(StageHooks):
             self.lead.close()
             self.lead = None
 
-
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.bands, self.topology.findings)
 
@@ -424,8 +423,6 @@ class PrepareProcessor(StageHooks):
             batch.decoded.append(m)
         return batch
 
-
-
     def compute(self, batch: PrepareBatch) -> tuple[PrepareBatch, list[Record]]:
         """Every record of the batch, in input order, then the watermark records (nothing
         produced); an idle batch (no message) has watermark records only."""
@@ -517,11 +514,6 @@ class PrepareProcessor(StageHooks):
                 document_bytes += size
         return PrepareWritten(next_offsets(batch.messages), len(batch.messages), band_records, band_bytes,
                               document_bytes, sent=batch.sent)
-
-
-
-
-
 
 
 class PrepareStage(StageRuntime):

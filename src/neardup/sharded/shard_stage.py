@@ -358,9 +358,6 @@ class ShardProcessor(StageHooks):
 
     # --- a batch --------------------------------------------------------------------
 
-
-
-
     def compute(self, batch: MessageBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
@@ -505,7 +502,6 @@ class ShardProcessor(StageHooks):
             else:
                 stats.changelog_bytes += size
         return stats
-
 
 
 class ShardStage(StageRuntime):
