@@ -197,3 +197,24 @@ def test_an_idle_consumer_is_not_stalled(kafka_bootstrap, tmp_path, caplog):
         assert _waiting_since(server.url) == 0
     assert not runner.is_alive()
     assert not [r for r in caplog.records if "the idle consumer is stalled" in r.getMessage()]
+
+
+def test_a_restore_is_not_ready_but_not_a_stall_and_restarts_the_waiting_clock():
+    """While the runtime restores (``restoring`` .. ``restored``), ``/readyz`` says so and
+    the stall clock stops: a restore longer than ``stall_after`` is no stall, and input that
+    waited through it waits from its end."""
+    progress = Progress(stall_after=1.0)
+    readiness = Readiness(progress=progress)
+    readiness.broker_answered()
+    readiness.set_assignment(["a partition"])
+    progress.in_hand()
+    progress.restoring("bands[0], bands[1]")
+    time.sleep(1.2)
+    assert progress.stalled() is None and progress.waiting_since() == 0.0
+    ready, reason = readiness.check()
+    assert not ready and reason.startswith("restoring the state of bands[0], bands[1] for "), reason
+    progress.restored()
+    assert readiness.check()[0] is True  # the clock starts again at the restore's end
+    assert 0 < time.time() - progress.waiting_since() < 1.0
+    time.sleep(1.2)
+    assert "stalled" in readiness.check()[1]

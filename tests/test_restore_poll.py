@@ -5,8 +5,11 @@ polling with the partitions held paused (``neardup.kafka.stage``)."""
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 from confluent_kafka import Producer
@@ -26,7 +29,52 @@ MAX_POLL_MS = 3000
 #: about 110,000 records a second.
 CHANGELOG_RECORDS = 1_200_000
 RESTORED = re.compile(r"shard (\d+) restored from \S+: (\d+) records, .*? in ([\d.]+) s")
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str) -> tuple[int, str]:
+    """(status, body) of a GET; (0, the error) when nothing answers."""
+    try:
+        with _HTTP.open(url, timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+class _Readiness:
+    """Polls a process's ``/readyz`` and its restore and waiting gauges in a thread: every
+    (``/readyz`` status, its body, restore gauge, waiting-since gauge) seen."""
+
+    def __init__(self, port: int, stage: str) -> None:
+        self.base, self.stage, self.seen = f"http://127.0.0.1:{port}", stage, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _gauge(self, metrics: str, name: str) -> float | None:
+        m = re.search(rf'^{name}{{stage="{self.stage}"}} (\S+)$', metrics, re.M)
+        return float(m.group(1)) if m else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            status, body = _http(f"{self.base}/readyz")
+            code, metrics = _http(f"{self.base}/metrics")
+            if status and code == 200:
+                self.seen.append((status, body.strip(), self._gauge(metrics, "neardup_stage_restore_in_progress"),
+                                  self._gauge(metrics, "neardup_stage_input_waiting_since_timestamp_seconds")))
+
+    def stop(self) -> list[tuple[int, str, float | None, float | None]]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.seen
 
 
 def _input_and_long_changelog(kafka_bootstrap: str, topic: str, shards: int):
@@ -52,12 +100,15 @@ def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_boot
                                                            shards=1)
     log = tmp_path / "stages.log"
     stages = _Stages(kafka_bootstrap, topic, topology, log)
+    port = _free_port()
     out = []
     try:
         stages.start("prepare")
         stages.start("decide")
         stages.start("shard", "a", "-X", f"session.timeout.ms={MAX_POLL_MS}",
-                     "-X", f"max.poll.interval.ms={MAX_POLL_MS}")
+                     "-X", f"max.poll.interval.ms={MAX_POLL_MS}", "--metrics-port", str(port),
+                     "--metrics-host", "127.0.0.1")
+        readiness = _Readiness(port, "shard")
         deadline = time.monotonic() + 240
         while len(out) < len(messages) and time.monotonic() < deadline:
             text = log.read_text()
@@ -67,12 +118,20 @@ def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_boot
             assert stages.alive(), text[-3000:]
             out = read_all(kafka_bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
                            idle_s=2.0, timeout_s=30)
+        seen = readiness.stop()
     finally:
         stages.stop()
     text = log.read_text()
     assert "maximum poll interval" not in text and "leaving group" not in text, text[-3000:]
     restores = [(int(p), int(n), float(s)) for p, n, s in RESTORED.findall(text)]
     assert len(restores) == 1, restores  # restored once: never lost to the group midway
+    # during the restore /readyz says so (503), the restore gauge is 1 and no input counts
+    # as waiting (no stall alert); afterwards it is ready again
+    restoring = [x for x in seen if x[0] == 503 and x[1].startswith(f"restoring the state of {topology.bands}[0]")]
+    assert len(restoring) >= 5, seen[:40]
+    assert all(x[2] == 1.0 and x[3] == 0.0 for x in restoring), restoring[:10]
+    assert not [x for x in seen if "stalled" in x[1]], seen
+    assert seen[-1][:1] == (200,) and seen[-1][2] == 0.0, seen[-10:]
     (_, records, seconds), = restores
     assert records == CHANGELOG_RECORDS
     assert seconds > 2 * MAX_POLL_MS / 1000, f"the restore took only {seconds} s: the test proves nothing"

@@ -172,7 +172,7 @@ class Metrics:
         self.waiting_since = Gauge(
             "neardup_input_waiting_since_timestamp_seconds",
             "Unix time since which input has waited (a batch in hand, or a failed one to retry) with no batch "
-            "committed; 0 while nothing waits. time() minus it: how long the consumer has been stuck.",
+            "committed; 0 while nothing waits or a restore runs. time() minus it: how long the consumer has been stuck.",
             registry=r)
         self.transactions = Counter(
             "neardup_transactions", "Kafka transactions, by outcome (committed|aborted).", ["outcome"], registry=r)
@@ -386,8 +386,13 @@ class StageMetrics:
         self.waiting_since = Gauge(
             "neardup_stage_input_waiting_since_timestamp_seconds",
             "Unix time since which input has waited (a batch in hand, or a failed one to retry) with no batch "
-            "committed; 0 while nothing waits.", ["stage"], registry=r)
+            "committed; 0 while nothing waits or a restore runs.", ["stage"], registry=r)
         self.waiting_since.labels(stage).set(0)
+        self.restoring = Gauge(
+            "neardup_stage_restore_in_progress",
+            "1 while this process restores the state of partitions newly assigned (from their changelog), else 0.",
+            ["stage"], registry=r)
+        self.restoring.labels(stage).set(0)
         self.late = Counter(
             "neardup_reorder_late_records",
             "Band records that came after a later one of their shard was released (past the reorder window), processed at once.",
@@ -469,8 +474,10 @@ class StageMetrics:
         self._lag_labels &= keep
 
     def watch_progress(self, progress: Any) -> None:
-        """As ``Metrics.watch_progress``: ``neardup_stage_input_waiting_since_timestamp_seconds``."""
+        """As ``Metrics.watch_progress``: ``neardup_stage_input_waiting_since_timestamp_seconds``,
+        and ``neardup_stage_restore_in_progress`` (``progress.restoring_for``)."""
         self.waiting_since.labels(self.stage).set_function(progress.waiting_since)
+        self.restoring.labels(self.stage).set_function(lambda: float(progress.restoring_for() is not None))
 
     def set_lag(self, lag: dict[tuple[str, int], int]) -> None:
         """Records behind per (topic, partition)."""

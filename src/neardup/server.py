@@ -42,9 +42,10 @@ class ServerError(RuntimeError):
 
 
 class Readiness:
-    """Readiness of a Kafka consumer: partitions assigned, the broker heard from within
-    ``broker_timeout`` seconds, and not stalled (``progress``: input waiting with no batch
-    committed for longer than its ``stall_after``, ``neardup.kafka.progress``). Thread-safe;
+    """Readiness of a Kafka consumer: no state being restored, partitions assigned, the
+    broker heard from within ``broker_timeout`` seconds, and not stalled (``progress``:
+    input waiting with no batch committed for longer than its ``stall_after``, or a restore
+    running, ``neardup.kafka.progress``). Thread-safe;
     ``check`` is the ``/readyz`` test.
 
     Feed it with ``set_assignment`` (``on_assignment``) and ``broker_answered``
@@ -78,6 +79,9 @@ class Readiness:
             partitions, broker_at, restoring = self._partitions, self._broker_at, self._restoring
         if restoring:
             return False, "restoring the state from the changelog"
+        checking = self.progress.restoring_for() if self.progress is not None else None
+        if checking is not None:  # the runtime's check of partitions newly assigned
+            return False, f"restoring the state of {checking[0]} for {checking[1]:.0f} s"
         if broker_at is None:
             return False, "broker not reached yet"
         silent = time.monotonic() - broker_at

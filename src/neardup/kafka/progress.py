@@ -15,6 +15,13 @@ the moment it first consumed that batch.
 A consumer waiting for longer than ``stall_after`` seconds is *stalled*: ``check`` (the
 ``/readyz`` test) fails with the reason, and a watchdog thread logs it once every
 ``log_every`` seconds, whatever the consumer's loop is doing.
+
+A consumer *restoring* its state (``restoring``, until ``restored``: the runtime's check
+of newly assigned partitions, Kafka Streams' restoration) is not ready, with that reason,
+but not stalled: ``check`` fails with "restoring ... for N s", the waiting clock stops
+(``waiting_since`` is 0, so no stall alert fires on a long restore) and starts again when
+the restore ends, and the watchdog logs the restore once every ``log_every`` seconds at
+INFO.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Progress:
         self._failures = 0  # batches failed since the last commit
         self._last_error = ""
         self._first_error = ""  # of the failures since the last commit: often the cause
+        self._restoring: tuple[str, float] | None = None  # what, and time.time() since when
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -93,18 +101,38 @@ class Progress:
             self._since = None
             self._failures, self._last_error = 0, ""
 
+    def restoring(self, what: str) -> None:
+        """A restore of ``what`` (e.g. the partitions whose state is checked) begins."""
+        with self._lock:
+            self._restoring = (what, time.time())
+
+    def restored(self) -> None:
+        """The restore ended: input that waits, waits from now."""
+        with self._lock:
+            self._restoring = None
+            if self._since is not None:
+                self._since = time.time()
+
     # --- read ------------------------------------------------------------------------
+    def restoring_for(self) -> tuple[str, float] | None:
+        """(what is restored, seconds since the restore began), or None."""
+        with self._lock:
+            restoring = self._restoring
+        return None if restoring is None else (restoring[0], time.time() - restoring[1])
+
     def waiting_since(self) -> float:
         """Unix time (seconds) since which input has waited with no batch committed; 0
-        while nothing waits (the gauge)."""
+        while nothing waits or a restore runs (the gauge)."""
         with self._lock:
-            return self._since or 0.0
+            return 0.0 if self._restoring is not None else self._since or 0.0
 
     def stalled(self) -> str | None:
         """The reason, in one line, when input has waited more than ``stall_after``
-        seconds; else None."""
+        seconds (a restore not counted); else None."""
         with self._lock:
             since, failures, first, error = self._since, self._failures, self._first_error, self._last_error
+            if self._restoring is not None:
+                return None
         if since is None:
             return None
         waited = time.time() - since
@@ -119,7 +147,10 @@ class Progress:
         return reason
 
     def check(self) -> tuple[bool, str]:
-        """(not stalled, the reason): a ``/readyz`` test."""
+        """(neither restoring nor stalled, the reason): a ``/readyz`` test."""
+        restoring = self.restoring_for()
+        if restoring is not None:
+            return False, f"restoring the state of {restoring[0]} for {restoring[1]:.0f} s"
         reason = self.stalled()
         return (True, "making progress") if reason is None else (False, reason)
 
@@ -142,7 +173,13 @@ class Progress:
     def _watch(self) -> None:
         tick = min(1.0, self.log_every / 4)
         logged_at = float("-inf")
+        restore_logged_at = float("-inf")
         while not self._stop.wait(tick):
+            restoring = self.restoring_for()
+            if restoring is not None and restoring[1] >= self.log_every \
+                    and time.monotonic() - restore_logged_at >= self.log_every:
+                restore_logged_at = time.monotonic()
+                log.info("%s is still restoring the state of %s (%.0f s so far)", self.name, *restoring)
             reason = self.stalled()
             if reason is None:
                 logged_at = float("-inf")

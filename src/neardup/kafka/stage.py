@@ -108,7 +108,8 @@ on it elsewhere, e.g. in another process). Batch k + 1 is only held in memory:
 Progress (``neardup.kafka.progress``): the runtime tells its ``Progress`` when a batch is in
 hand, committed or failed, and when it is idle; a consumer whose input has waited with no
 batch committed for ``STALL_AFTER_S`` is stalled (``/readyz``, a gauge, a log line once a
-minute). A failed batch's retry is logged at its first failure only, the stall then once
+minute). While a check runs (a restore), ``/readyz`` says so instead, and the stall clock
+stops. A failed batch's retry is logged at its first failure only, the stall then once
 a minute, so a batch that fails again and again does not flood the log.
 
 SIGTERM or SIGINT: the batch in progress is finished and committed, a batch read ahead is
@@ -867,6 +868,7 @@ class StageRuntime:
             thread = threading.Thread(target=self._run_check, args=(consumer, check), name="neardup-check",
                                       daemon=True)
             started, stopping = time.monotonic(), False
+            self.progress.restoring(_names(tps))
             thread.start()
             try:
                 while not check.done.wait(CHECK_POLL_S):
@@ -885,6 +887,7 @@ class StageRuntime:
             finally:
                 check.done.wait()  # never leave the processor to another call while it checks
                 self._checking = None
+                self.progress.restored()
                 if check.revoked:
                     self.processor.revoked(check.revoked)
             kept = check.kept
