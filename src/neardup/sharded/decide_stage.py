@@ -37,8 +37,9 @@ the same.
 
 A record too large for its output topic goes to the dead-letter topic, with less of the
 message if need be (``neardup.kafka.messages.fit``, as in ``neardup run``). Not yet here
-(docs/scale-out.md): metrics; the fallback when the broker refuses a record that fitted
-by its topic's limit as read (``neardup run``'s per-message errors).
+(docs/scale-out.md): the fallback when the broker refuses a record that fitted by its
+topic's limit as read (``neardup run``'s per-message errors). What it decided is counted
+in the stage's metrics (``DecideWritten``: documents by verdict, dead letters, waiting).
 """
 
 from __future__ import annotations
