@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -267,6 +268,13 @@ class SteadyInput:
 
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, no proxy
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def http_get(url: str) -> tuple[int, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kafka_util import free_port
 from neardup.server import MetricsServer
 from test_deploy import (
     DASHBOARD,
@@ -45,11 +45,6 @@ RULES = PROMETHEUS_DIR / "neardup-alerts.yml"
 RULE_TESTS = PROMETHEUS_DIR / "neardup-alerts.test.yml"
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -133,7 +128,7 @@ def test_a_real_prometheus_evaluates_the_rules_and_the_dashboard(tmp_path):
         (job,) = config["scrape_configs"]
         job["static_configs"] = [{"targets": [f"127.0.0.1:{server.port}"]}]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         with open(tmp_path / "prometheus.log", "wb") as log:
             proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",

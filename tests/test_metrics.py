@@ -12,7 +12,6 @@ import gzip
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import create_topics
-from kafka_util import http_get as _get
+from kafka_util import free_port, http_get as _get
 
 from neardup.cli import main
 from neardup.core.settings import EngineSettings
@@ -45,11 +44,6 @@ BAD_MESSAGES: list[tuple[str, bytes | None]] = [
     ("empty_text", b'{"id": "blank", "text": "  \\n\\t "}'),
 ]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -127,7 +121,7 @@ def test_run_serves_metrics_that_match_the_output_topics(kafka_bootstrap, kafka_
     duplicate_topic = kafka_topic_factory("metrics-dups")
     dlq_topic = kafka_topic_factory("metrics-dlq")
     input_topic = f"metrics-in-{uuid.uuid4().hex[:12]}"  # created once the consumer waits
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "run.log"
     cmd = [

@@ -15,17 +15,12 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
-from kafka_util import excerpt, produce, read_all, start_run, stop, unique, wait_committed
+from kafka_util import excerpt, free_port, produce, read_all, start_run, stop, unique, wait_committed
 
 from neardup.api import Deduplicator
 
 JSON_FIELDS = ["--text-field", "text", "--id-field", "id"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: bytes, token: str | None = "s3cret", method: str = "POST") -> tuple[int, dict]:
@@ -63,7 +58,7 @@ def test_queries_answer_from_the_live_state_while_the_consumer_commits(kafka_boo
     counts = Counter(r["text"] for r in records)
     topic = kafka_topic_factory("query")
     group = unique("g-query")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/query"
     (tmp_path / "token").write_text("s3cret\n")
     log = tmp_path / "run.log"

@@ -5,17 +5,14 @@ polling with the partitions held paused (``neardup.kafka.stage``)."""
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import produce, read_all, unique
+from kafka_util import free_port, http_get, produce, read_all, unique
 from neardup.config import load_settings
 from neardup.kafka.partition_log import read_to_end
 from neardup.sharded.topology import Topology
@@ -29,24 +26,6 @@ MAX_POLL_MS = 3000
 #: about 110,000 records a second.
 CHANGELOG_RECORDS = 1_200_000
 RESTORED = re.compile(r"shard (\d+) restored from \S+: (\d+) records, .*? in ([\d.]+) s")
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str) -> tuple[int, str]:
-    """(status, body) of a GET; (0, the error) when nothing answers."""
-    try:
-        with _HTTP.open(url, timeout=2) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:
-        return 0, str(exc)
 
 
 class _Readiness:
@@ -65,8 +44,11 @@ class _Readiness:
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
-            status, body = _http(f"{self.base}/readyz")
-            code, metrics = _http(f"{self.base}/metrics")
+            try:
+                status, body = http_get(f"{self.base}/readyz")
+                code, metrics = http_get(f"{self.base}/metrics")
+            except OSError:  # a read timing out: the next poll serves
+                continue
             if status and code == 200:
                 self.seen.append((status, body.strip(), self._gauge(metrics, "neardup_stage_restore_in_progress"),
                                   self._gauge(metrics, "neardup_stage_input_waiting_since_timestamp_seconds")))
@@ -90,6 +72,7 @@ def _input_and_long_changelog(kafka_bootstrap: str, topic: str, shards: int):
             ((b"H" + ORDER.pack(0, 0, i), None) for i in range(shards * CHANGELOG_RECORDS)))
     return topic, messages, topology
 
+
 def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_bootstrap, kafka_topic_factory,
                                                                       tmp_path):
     """The shard stage's one partition restores from a changelog that takes several
@@ -100,7 +83,7 @@ def test_a_restore_longer_than_max_poll_interval_keeps_the_assignment(kafka_boot
                                                            shards=1)
     log = tmp_path / "stages.log"
     stages = _Stages(kafka_bootstrap, topic, topology, log)
-    port = _free_port()
+    port = free_port()
     out = []
     try:
         stages.start("prepare")

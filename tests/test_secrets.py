@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kafka_util import produce, wait_committed
+from kafka_util import free_port, produce, wait_committed
 from neardup.cli import _settings, build_parser, main
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -55,11 +54,6 @@ def test_secrets_stay_out_of_error_messages(capsys, monkeypatch) -> None:
     assert "NEARDUP_KAFKA" in err and secret not in err and len(err.strip().splitlines()) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _get(url: str) -> str:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -71,7 +65,7 @@ def test_a_secret_from_a_file_stays_out_of_logs_and_metrics(kafka_bootstrap, kaf
     secret = _secret()
     (tmp_path / "password").write_text(secret + "\n")
     topic = kafka_topic_factory("secret")
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "run.log"
     cmd = [sys.executable, "-m", "neardup.cli", "run", "--bootstrap-servers", kafka_bootstrap,
            "--input-topic", topic, "--from-beginning", "--group-id", f"g-{topic}",

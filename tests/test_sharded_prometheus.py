@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kafka_util import produce, read_all
+from kafka_util import free_port, produce, read_all
 from neardup.sharded.topology import Topology
 from test_sharded_kafka import _stories_and_copies
 
@@ -30,11 +29,6 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "neardup-sharded.json"
 PROCESSES = [("prepare", "a"), ("prepare", "b"), ("shard", "a"), ("shard", "b"), ("decide", "a")]
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -65,12 +59,12 @@ def prometheus(tmp_path: Path):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("this test needs Debian's prometheus package: apt-get install prometheus", pytrace=False)
-    ports = {p: _free_port() for p in PROCESSES}
+    ports = {p: free_port() for p in PROCESSES}
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
               "scrape_configs": [{"job_name": "neardup-stages",
                                   "static_configs": [{"targets": [f"127.0.0.1:{port}" for port in ports.values()]}]}]}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "prometheus.log", "ab")
     proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
