@@ -25,7 +25,9 @@ document records): decide decides a document only once every earlier one has com
 Reading in step: a partition whose records run more than ``AHEAD_MS`` of record time
 ahead of the partition furthest behind (of those with records still to read) is paused
 until that one catches up or is read to its end (Kafka Streams picks the partition with
-the smallest head timestamp), so that the shards hold little while they wait.
+the smallest head timestamp), so that the shards hold little while they wait. A partition
+read to its end and written again later counts from its watermark then, not from its last
+record sent: a live stream after a quiet spell is never paused.
 
 A bound on what waits downstream (``max_undecided``): in a backlog prepare runs ahead of
 the shards (its work per document is a fraction of theirs), and every document it sends
@@ -281,6 +283,9 @@ class PrepareProcessor(StageHooks):
         self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
         self._marked_at = 0.0
         self._paused: set[TP] = set()
+        # per partition, the record time (ms) its next record comes after, as of the last time
+        # it was read to its end (the wall clock minus the reorder window then)
+        self._caught_up: dict[TP, int] = {}
         self.lead: LeadMonitor | None = None  # started with the stage (``open``)
 
     def open(self) -> None:
@@ -336,6 +341,7 @@ class PrepareProcessor(StageHooks):
             self._start.pop(tp, None)
             self._sent.pop(tp, None)
             self._sent_committed.pop(tp, None)
+            self._caught_up.pop(tp, None)
 
     def due(self) -> bool:
         """Idle: time for watermark records (the wall clock moves the ends of read partitions)."""
@@ -351,7 +357,10 @@ class PrepareProcessor(StageHooks):
 
     def _in_step(self, consumer: Consumer, behind: list[TP]) -> None:
         """Pause the partitions more than ``AHEAD_MS`` ahead of the one furthest behind,
-        resume those no longer ahead (all of them when none is behind). While the lead
+        resume those no longer ahead (all of them when none is behind). A partition's head
+        is its last record sent, or, if later, the time it was last read to its end minus
+        the reorder window (its watermark then): after a quiet spell longer than
+        ``AHEAD_MS``, the first partition written again is not paused for the others. While the lead
         monitor holds back: pause those whose last record sent is past the earliest
         record the shards have not released (every one, if none is), resume the others."""
         heads = {tp: order_time(self._sent[tp]) for tp in behind if tp in self._sent}
@@ -366,6 +375,9 @@ class PrepareProcessor(StageHooks):
             else:
                 limit = float("-inf")
         else:
+            # a partition idle a while and then written again is not behind by its last record
+            # sent: its next records come after the time it was last read to its end
+            heads = {tp: max(t, self._caught_up.get(tp, t)) for tp, t in heads.items()}
             active = [heads[tp] for tp in heads if tp not in self._paused]
             floor = min(active, default=None)
             limit = None if floor is None else floor + AHEAD_MS
@@ -386,7 +398,8 @@ class PrepareProcessor(StageHooks):
         consumer = self._consumer
         if consumer is None or not self._start:
             return []
-        now = time_mark(int(time.time() * 1000) - self.settings.reorder_window_ms)
+        now_ms = int(time.time() * 1000) - self.settings.reorder_window_ms
+        now = time_mark(now_ms)
         marks: dict[TP, tuple[int, bytes]] = {}
         behind: list[TP] = []  # partitions with records still to read
         for tp in consumer.position([TopicPartition(t, p) for t, p in self._start]):
@@ -396,6 +409,7 @@ class PrepareProcessor(StageHooks):
             mark = self._sent.get(key)
             if 0 <= high <= position:  # read to its end: its next record comes after now
                 mark = max(mark or b"", now)
+                self._caught_up[key] = now_ms
             else:
                 behind.append(key)
             if mark is not None and tp.topic in self._counts:
