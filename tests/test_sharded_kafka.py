@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import committed_offset, excerpt, produce, read_all, stop
+from kafka_util import committed_offset, excerpt, produce, read_all, stop, unique
 from neardup.config import load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
@@ -361,6 +362,24 @@ def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir:
     return stage, threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
 
 
+def _wait_for_records(bootstrap: str, topic: str, partitions: int, timeout_s: float, stages: _Stages) -> None:
+    """Wait until each of ``topic``'s ``partitions`` partitions holds a record; fail the
+    test with the stages' report after ``timeout_s`` seconds or if a stage stops."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("watermarks")})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            empty = [p for p in range(partitions)
+                     if consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] == 0]
+            if not empty:
+                return
+            assert stages.alive() and time.monotonic() < deadline, \
+                f"{topic} partitions {empty} still empty: {stages.report()}"
+            time.sleep(0.5)
+    finally:
+        consumer.close()
+
+
 def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive) -> list:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -686,6 +705,9 @@ def test_stages_scaled_and_killed_mid_stream_give_every_message_once(kafka_boots
             start(role, "b")
             start(role, "c")
         time.sleep(12)
+        # every shard partition has state in its changelog before "a" goes: on a loaded
+        # machine a process starts slowly and the 15 s window holds the first records
+        _wait_for_records(kafka_bootstrap, topology.shard_changelog, topology.shards, 180, stages)
         for role in ("prepare", "shard", "decide"):
             stages.kill(role, "a")
         feeder.join()
