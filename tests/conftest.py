@@ -58,6 +58,10 @@ KAFKA_START_TIMEOUT_S = 900  # first run includes the Maven fetch
 #: The folder shared by the processes of one run (see the module docstring).
 RUN_DIR_ENV = "PYTEST_NEARDUP_RUN_DIR"
 _RUN_DIR_KEY = pytest.StashKey[Path]()
+#: JVM options of every broker the tests start (kafka.sh reads them; a user's own setting
+#: wins): the C1 compiler only and the serial collector, about half the broker's CPU on the
+#: tests' short runs, which share 2 cores with four workers and their processes.
+os.environ.setdefault("NEARDUP_KAFKA_JVM_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 def _kafka_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:

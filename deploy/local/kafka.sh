@@ -19,6 +19,9 @@
 #                         server.log (broker log; server.log.previous: before the last restart),
 #                         stdout.log (JVM output), data/ (log.dirs), kafka.pid, bootstrap,
 #                         format.log + storage-tool.log (storage formatting)
+# JVM options: $NEARDUP_KAFKA_HEAP_OPTS (default -Xms256m -Xmx512m) and
+# $NEARDUP_KAFKA_JVM_OPTS (default none; the tests set -XX:TieredStopAtLevel=1
+# -XX:+UseSerialGC, which halves the broker's CPU on their short runs).
 # Requires: java (17+), mvn (only for the first fetch), python3.
 set -euo pipefail
 
@@ -39,6 +42,7 @@ STDOUT_LOG="$RUN/stdout.log"
 START_TIMEOUT=${NEARDUP_KAFKA_START_TIMEOUT:-90}
 STOP_TIMEOUT=30
 HEAP_OPTS=${NEARDUP_KAFKA_HEAP_OPTS:--Xms256m -Xmx512m}
+JVM_OPTS=${NEARDUP_KAFKA_JVM_OPTS:-}
 
 log() { echo "kafka.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -211,7 +215,7 @@ launch() {
     local -a launcher=(nohup)
     command -v setsid >/dev/null && launcher+=(setsid)
     # shellcheck disable=SC2086
-    "${launcher[@]}" java $HEAP_OPTS -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    "${launcher[@]}" java $HEAP_OPTS $JVM_OPTS -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
         "${jvm_log[@]}" -cp "$LIBS/*" kafka.Kafka "$RUN/server.properties" \
         >"$STDOUT_LOG" 2>&1 </dev/null 9>&- &
     local pid=$!

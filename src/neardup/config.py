@@ -253,7 +253,7 @@ def retention_changes(settings: Settings) -> dict[str, Any] | None:
 #: kernels (``neardup.kernel_cache``).
 OTHER_VARIABLES = frozenset({
     "NEARDUP_KAFKA_HOME", "NEARDUP_KAFKA_BOOTSTRAP", "NEARDUP_KAFKA_START_TIMEOUT",
-    "NEARDUP_KAFKA_HEAP_OPTS", "NEARDUP_FUZZ_SEED", "NEARDUP_PREBUILT_KERNELS",
+    "NEARDUP_KAFKA_HEAP_OPTS", "NEARDUP_KAFKA_JVM_OPTS", "NEARDUP_FUZZ_SEED", "NEARDUP_PREBUILT_KERNELS",
 })
 
 
