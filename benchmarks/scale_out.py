@@ -37,7 +37,11 @@ paced phase's first second, where the time goes (per document, from the record t
 of the records the stages wrote for it: input to its last band record, to its last
 finding, to its output), the processes per stage, the stages' CPU during the paced
 phase (µs per paced document, and cores), and the load average before and after the paced
-phase. Agreement with one process then covers the backlog and the paced documents. The
+phase. The paced phase starts once every stage's consumer group is stable with all its
+processes, each holding partitions, and 2 s more have passed (the shards' restores of the
+partitions they were given): six processes started at once on 2 cores can still be joining
+when a small backlog is done, and a rebalance in the paced phase is not its steady latency
+(the wait is printed). Agreement with one process then covers the backlog and the paced documents. The
 stages hold a band record until every input partition's watermark is past it, and an idle
 partition's watermark is the wall clock minus ``--reorder-window-ms``: that window is a
 floor under the paced latency.
@@ -59,7 +63,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import benchlib
@@ -294,7 +298,10 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     cpu = cpu_by_role(procs, cpu_gone)
     latency: dict[str, object] = {}
     if paced:
-        latency = paced_phase(args, bootstrap, topic, app, procs, reader, paced, fed, n, cpu, cpu_gone, where)
+        print(f"  groups stable with {k} process(es) each after {wait_stable(bootstrap, app, k, procs):.1f} s more",
+              file=sys.stderr, flush=True)
+        latency = paced_phase(args, bootstrap, topic, app, procs, reader, paced, fed, n, cpu_by_role(procs, cpu_gone), cpu_gone,
+                              where)
         n += len(paced)
     rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
            for role in ROLES}
@@ -341,6 +348,30 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     if args.with_run:
         result["run"] = one_run(bootstrap, topic, n, args.batch_size)
     return result
+
+
+def wait_stable(bootstrap: str, app: str, k: int, procs: dict[tuple[str, int], subprocess.Popen],
+                timeout_s: float = 120.0, settle_s: float = 2.0) -> float:
+    """Wait until the consumer group of every stage (``<app>.<role>``) is stable with ``k``
+    members, each assigned at least one partition, then ``settle_s`` more; the seconds
+    waited. Raises: RuntimeError: a stage process ended, or ``timeout_s`` passed."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    started = time.perf_counter()
+    groups = [f"{app}.{role}" for role in ROLES]
+    while True:
+        dead = [key for key, p in procs.items() if p.poll() is not None]
+        if dead or time.perf_counter() - started > timeout_s:
+            raise RuntimeError(f"the stages' groups did not settle: ended {dead}")
+        try:
+            described = [f.result() for f in admin.describe_consumer_groups(groups, request_timeout=10).values()]
+        except Exception:  # noqa: BLE001 - a group not yet known: asked again
+            described = []
+        if described and all(d.state == ConsumerGroupState.STABLE and len(d.members) == k
+                             and all(m.assignment and m.assignment.topic_partitions for m in d.members)
+                             for d in described):
+            time.sleep(settle_s)
+            return time.perf_counter() - started
+        time.sleep(0.2)
 
 
 def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, app: str, procs: dict[tuple[str, int], subprocess.Popen],
