@@ -97,8 +97,11 @@ class Image:
 pytestmark = pytest.mark.xdist_group("container-image")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
+    # session, not module: in a parallel run the worker of this module's xdist_group runs
+    # other modules' tests between these, and pytest tears a module fixture down when the
+    # module changes; the image (minutes of kernel compiling on a busy machine) was built twice
     made = Image(tmp_path_factory.mktemp("image"))
     made.build()
     return made
