@@ -99,9 +99,8 @@ pytestmark = pytest.mark.xdist_group("container-image")
 
 @pytest.fixture(scope="session")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
-    # session, not module: in a parallel run the worker of this module's xdist_group runs
-    # other modules' tests between these, and pytest tears a module fixture down when the
-    # module changes; the image (minutes of kernel compiling on a busy machine) was built twice
+    # session, not module: built once per worker (minutes of kernel compiling on a busy
+    # machine) even if that worker runs other modules' tests between these
     made = Image(tmp_path_factory.mktemp("image"))
     made.build()
     return made
