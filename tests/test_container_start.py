@@ -97,10 +97,8 @@ class Image:
 pytestmark = pytest.mark.xdist_group("container-image")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
-    # session, not module: built once per worker (minutes of kernel compiling on a busy
-    # machine) even if that worker runs other modules' tests between these
     made = Image(tmp_path_factory.mktemp("image"))
     made.build()
     return made

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import committed_offset, excerpt, produce, read_all, stop, unique
+from kafka_util import committed_offset, excerpt, produce, read_all, stop
 from neardup.config import load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
@@ -365,19 +364,10 @@ def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir:
 def _wait_for_records(bootstrap: str, topic: str, partitions: int, timeout_s: float, stages: _Stages) -> None:
     """Wait until each of ``topic``'s ``partitions`` partitions holds a record; fail the
     test with the stages' report after ``timeout_s`` seconds or if a stage stops."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("watermarks")})
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            empty = [p for p in range(partitions)
-                     if consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] == 0]
-            if not empty:
-                return
-            assert stages.alive() and time.monotonic() < deadline, \
-                f"{topic} partitions {empty} still empty: {stages.report()}"
-            time.sleep(0.5)
-    finally:
-        consumer.close()
+    deadline = time.monotonic() + timeout_s
+    while empty := [p for p, end in _ends(bootstrap, topic, partitions).items() if end == 0]:
+        assert stages.alive() and time.monotonic() < deadline, f"{topic} partitions {empty} still empty: {stages.report()}"
+        time.sleep(0.5)
 
 
 def _outputs(bootstrap: str, topic: str, expected: int, timeout_s: float, alive) -> list:
