@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 import uuid
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from neardup.config import Settings
 from neardup.sharded.prepare_stage import AHEAD_MS, PrepareProcessor
-from neardup.sharded.records import order_key
+from neardup.sharded.records import order_key, parse_watermarks
 from neardup.sharded.topology import Topology
 
 
@@ -58,5 +58,62 @@ def test_a_partition_written_again_after_a_quiet_spell_holds_nothing_back(kafka_
         processor._caught_up = {}  # without the marks of the quiet spell: a is held for b and c
         processor._in_step(consumer, [a, b, c])
         assert processor._paused == {a}
+    finally:
+        consumer.close()
+
+
+def _mark_of(processor: PrepareProcessor, tp: tuple[str, int]) -> bytes | None:
+    """The watermark ``tp`` gets in the watermark records prepare would send now."""
+    records = processor._watermarks()
+    return parse_watermarks(records[0][3]).get(tp, (0, None))[1] if records else None
+
+
+def test_a_paused_partition_is_not_taken_as_read_to_its_end(kafka_bootstrap, kafka_topic_factory):
+    """A partition read to its end, paused, then written to: while paused the consumer
+    fetches nothing of it, so its cached end offset stays where it was. Its watermark must
+    stay at its last record sent, not move to the wall clock as that of a partition read to
+    its end (the shards would release the other partitions' documents past its new records,
+    which then come late); once resumed, it moves only when the broker says it is at its
+    end."""
+    topic = kafka_topic_factory("in-step", partitions=3)
+    processor, consumer, (a, b, c) = _prepare(kafka_bootstrap, topic)
+    try:
+        now = int(time.time() * 1000)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        for p in range(3):
+            producer.produce(topic, value=b"x", partition=p, timestamp=now - 60_000)
+        producer.flush(10)
+        seen: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen |= {m.partition() for m in consumer.consume(10, timeout=0.5) if m.error() is None}
+        assert seen == {0, 1, 2}
+        processor._consumer, processor._counts = consumer, {topic: 3}
+        processor._start = {a: 0, b: 0, c: 0}
+        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in (a, b, c)}
+        deadline = time.monotonic() + 30
+        while consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] != 1:
+            assert time.monotonic() < deadline
+            consumer.consume(10, timeout=0.2)
+        assert _mark_of(processor, a) > order_key(now, 2, 0)  # read to its end: the wall clock less the window
+
+        processor._pause(consumer, [a])
+        time.sleep(1.0)  # a fetch in flight as it was paused has come back (fetch.wait.max.ms 500)
+        for i in range(5):  # records stamped before the wall clock mark a had
+            producer.produce(topic, value=b"y", partition=0, timestamp=now - 30_000 + i)
+        producer.flush(10)
+        time.sleep(1.0)
+        assert _mark_of(processor, a) == order_key(now - 60_000, 0, 0)  # paused: its last record sent
+
+        consumer.resume([TopicPartition(*a)])
+        processor._paused.discard(a)
+        assert _mark_of(processor, a) == order_key(now - 60_000, 0, 0)  # resumed, not yet fetched
+        got = 0
+        deadline = time.monotonic() + 30
+        while got < 5:
+            assert time.monotonic() < deadline
+            got += sum(1 for m in consumer.consume(10, timeout=0.2) if m.error() is None and m.partition() == 0)
+        processor._sent[a] = order_key(now - 30_000 + 4, 0, 5)
+        assert _mark_of(processor, a) > order_key(now, 2, 0)  # read to its end again
     finally:
         consumer.close()

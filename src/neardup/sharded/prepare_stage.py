@@ -15,7 +15,11 @@ sends every shard partition a watermark record (``neardup.sharded.records``): fo
 input partition it reads, the largest order key it has sent of it, or, for a partition
 read to its end (its position at the high watermark), the wall clock minus
 ``reorder_window_ms`` if that is later (its next record will be stamped after that: an
-idle or empty partition does not hold the others back). A shard processes a document
+idle or empty partition does not hold the others back). A paused partition is never taken
+as read to its end, and one paused or newly assigned only once the broker says so (the
+consumer's cached end offset comes with fetches, and it fetches nothing of a paused
+partition: taken from the cache, a partition paused at its end and written to meanwhile
+had its watermark moved past its new records, which then came late). A shard processes a document
 once every input partition's watermark is past its order key, so that documents are
 processed in order-key order however unevenly the partitions are read. A partition
 assigned and not yet read has no watermark: the shards wait for it. With the components
@@ -283,6 +287,9 @@ class PrepareProcessor(StageHooks):
         self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
         self._marked_at = 0.0
         self._paused: set[TP] = set()
+        # partitions paused or assigned since their end offset was last asked of the broker
+        # (the consumer's cached end offset is stale: ``_at_end``)
+        self._unfetched: set[TP] = set()
         # per partition, the record time (ms) its next record comes after, as of the last time
         # it was read to its end (the wall clock minus the reorder window then)
         self._caught_up: dict[TP, int] = {}
@@ -326,6 +333,7 @@ class PrepareProcessor(StageHooks):
         # revoked and assigned again would never be read again
         consumer.resume(tps)
         self._paused.difference_update(partitions)
+        self._unfetched.update(partitions)
         committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
         for tp in committed:
             offset = tp.offset
@@ -338,6 +346,7 @@ class PrepareProcessor(StageHooks):
     def revoked(self, partitions: set[TP]) -> None:
         for tp in partitions:
             self._paused.discard(tp)
+            self._unfetched.discard(tp)
             self._start.pop(tp, None)
             self._sent.pop(tp, None)
             self._sent_committed.pop(tp, None)
@@ -384,13 +393,20 @@ class PrepareProcessor(StageHooks):
         pause = [tp for tp, t in heads.items() if limit is not None and t > limit and tp not in self._paused]
         resume = [tp for tp in self._paused if limit is None or tp not in heads or heads[tp] <= limit]
         if pause:
-            consumer.pause([TopicPartition(t, p) for t, p in pause])
-            self._paused.update(pause)
+            self._pause(consumer, pause)
         if resume:
             consumer.resume([TopicPartition(t, p) for t, p in resume])
             self._paused.difference_update(resume)
         if pause or resume:
             log.debug("reading in step: paused %s, resumed %s", sorted(pause), sorted(resume))
+
+    def _pause(self, consumer: Consumer, partitions: list[TP]) -> None:
+        """Pause ``partitions``: nothing of them is fetched until they are resumed, and
+        their end offsets are asked of the broker before they count as read to their end
+        again (``_at_end``)."""
+        consumer.pause([TopicPartition(t, p) for t, p in partitions])
+        self._paused.update(partitions)
+        self._unfetched.update(partitions)
 
     def _watermarks(self) -> list[Record]:
         """The watermark records of what ``_sent`` holds (one per shard partition; none
@@ -407,7 +423,7 @@ class PrepareProcessor(StageHooks):
             position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
             _, high = consumer.get_watermark_offsets(tp, cached=True)
             mark = self._sent.get(key)
-            if 0 <= high <= position:  # read to its end: its next record comes after now
+            if 0 <= high <= position and self._at_end(consumer, tp, position):  # its next record comes after now
                 mark = max(mark or b"", now)
                 self._caught_up[key] = now_ms
             else:
@@ -422,6 +438,26 @@ class PrepareProcessor(StageHooks):
         headers = [(KIND_HEADER, WATERMARK_KIND), (ENGINE_HEADER, self.digest)]
         counts = {self.topology.bands: self.topology.shards, self.topology.findings: self.topology.decide_partitions}
         return [(topic, q, None, value, headers) for topic in self.marked for q in range(counts[topic])]
+
+    def _at_end(self, consumer: Consumer, tp: TopicPartition, position: int) -> bool:
+        """Whether a partition whose cached end offset is at ``position`` is read to its
+        end. The cached end comes with each fetch, and the consumer fetches nothing of a
+        paused partition: for one paused (or assigned) since its end was last confirmed, the
+        broker is asked (False while it does not answer)."""
+        key = (tp.topic, tp.partition)
+        if key in self._paused:
+            return False
+        if key not in self._unfetched:
+            return True
+        try:
+            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=2, cached=False)
+        except KafkaException as exc:
+            log.debug("reading the end offset of %s[%d]: %s", tp.topic, tp.partition, exc)
+            return False
+        if high > position:
+            return False
+        self._unfetched.discard(key)
+        return True
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings
