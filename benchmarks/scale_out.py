@@ -72,7 +72,7 @@ from kafka_e2e import encode, start_broker
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Detector
-from neardup.sharded.records import FINDINGS_KIND, KIND_HEADER, ORDER, order_key, parse_findings
+from neardup.sharded.records import FINDINGS_KIND, KIND_HEADER, WATERMARK_KIND, order_key, parse_bands, parse_findings
 from neardup.state.memory import MemoryStateStore
 
 ROLES = ("prepare", "shard", "decide")
@@ -196,8 +196,8 @@ def stage_times(bootstrap: str, app: str, sent: dict[bytes, tuple[int, int, int]
     order key's parts): ms from the input's CreateTime to its last band record's
     (prepare), from there to its last finding's (shard: the reorder hold, and the
     shards' batches), and from there to its output's (decide); quantiles of each."""
-    bands = stamps(bootstrap, f"{app}.bands",
-                   lambda m: [m.key()] if m.key() is not None and len(m.key()) == ORDER.size else [])
+    bands = stamps(bootstrap, f"{app}.bands", lambda m: [] if dict(m.headers() or []).get(KIND_HEADER) == WATERMARK_KIND
+                   else [rec.order for rec in parse_bands(m.value())])
     found = stamps(bootstrap, f"{app}.findings", lambda m: [
         f[0] for f in parse_findings(m.value())] if dict(m.headers() or []).get(KIND_HEADER) == FINDINGS_KIND else [])
     parts: dict[str, list[float]] = {"prepare": [], "shard": [], "decide": []}

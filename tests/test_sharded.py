@@ -13,10 +13,13 @@ from neardup.detector import Detector
 from neardup.sharded.reference import ShardedReference, run_sharded
 from neardup.sharded.records import (
     BandRecord,
+    band_orders,
     band_values,
+    bands_value,
     findings_value,
     found_value,
     order_key,
+    parse_bands,
     parse_findings,
 )
 from neardup.sharded.routing import group_by_shard, owned_bands, shard_of
@@ -80,9 +83,21 @@ def test_band_and_findings_records_read_back_as_written():
     fp = np.unique(rng.integers(0, 2**32, size=50, dtype=np.uint64)).astype(np.uint32)
     parts = [rng.integers(0, 2**63, size=k, dtype=np.uint64) for k in (1, 3)]
     key = order_key(1_700_000_000_000, 2, 77)
-    for b, value in zip(parts, band_values("doc-é", parts, fp)):
+    for b, value in zip(parts, band_values("doc-é", parts, fp)):  # a member's value
         rec = BandRecord.parse(key, value)
         assert (rec.id, rec.buckets.tolist(), rec.fingerprints.tolist()) == ("doc-é", b.tolist(), fp.tolist())
+    # a band record: documents of one batch as columns, any id (empty included), any set
+    orders = [key, order_key(1_700_000_000_000, 0, 3), order_key(1_699_999_999_999, 1, 8)]
+    ids = ["doc-é", "", "x" * 300]
+    sets = [fp, fp[:1], np.zeros(0, np.uint32)]
+    value = bands_value(orders, [i.encode() for i in ids], [parts[1], parts[0], parts[0][:0]], sets)
+    assert [(r.order, r.id, r.buckets.tolist(), r.fingerprints.tolist()) for r in parse_bands(value)] == [
+        (o, i, b.tolist(), f.tolist()) for o, i, b, f in zip(orders, ids, [parts[1], parts[0], parts[0][:0]], sets)]
+    assert parse_bands(bands_value([], [], [], [])) == []
+    assert band_orders(value) == orders
+    for cut in (value[:-1], value[:30], value + b"\x00"):
+        with pytest.raises(ValueError):
+            parse_bands(cut)
     earlier = order_key(1_699_999_999_000, 0, 5)
     found = [found_value(key, 3, [(earlier, "x", 0.5, 0.75, 0.5), (earlier, "ü", 1.0, 1.0, 1.0)]),
              found_value(earlier, 0, [], "malformed_band_record: cut short")]

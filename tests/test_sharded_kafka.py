@@ -7,6 +7,7 @@ import shutil
 import re
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -34,8 +35,8 @@ from neardup.sharded.records import (
     ORDER_HEADER,
     SHARDS_HEADER,
     WATERMARK_KIND,
-    BandRecord,
     decide_partition,
+    parse_bands,
     parse_watermarks,
 )
 from neardup.sharded.routing import shard_of
@@ -106,7 +107,7 @@ def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[i
                        default=b"")
         assert last_mark[p] >= last_doc
     assert sorted(keys) == sorted((p, off) for p, end in ends.items() for off in range(end))
-    band_count = Counter(o.key for o in bands)
+    band_count = Counter(rec.order for o in bands for rec in parse_bands(o.value))
     assert len(band_count) == sum(int(o.headers[SHARDS_HEADER]) > 0 for o in documents)
     errors = {}
     for o in documents:
@@ -140,10 +141,10 @@ def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_
     # the band records hold what one process computes, split by owner
     engine = EngineSettings()
     by_id = {str(r["id"]): r["text"] for r in records}
-    parsed = [BandRecord.parse(o.key, o.value) for o in bands]
     per_doc: dict[str, list] = {}
-    for o, rec in zip(bands, parsed):
-        per_doc.setdefault(rec.id, []).append((o, rec))
+    for o in bands:
+        for rec in parse_bands(o.value):
+            per_doc.setdefault(rec.id, []).append((o, rec))
     ids = sorted(per_doc)
     p = Preparer(engine)([Document(i, by_id[i]) for i in ids])
     for v, doc_id in enumerate(ids):
@@ -156,7 +157,7 @@ def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_
     partitions = read_partitions(kafka_bootstrap, topology)
     for (topic_name, part), key, value in partitions:
         if topic_name == topology.bands:
-            assert (shard_of(BandRecord.parse(key, value).buckets, 3) == part).all()
+            assert all((shard_of(rec.buckets, 3) == part).all() for rec in parse_bands(value))
         else:
             assert decide_partition(key, 2) == part
     assert {d.headers[ID_HEADER].decode() for d in documents if ID_HEADER in d.headers} == set(by_id) - {"empty"}
@@ -812,8 +813,9 @@ def test_a_malformed_band_record_dead_letters_its_document_and_stalls_nothing(ka
     p.produce(topology.findings, key=b"k", value=b'{"id": "x", "text": "some text"}', partition=0,
               headers=[(KIND_HEADER, b"document"), (ORDER_HEADER, key), (TOPIC_HEADER, topic.encode()),
                        (SHARDS_HEADER, b"1"), (ID_HEADER, b"x")])
-    p.produce(topology.bands, key=key, value=b"\x00\x01" + bytes(6), partition=1)  # says 1 bucket, holds none
-    p.produce(topology.bands, key=b"short", value=b"\x00\x01", partition=0)  # no order key either
+    # one document that says 1 bucket and holds none; then a record without even its count
+    p.produce(topology.bands, value=struct.pack(">I", 1) + key + struct.pack(">HHI", 1, 0, 0), partition=1)
+    p.produce(topology.bands, value=b"\x00\x01", partition=0)
     assert p.flush(30) == 0
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
     try:

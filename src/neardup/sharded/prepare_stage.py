@@ -3,8 +3,9 @@
 
 Per batch: decode the input messages, normalise, shingle, MinHash and band the documents
 (``neardup.detector.Preparer``, as in one process), then produce, in the batch's
-transaction, for each document one band record to every shard partition owning one of
-its buckets (``neardup.sharded.routing``) and its document record to its decide
+transaction, to every shard partition one band record holding the batch's documents
+that have a bucket it owns (``neardup.sharded.routing``: their bucket ids there, ids and
+shingle sets, as columns) and, for each document, its document record to its decide
 partition (``neardup.sharded.records``). A message that is no document (``MessageError``,
 or no shingles after normalisation) gets a document record with its error and no band
 record, so that decide sends it to the dead-letter topic and every input message leaves
@@ -39,11 +40,13 @@ waits in decide's memory, its record there, until its findings come; documents p
 watermark wait in the shards' memory too. A ``LeadMonitor`` thread reads, every
 ``LEAD_CHECK_S``, how many records of each findings partition decide's consumer group has
 not passed (its committed offset is that of its earliest document still waiting) and, once
-one holds more than ``max_undecided``, the order key of the earliest band record the shards
-have not released (the record at the shard group's committed offset of each band
-partition: the earliest held, or the next to read). Until every findings partition is
+one holds more than ``max_undecided``, the record time up to which the shards will
+release next: per band partition, that of the latest document of the band record at the
+shard group's committed offset (the record of the earliest document held, or the next to
+read; it may hold documents released before that one, and its latest is at or after the
+earliest held), the smallest over the partitions. Until every findings partition is
 under half the bound again, prepare reads only the partitions whose last record sent is at
-or behind that key, and pauses the rest, so that what it sends is what the shards release
+or behind that time, and pauses the rest, so that what it sends is what the shards release
 next. The partition holding the shards back is never paused (its last record is behind the
 earliest one held), so the pipeline cannot deadlock; with no record unreleased in the
 shards (decide alone is behind), every partition is paused until decide catches up, but
@@ -60,11 +63,13 @@ needs no state here.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer,
                              TopicPartition)
 
@@ -88,7 +93,9 @@ from neardup.sharded.records import (
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
     WATERMARK_KIND,
-    band_values,
+    BANDS_RECORD_BYTES,
+    band_orders,
+    bands_value,
     decide_partition,
     engine_digest,
     order_key,
@@ -143,7 +150,7 @@ class LeadMonitor:
         self.sent = [0] * topology.decide_partitions  # document records sent, per decide partition (stage thread)
         # per decide partition, at the last read: records decide has not passed, and ``sent`` then
         self._read_at: tuple[list[int], list[int]] | None = None
-        self.released: int | None = None  # the record time (ms) of the earliest band record not released
+        self.released: int | None = None  # the record time (ms) up to which the shards release next
         self.over = False  # holding back (stage thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="neardup-lead", daemon=True)
@@ -220,11 +227,12 @@ class LeadMonitor:
         behind = self._behind("decide", t.findings, t.decide_partitions)
         self._read_at = ([behind[q][1] - behind[q][0] for q in range(t.decide_partitions)], sent)
         if self.over or self.undecided() > self.limit // 2:
-            self.released = self._earliest_unreleased()
+            self.released = self._releasing()
 
-    def _earliest_unreleased(self) -> int | None:
-        """The record time (ms) of the earliest band record at or after the shard group's
-        committed offset of any band partition; None if every partition is passed."""
+    def _releasing(self) -> int | None:
+        """The record time (ms) up to which the shards release next (``_latest_in`` of the
+        band record at the shard group's committed offset, the smallest over the band
+        partitions); None if every partition is passed."""
         t = self.topology
         behind = {q: at for q, (at, end) in self._behind("shard", t.bands, t.shards).items() if at < end}
         if not behind:
@@ -234,11 +242,26 @@ class LeadMonitor:
         deadline = time.monotonic() + 2 * LEAD_CHECK_S
         while len(first) < len(behind) and time.monotonic() < deadline:
             for m in self._probe.consume(100, timeout=0.5):
-                key = m.key()
-                if m.error() is None and m.partition() not in first and key is not None and len(key) == 20:
-                    first[m.partition()] = order_time(key)
+                latest = self._latest_in(m) if m.partition() not in first else None
+                if latest is not None:
+                    first[m.partition()] = latest
         self._probe.unassign()
         return min(first.values(), default=None)
+
+    @staticmethod
+    def _latest_in(m: Message) -> int | None:
+        """The latest record time (ms) of a band record's documents (None: an error, a
+        watermark record, or one that cannot be read). The record at the shard group's
+        committed offset holds the earliest document the shard holds, and documents it has
+        released before it: the latest of them is at or after the earliest held, so the
+        partition holding the shard back (its last record sent before the earliest held)
+        is never paused."""
+        if m.error() is not None or (KIND_HEADER, WATERMARK_KIND) in (m.headers() or ()):
+            return None
+        try:
+            return max(map(order_time, band_orders(m.value() or b"")), default=None)
+        except (ValueError, struct.error):
+            return None
 
 
 @dataclass
@@ -488,8 +511,9 @@ class PrepareProcessor(StageHooks):
         p = self.preparer(batch.documents)
         grouped, bounds = group_by_shard(p.buckets, t.shards)
         offsets = p.fingerprint_offsets
-        headers = [(ENGINE_HEADER, self.digest)]
-        by_message: dict[int, tuple[str, list[Record]]] = {}
+        band_headers = [(ENGINE_HEADER, self.digest)]
+        by_message: dict[int, tuple[str, int]] = {}  # message index -> (document id, band entries)
+        entries: list[list[tuple[bytes, bytes, np.ndarray, np.ndarray]]] = [[] for _ in range(t.shards)]
         valid = iter(range(len(p.valid)))
         at = {id(m): i for i, m in enumerate(batch.messages)}
         keys = [self._order(m) for m in batch.messages]  # order keys, by message index
@@ -508,9 +532,11 @@ class PrepareProcessor(StageHooks):
             key = keys[i]
             fp = p.fingerprints[offsets[v]:offsets[v + 1]]
             cut = bounds[v]
+            raw_id = doc.id.encode("utf-8")
             shards = [q for q in range(t.shards) if cut[q + 1] > cut[q]]
-            values = band_values(doc.id, [grouped[v, cut[q]:cut[q + 1]] for q in shards], fp)
-            by_message[i] = (doc.id, [(t.bands, q, key, value, headers) for q, value in zip(shards, values)])
+            for q in shards:
+                entries[q].append((key, raw_id, grouped[v, cut[q]:cut[q + 1]], fp))
+            by_message[i] = (doc.id, len(shards))
         out: list[Record] = []
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
             tp = (m.topic(), m.partition())
@@ -520,9 +546,8 @@ class PrepareProcessor(StageHooks):
                                                       (TOPIC_HEADER, m.topic().encode("utf-8")),
                                                       (ENGINE_HEADER, self.digest)]
             if i in by_message:
-                doc_id, records = by_message[i]
-                out += records
-                headers += [(SHARDS_HEADER, str(len(records)).encode()), (ID_HEADER, doc_id.encode("utf-8"))]
+                doc_id, touched = by_message[i]
+                headers += [(SHARDS_HEADER, str(touched).encode()), (ID_HEADER, doc_id.encode("utf-8"))]
             else:
                 headers += [(SHARDS_HEADER, b"0"), (ERROR_HEADER, batch.errors[i].encode("utf-8"))]
             value = m.value()
@@ -533,7 +558,22 @@ class PrepareProcessor(StageHooks):
             out.append((t.findings, q, m.key(), value, headers))
             if self.lead is not None:
                 self.lead.sent[q] += 1
+        for q, docs in enumerate(entries):  # one band record per shard partition (split if large)
+            start, size = 0, 0
+            for j, (key, raw_id, buckets, fp) in enumerate(docs):
+                if j > start and size > BANDS_RECORD_BYTES:
+                    out.append((t.bands, q, None, self._bands(docs[start:j]), band_headers))
+                    start, size = j, 0
+                size += 28 + len(raw_id) + 8 * len(buckets) + 4 * len(fp)
+            if docs:
+                out.append((t.bands, q, None, self._bands(docs[start:]), band_headers))
         return out
+
+    @staticmethod
+    def _bands(docs: list[tuple[bytes, bytes, np.ndarray, np.ndarray]]) -> bytes:
+        """A band record's value of (order key, id, bucket ids, shingle set) entries."""
+        orders, ids, buckets, fps = zip(*docs)
+        return bands_value(list(orders), list(ids), list(buckets), list(fps))
 
     def _findings_limit(self) -> int:
         """The largest record the findings topic takes, bytes (read once)."""
@@ -557,7 +597,7 @@ class PrepareProcessor(StageHooks):
         for topic, partition, key, value, headers in records:
             produce(producer, topic, key, value, headers, partition)
             size = len(value or b"") + len(key or b"")
-            if topic == self.topology.bands and key is not None:  # not a watermark record
+            if topic == self.topology.bands and headers[0][0] == ENGINE_HEADER:  # not a watermark record
                 band_records += 1
                 band_bytes += size
             else:

@@ -4,7 +4,20 @@ Order key (20 bytes, ``ORDER``): big-endian signed (record timestamp in ms, inpu
 partition, offset), so that comparing the bytes compares the keys: the order every shard
 processes documents in. ``order_seq`` turns it into one integer with the same order.
 
-Band record (prepare -> shard; key: the order key; partition: the shard's):
+Band record (prepare -> shard; key: none; partition: the shard's): the documents of
+one prepare batch that touch the shard, in input order, as columns (one Kafka record
+per batch and shard partition, not one per document; split above ``BANDS_RECORD_BYTES``):
+
+    ">I" document count n
+    n order keys (20 bytes each)
+    n × ">HHI" per document: band count k, id length L, fingerprint count f
+    the ids (UTF-8), one after the other
+    the bucket ids (uint64, little-endian), k of each document, one after the other
+    the fingerprints (uint32, little-endian, each document's sorted distinct: its
+    shingle set), one after the other
+
+Member value (the shard's changelog, ``neardup.state.shard_store``): one document's
+entry of a band record on its own:
 
     ">HHI" band count k, id length L, fingerprint count f
     id (L bytes, UTF-8)
@@ -271,6 +284,70 @@ class BandRecord:
         buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64, copy=False)
         fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32, copy=False)
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
+
+
+#: The largest band record produced, bytes (a batch's band entries for one shard
+#: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
+BANDS_RECORD_BYTES = 512 << 10
+_COUNT = struct.Struct(">I")
+_ENTRY = np.dtype([("k", ">u2"), ("n_id", ">u2"), ("f", ">u4")])
+
+
+def bands_value(orders: list[bytes], ids: list[bytes], buckets: list[np.ndarray],
+                fingerprints: list[np.ndarray]) -> bytes:
+    """A band record's value (the layout above) of n documents.
+
+    Args:
+        orders: their order keys (20 bytes each).
+        ids: their ids, UTF-8.
+        buckets: per document, uint64, shape (k,): its bucket ids the shard owns.
+        fingerprints: per document, uint32, sorted distinct: its shingle set.
+    """
+    entries = np.empty(len(orders), dtype=_ENTRY)
+    entries["k"] = [len(b) for b in buckets]
+    entries["n_id"] = [len(i) for i in ids]
+    entries["f"] = [len(f) for f in fingerprints]
+    return b"".join((_COUNT.pack(len(orders)), *orders, entries.tobytes(), *ids,
+                     np.concatenate(buckets).astype("<u8", copy=False).tobytes() if buckets else b"",
+                     np.concatenate(fingerprints).astype("<u4", copy=False).tobytes() if fingerprints else b""))
+
+
+def band_orders(value: bytes) -> list[bytes]:
+    """The order keys of a band record (what a record cut short still names).
+
+    Raises:
+        ValueError (struct.error): not even those can be read.
+    """
+    (n,) = _COUNT.unpack_from(value)
+    if len(value) < _COUNT.size + ORDER.size * n:
+        raise ValueError("band record cut short")
+    return [value[_COUNT.size + ORDER.size * i:_COUNT.size + ORDER.size * (i + 1)] for i in range(n)]
+
+
+def parse_bands(value: bytes) -> list[BandRecord]:
+    """``bands_value``'s inverse: one ``BandRecord`` per document, its arrays read-only
+    views of ``value``.
+
+    Raises:
+        ValueError (struct.error, UnicodeDecodeError): a record of another layout.
+    """
+    orders = band_orders(value)
+    n = len(orders)
+    at = _COUNT.size + ORDER.size * n
+    entries = np.frombuffer(value, dtype=_ENTRY, count=n, offset=at)
+    at += _ENTRY.itemsize * n
+    k, n_id, f = (entries[c].astype(np.int64) for c in ("k", "n_id", "f"))
+    id_end = at + int(n_id.sum())
+    k_total, f_total = int(k.sum()), int(f.sum())
+    if len(value) != id_end + 8 * k_total + 4 * f_total:
+        raise ValueError("band record of the wrong length")
+    buckets = np.frombuffer(value, dtype="<u8", count=k_total, offset=id_end).astype(np.uint64, copy=False)
+    fps = np.frombuffer(value, dtype="<u4", count=f_total, offset=id_end + 8 * k_total).astype(np.uint32,
+                                                                                            copy=False)
+    raw_ids = value[at:id_end]
+    i_at, k_at, f_at = ([0, *np.cumsum(c).tolist()] for c in (n_id, k, f))
+    return [BandRecord(orders[d], raw_ids[i_at[d]:i_at[d + 1]].decode("utf-8"), buckets[k_at[d]:k_at[d + 1]],
+                       fps[f_at[d]:f_at[d + 1]]) for d in range(n)]
 
 
 def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray) -> list[bytes]:

@@ -2,12 +2,15 @@
 ``Processor`` on the stage runtime (``neardup.kafka.stage``).
 
 Each partition p of the band topic is one shard: its buckets and their members' sets, the
-records held in its reorder window, and its changelog, partition p of
-``<app>.shard-changelog`` (compacted). Every change is produced to the changelog in the
+documents held in its reorder window, and its changelog, partition p of
+``<app>.shard-changelog`` (compacted). A band record holds a prepare batch's documents
+that touch the shard (``neardup.sharded.records``); each is held, released and processed
+on its own. Every change is produced to the changelog in the
 batch's transaction, so the changelog's committed records are exactly the state of the
-committed input offsets. The records held are not logged: the band topic holds them, and
-the offset committed for partition p is that of its earliest record still held (or the
-batch's end when none is), so that a restart reads them again (see "Held records" below).
+committed input offsets. The documents held are not logged: the band topic holds them, and
+the offset committed for partition p is that of the band record of its earliest document
+still held (or the batch's end when none is), so that a restart reads them again (see
+"Held records" below).
 Where the state is kept:
 
 - in memory (``ShardIndex``; no ``state_dir``): rebuilt from the whole changelog partition
@@ -20,8 +23,8 @@ Where the state is kept:
   stay in memory over it. On assignment and after a failed batch, the store reads the
   changelog from its position only (everything when it has none).
 
-Order: a band record is held until every input partition's watermark is past its order
-key, then processed with the others released, in order-key order. The watermarks come
+Order: a document of a band record is held until every input partition's watermark is
+past its order key, then processed with the others released, in order-key order. The watermarks come
 from prepare (``neardup.sharded.prepare_stage``: a watermark record to every shard partition
 with each batch, and while idle), and are the largest order key prepare has sent of each
 input partition, or the wall clock minus ``reorder_window_ms`` for a partition read to its
@@ -30,23 +33,24 @@ unevenly prepare reads the partitions of a backlog, the documents are processed 
 order-key order, as one process would; a partition whose prepare is gone holds the shard
 until the partition is assigned again (``session.timeout.ms``; at once with static
 membership). Watermarks live in memory: after a restart or a failed batch, a shard holds
-until each partition's next watermark. A record arriving after a later one was released
-(a record stamped before its partition's watermark) is processed at once and counted as
-late.
+until each partition's next watermark. A document arriving after a later one was
+released (one stamped before its partition's watermark) is processed at once and counted
+as late.
 
-Held records: a shard releases in order-key order, so every record it has consumed with
+Held records: a shard releases in order-key order, so every document it has consumed with
 an order key at or below the last one released has been processed, and every one above
 it is held. After a restart (or on another process after a rebalance) the shard reads
-its band partition again from the committed offset (the earliest record held); a record
-before ``P``'s consumed offset is skipped if its order key is at or below the last
-released (processed before), held again otherwise. After a failed batch (``aborted``)
-the runtime reads again from the failed batch's first offsets only: the records held as
-of the last committed batch are kept in memory for it (``_Shard.committed_held``).
+its band partition again from the committed offset (the record of the earliest document
+held); a document of a record before ``P``'s consumed offset is skipped if its order key
+is at or below the last released (processed before), held again otherwise. After a
+failed batch (``aborted``) the runtime reads again from the failed batch's first offsets
+only: the documents held as of the last committed batch are kept in memory for it
+(``_Shard.committed_held``).
 
 Changelog records (key -> value; a null value deletes):
 
 - ``b"M" + order key`` -> ``">I"`` n, n candidate order keys whose copy bucket it joined,
-  then a band record value (id, the buckets it joined, its set): a member.
+  then a member value (id, the buckets it joined, its set): a member.
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
@@ -89,6 +93,7 @@ from neardup.sharded.records import (
     WATERMARK_KIND,
     BandRecord,
     Watermarks,
+    band_orders,
     check_engine,
     decide_partition,
     engine_digest,
@@ -96,6 +101,7 @@ from neardup.sharded.records import (
     found_value,
     order_seq,
     order_time,
+    parse_bands,
     seq_order,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
@@ -169,6 +175,7 @@ class _Shard:
 class ShardWritten:
     offsets: list[TopicPartition]  # per band partition: its earliest record held, else the batch's end
     messages: int = 0
+    documents: int = 0  # the band records' documents
     released: int = 0
     late: int = 0
     lateness_ms: list[int] = field(default_factory=list)  # per late record: ms behind the last released
@@ -378,23 +385,26 @@ class ShardProcessor(StageHooks):
                     self._watermark(m, shard)
                     continue
             try:
-                rec = BandRecord.parse(m.key(), m.value())
+                records = parse_bands(m.value() or b"")
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
                 self._malformed(m, exc, found, stats)
                 continue
             offset = m.offset()
+            stats.documents += len(records)
             if offset < shard.consumed:  # read again after a restart (see the module docstring)
-                if rec.order > shard.last:
-                    shard.hold(rec, offset)
+                for rec in records:
+                    if rec.order > shard.last:
+                        shard.hold(rec, offset)
                 continue
-            shard.watermark = max(shard.watermark, order_time(rec.order))
-            if shard.last and rec.order <= shard.last:
-                stats.late += 1
-                stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
-                behind = max(behind, stats.lateness_ms[-1])
-                self._release(p, shard, [rec], out, found, stats)
-            else:
-                shard.hold(rec, offset)
+            for rec in records:
+                shard.watermark = max(shard.watermark, order_time(rec.order))
+                if shard.last and rec.order <= shard.last:
+                    stats.late += 1
+                    stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
+                    behind = max(behind, stats.lateness_ms[-1])
+                    self._release(p, shard, [rec], out, found, stats)
+                else:
+                    shard.hold(rec, offset)
         if stats.late:
             log.warning("%d band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
@@ -448,16 +458,18 @@ class ShardProcessor(StageHooks):
 
     def _malformed(self, m: Message, exc: Exception, found: dict[int, list[bytes]], stats: ShardWritten) -> None:
         """A band record of another layout (written by something else than prepare): its
-        document, if its key names one, gets a finding with the error, which decide sends
-        to the dead-letter topic; else it is skipped, logged."""
+        documents, if the order keys at its start can be read, get a finding with the
+        error each, which decide sends to the dead-letter topic; else it is skipped, logged."""
         stats.malformed += 1
-        key = m.key() or b""
-        if len(key) != ORDER.size:
-            log.error("band topic %s[%d]@%d: not a band record (%s); skipped", m.topic(), m.partition(),
-                      m.offset(), exc)
+        try:
+            orders = band_orders(m.value() or b"")
+        except (ValueError, struct.error) as no_keys:
+            log.error("band topic %s[%d]@%d: not a band record (%s; %s); skipped", m.topic(), m.partition(),
+                      m.offset(), exc, no_keys)
             return
-        found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
-            found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
+        for key in orders:
+            found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
+                found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
     def _release(self, p: int, shard: _Shard, records: list[BandRecord], out: list[Record],
                  found: dict[int, list[bytes]], stats: ShardWritten) -> None:
@@ -493,9 +505,14 @@ class ShardProcessor(StageHooks):
             if err is None:
                 positions[msg.partition()] = max(positions.get(msg.partition(), 0), msg.offset() + 1)
 
-        for topic, partition, key, value, headers in records:
-            changelog = topic == self.topology.shard_changelog
-            produce(producer, topic, key, value, headers, partition, delivered if changelog else None)
+        changelog = self.topology.shard_changelog
+        # the stores take the offset after a partition's last record: one delivery report
+        # each is enough (a transaction's records of one partition are delivered in order)
+        last = {} if self.state_dir is None else {
+            partition: i for i, (topic, partition, *_) in enumerate(records) if topic == changelog}
+        for i, (topic, partition, key, value, headers) in enumerate(records):
+            produce(producer, topic, key, value, headers, partition,
+                    delivered if topic == changelog and last.get(partition) == i else None)
             size = len(key or b"") + len(value or b"")
             if topic == self.topology.findings:
                 stats.finding_bytes += size
