@@ -790,7 +790,7 @@ class StageRuntime:
         processor; None if none. With a processor that orders partitions, the messages
         released in order-key order (``neardup.kafka.intake``), consumed until the batch is
         full or ``timeout`` has passed: a partition waited for must not cut batches short."""
-        size = self.settings.batch_size
+        size = self._batch_messages()
         if self._intake is None:
             got = self._consume_once(timeout)
             if got is None or not got[1]:
@@ -810,11 +810,17 @@ class StageRuntime:
                 break
         return self.processor.read(released, len(released) == size) if released else None
 
+    def _batch_messages(self) -> int:
+        """Messages per batch: ``batch_size``, or what the processor asks for (its
+        ``batch_messages(batch_size)``: a stage whose messages hold many documents each)."""
+        ask = getattr(self.processor, "batch_messages", None)
+        return self.settings.batch_size if ask is None else ask(self.settings.batch_size)
+
     def _consume_once(self, timeout: float) -> tuple[list[Message], list[Message]] | None:
         """One ``consume`` call: (what it returned, the messages usable); None when the
         consumer failed and was replaced."""
         assert self.consumer is not None
-        messages = self.consumer.consume(self.settings.batch_size, timeout=timeout)
+        messages = self.consumer.consume(self._batch_messages(), timeout=timeout)
         fatal_error = next((m.error() for m in messages if _consumer_fatal(m.error())), None)
         if fatal_error is not None:
             self._new_consumer(fatal_error)

@@ -114,6 +114,10 @@ _PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed off
 #: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
 FINDINGS_RECORD_BYTES = 512 << 10
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
+#: A shard batch holds about this many times ``batch_size`` documents (``batch_messages``):
+#: what a batch costs apart from its documents (a ``P`` record and the held documents'
+#: snapshot per partition, the findings records, the transaction) is spread over many.
+BATCH_DOCUMENTS_PER_SIZE = 10
 
 
 @dataclass
@@ -125,6 +129,9 @@ class _Shard:
     # order key -> (record, its band-topic offset), in the order consumed (offset order)
     held: dict[bytes, tuple[BandRecord, int]] = field(default_factory=dict)
     committed_held: dict[bytes, tuple[BandRecord, int]] = field(default_factory=dict)  # as of the last commit
+    # what ``held`` took and gave since the last ``changes``: the batch's change to it
+    added: list[tuple[bytes, tuple[BandRecord, int]]] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
     queue: list[bytes] = field(default_factory=list)  # the held keys, a heap (a key may repeat)
     last: bytes = b""
     watermark: int = -(1 << 62)
@@ -134,7 +141,21 @@ class _Shard:
     def hold(self, rec: BandRecord, offset: int) -> None:
         if rec.order not in self.held:
             self.held[rec.order] = (rec, offset)
+            self.added.append((rec.order, (rec, offset)))
             heapq.heappush(self.queue, rec.order)
+
+    def changes(self) -> tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]:
+        """What ``held`` took and gave since the last call (in that order: a document held
+        and released in one batch is in both)."""
+        out = (self.added, self.removed)
+        self.added, self.removed = [], []
+        return out
+
+    def commit(self, added: list[tuple[bytes, tuple[BandRecord, int]]], removed: list[bytes]) -> None:
+        """Apply a committed batch's ``changes`` to ``committed_held``."""
+        self.committed_held.update(added)
+        for key in removed:
+            self.committed_held.pop(key, None)
 
     def first_held(self) -> int | None:
         """The band-topic offset of the earliest record held (None: none is)."""
@@ -161,8 +182,10 @@ class _Shard:
         """Take the held records at or below ``limit``, in order-key order."""
         out = []
         while self.queue and self.queue[0] <= limit:
-            held = self.held.pop(heapq.heappop(self.queue), None)
+            key = heapq.heappop(self.queue)
+            held = self.held.pop(key, None)
             if held is not None:
+                self.removed.append(key)
                 out.append(held[0])
         return out
 
@@ -207,18 +230,30 @@ class ShardProcessor(StageHooks):
         self.retention_ms = retention_ms
         # per batch computed and not yet committed, in order: its changelog records per
         # shard partition (what the stores take once it is committed; with a state_dir),
-        # and the records each partition it touched holds after it
+        # and the change to the documents held of each partition it touched (``_Shard.changes``)
         self._uncommitted: list[tuple[dict[int, list[tuple[bytes, bytes | None]]],
-                                      dict[int, dict[bytes, tuple[BandRecord, int]]]]] = []
+                                      dict[int, tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]]]] = []
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
         self.shards: dict[int, _Shard] = {}
         self._ensured = False
+        # documents per band record (``batch_messages``); at first as many as a band record
+        # of a full prepare batch holds
+        self._per_message = float(settings.batch_size)
 
     # --- lifecycle ------------------------------------------------------------------
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.findings, self.topology.shard_changelog)
+
+    def batch_messages(self, batch_size: int) -> int:
+        """Messages per batch: about ``BATCH_DOCUMENTS_PER_SIZE`` × ``batch_size`` documents'
+        worth, by the documents per
+        band record of the batches before (the largest of the last batch, or a slowly
+        falling average); a band record holds up to a prepare batch of documents, so
+        ``batch_size`` records could hold a million of them in a backlog (one batch of many
+        seconds, all in memory)."""
+        return max(1, min(batch_size, int(BATCH_DOCUMENTS_PER_SIZE * batch_size / self._per_message)))
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
         """Create the topology's topics (once), then restore the newly assigned shards.
@@ -249,6 +284,7 @@ class ShardProcessor(StageHooks):
             held = self.shards[p].committed_held
             shard = self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
             shard.held, shard.committed_held = dict(held), held
+            shard.added, shard.removed = [], []
             shard.requeue()
 
     def committed(self, written: ShardWritten, seconds: float) -> ShardWritten:
@@ -258,10 +294,10 @@ class ShardProcessor(StageHooks):
         written.seconds = seconds
         if self._uncommitted:
             batch, held = self._uncommitted.pop(0)
-            for p, records in held.items():
+            for p, (added, removed) in held.items():
                 shard = self.shards.get(p)
                 if shard is not None:
-                    shard.committed_held = records
+                    shard.commit(added, removed)
             for p, records in batch.items():
                 shard = self.shards.get(p)
                 if shard is None or shard.store is None:
@@ -372,7 +408,7 @@ class ShardProcessor(StageHooks):
         stats = ShardWritten(ends, messages=len(batch.messages))
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
         touched: set[int] = set()
-        behind = 0
+        behind = watermarks = 0
         prepared = [(ENGINE_HEADER, self.digest)]  # a band record's headers
         for m in batch.messages:
             p = m.partition()
@@ -383,6 +419,7 @@ class ShardProcessor(StageHooks):
                 check_engine(headers, self.digest, f"band record {m.topic()}[{p}]@{m.offset()}")
                 if (KIND_HEADER, WATERMARK_KIND) in (headers or ()):
                     self._watermark(m, shard)
+                    watermarks += 1
                     continue
             try:
                 records = parse_bands(m.value() or b"")
@@ -405,11 +442,15 @@ class ShardProcessor(StageHooks):
                     self._release(p, shard, [rec], out, found, stats)
                 else:
                     shard.hold(rec, offset)
+        bands = len(batch.messages) - watermarks
+        if bands:  # up at once, down slowly: a backlog after a quiet spell is cut small soon
+            seen = max(1.0, stats.documents / bands)
+            self._per_message = max(seen, 0.8 * self._per_message + 0.2 * seen)
         if stats.late:
             log.warning("%d band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
         t = self.topology
-        held: dict[int, dict[bytes, tuple[BandRecord, int]]] = {}
+        held: dict[int, tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]] = {}
         end = {tp.partition: tp.offset for tp in ends}
         for p in sorted(touched):
             shard = self.shards[p]
@@ -423,7 +464,7 @@ class ShardProcessor(StageHooks):
             shard.consumed = max(shard.consumed, end[p])
             out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
             stats.held += len(shard.held)
-            held[p] = dict(shard.held)
+            held[p] = shard.changes()
         for q in sorted(found):  # one findings record per decide partition (split if large)
             chunk: list[bytes] = []
             size = 0
