@@ -341,6 +341,7 @@ class DecideProcessor(StageHooks):
         self._poll_table()
         new_decisions, self._table_new = self._table_new, False
         touched: dict[int, set[bytes]] = {}
+        fresh: set[bytes] = set()  # the waiting documents copied in this batch (``_changing``)
         for m in batch.messages:
             q = m.partition()
             offset = m.offset()
@@ -356,7 +357,7 @@ class DecideProcessor(StageHooks):
                 order = _header(headers, ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue
-                w = self._changing(self.partitions[q], order)
+                w = self._changing(self.partitions[q], order, fresh)
                 w.record = (m.key(), m.value(), headers)
                 w.first = min(w.first, offset)
                 touched.setdefault(q, set()).add(order)
@@ -371,7 +372,7 @@ class DecideProcessor(StageHooks):
                 for order, shard, checked, error in found:
                     if listed is not None and order not in listed:
                         continue
-                    w = self._changing(waiting, order)
+                    w = self._changing(waiting, order, fresh)
                     w.findings[shard] = checked
                     w.first = min(w.first, offset)
                     if error is not None:
@@ -429,10 +430,14 @@ class DecideProcessor(StageHooks):
         return out, stats
 
     @staticmethod
-    def _changing(waiting: dict[bytes, _Waiting], order: bytes) -> _Waiting:
+    def _changing(waiting: dict[bytes, _Waiting], order: bytes, fresh: set[bytes]) -> _Waiting:
         """The waiting document ``order`` (new if none), a copy put in its place: the
-        states kept for ``aborted`` hold the former one (copy on write)."""
+        states kept for ``aborted`` hold the former one (copy on write); once per batch
+        (``fresh``: the documents copied or made in this batch, changed in place after)."""
         w = waiting.get(order)
+        if w is not None and order in fresh:
+            return w
+        fresh.add(order)
         w = waiting[order] = _Waiting() if w is None else w.copy()
         return w
 
