@@ -395,14 +395,14 @@ class StageMetrics:
         self.restoring.labels(stage).set(0)
         self.late = Counter(
             "neardup_reorder_late_records",
-            "Band records that came after a later one of their shard was released (past the reorder window), processed at once.",
+            "Documents of band records that came after a later one of their shard was released (past the reorder window), processed at once.",
             ["stage"], registry=r)
         self.lateness = Histogram(
             "neardup_reorder_lateness_seconds",
-            "How far a late band record was behind the last one its shard released, seconds of record time.",
+            "How far a late document of a band record was behind the last one its shard released, seconds of record time.",
             ["stage"], buckets=LATENESS_BUCKETS, registry=r)
         self.held = Gauge(
-            "neardup_reorder_held_records", "Band records held in the reorder window after the last batch.",
+            "neardup_reorder_held_records", "Documents of band records held in the reorder window after the last batch.",
             ["stage"], registry=r)
         self.expired = Counter(
             "neardup_stage_documents_expired",

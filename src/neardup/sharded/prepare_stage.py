@@ -477,7 +477,7 @@ class PrepareProcessor(StageHooks):
         except KafkaException as exc:
             log.debug("reading the end offset of %s[%d]: %s", tp.topic, tp.partition, exc)
             return False
-        if high > position:
+        if high < 0 or high > position:
             return False
         self._unfetched.discard(key)
         return True

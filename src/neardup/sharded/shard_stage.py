@@ -447,7 +447,7 @@ class ShardProcessor(StageHooks):
             seen = max(1.0, stats.documents / bands)
             self._per_message = max(seen, 0.8 * self._per_message + 0.2 * seen)
         if stats.late:
-            log.warning("%d band records came after a later one was released (up to %d ms behind); "
+            log.warning("%d documents of band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
         t = self.topology
         held: dict[int, tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]] = {}
