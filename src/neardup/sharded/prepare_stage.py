@@ -114,6 +114,11 @@ IDLE_MARK_S = 0.2
 #: Record time, ms, an input partition may run ahead of the one furthest behind before it
 #: is paused (see the module docstring).
 AHEAD_MS = 10_000
+#: Seconds to wait for the broker's end offset of a paused or newly assigned partition
+#: (``PrepareProcessor._at_end``: the stage's thread waits), and seconds before asking again
+#: after no answer (a broker out must not hold every watermark for the timeout).
+END_QUERY_TIMEOUT_S = 0.5
+END_QUERY_PAUSE_S = 2.0
 #: Seconds between two reads of what waits downstream (``LeadMonitor``).
 LEAD_CHECK_S = 0.25
 #: Seconds without a read of what waits downstream before the log says the bound is not kept.
@@ -313,6 +318,7 @@ class PrepareProcessor(StageHooks):
         # partitions paused or assigned since their end offset was last asked of the broker
         # (the consumer's cached end offset is stale: ``_at_end``)
         self._unfetched: set[TP] = set()
+        self._unasked: dict[TP, float] = {}  # monotonic time before which the broker is not asked again
         # per partition, the record time (ms) its next record comes after, as of the last time
         # it was read to its end (the wall clock minus the reorder window then)
         self._caught_up: dict[TP, int] = {}
@@ -370,6 +376,7 @@ class PrepareProcessor(StageHooks):
         for tp in partitions:
             self._paused.discard(tp)
             self._unfetched.discard(tp)
+            self._unasked.pop(tp, None)
             self._start.pop(tp, None)
             self._sent.pop(tp, None)
             self._sent_committed.pop(tp, None)
@@ -472,10 +479,14 @@ class PrepareProcessor(StageHooks):
             return False
         if key not in self._unfetched:
             return True
+        if time.monotonic() < self._unasked.get(key, 0.0):  # the broker did not answer a moment ago
+            return False
         try:
-            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=2, cached=False)
+            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
+                                                     timeout=END_QUERY_TIMEOUT_S, cached=False)
         except KafkaException as exc:
             log.debug("reading the end offset of %s[%d]: %s", tp.topic, tp.partition, exc)
+            self._unasked[key] = time.monotonic() + END_QUERY_PAUSE_S
             return False
         if high < 0 or high > position:
             return False
