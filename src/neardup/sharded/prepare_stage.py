@@ -93,6 +93,7 @@ from neardup.sharded.records import (
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
     WATERMARK_KIND,
+    BAND_ENTRY_BYTES,
     BANDS_RECORD_BYTES,
     band_orders,
     bands_value,
@@ -264,9 +265,10 @@ class LeadMonitor:
         if m.error() is not None or (KIND_HEADER, WATERMARK_KIND) in (m.headers() or ()):
             return None
         try:
-            return max(map(order_time, band_orders(m.value() or b"")), default=None)
+            orders = band_orders(m.value() or b"")
         except (ValueError, struct.error):
             return None
+        return order_time(max(orders)) if orders else None  # order keys compare as their times first
 
 
 @dataclass
@@ -575,7 +577,7 @@ class PrepareProcessor(StageHooks):
                 if j > start and size > BANDS_RECORD_BYTES:
                     out.append((t.bands, q, None, self._bands(docs[start:j]), band_headers))
                     start, size = j, 0
-                size += 28 + len(raw_id) + 8 * len(buckets) + 4 * len(fp)
+                size += BAND_ENTRY_BYTES + len(raw_id) + 8 * len(buckets) + 4 * len(fp)
             if docs:
                 out.append((t.bands, q, None, self._bands(docs[start:]), band_headers))
         return out

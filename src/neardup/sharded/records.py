@@ -291,6 +291,9 @@ class BandRecord:
 BANDS_RECORD_BYTES = 512 << 10
 _COUNT = struct.Struct(">I")
 _ENTRY = np.dtype([("k", ">u2"), ("n_id", ">u2"), ("f", ">u4")])
+#: A document's bytes in a band record besides its id, bucket ids and set: its order key
+#: and its entry lengths.
+BAND_ENTRY_BYTES = ORDER.size + _ENTRY.itemsize
 
 
 def bands_value(orders: list[bytes], ids: list[bytes], buckets: list[np.ndarray],

@@ -115,8 +115,8 @@ _PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed off
 FINDINGS_RECORD_BYTES = 512 << 10
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: A shard batch holds about this many times ``batch_size`` documents (``batch_messages``):
-#: what a batch costs apart from its documents (a ``P`` record and the held documents'
-#: snapshot per partition, the findings records, the transaction) is spread over many.
+#: what a batch costs apart from its documents (a ``P`` record per partition, the findings
+#: records, the transaction) is spread over many.
 BATCH_DOCUMENTS_PER_SIZE = 10
 
 
@@ -232,7 +232,8 @@ class ShardProcessor(StageHooks):
         # shard partition (what the stores take once it is committed; with a state_dir),
         # and the change to the documents held of each partition it touched (``_Shard.changes``)
         self._uncommitted: list[tuple[dict[int, list[tuple[bytes, bytes | None]]],
-                                      dict[int, tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]]]] = []
+                                      dict[int, tuple[_Shard, list[tuple[bytes, tuple[BandRecord, int]]],
+                                                      list[bytes]]]]] = []
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
@@ -248,11 +249,10 @@ class ShardProcessor(StageHooks):
 
     def batch_messages(self, batch_size: int) -> int:
         """Messages per batch: about ``BATCH_DOCUMENTS_PER_SIZE`` × ``batch_size`` documents'
-        worth, by the documents per
-        band record of the batches before (the largest of the last batch, or a slowly
-        falling average); a band record holds up to a prepare batch of documents, so
-        ``batch_size`` records could hold a million of them in a backlog (one batch of many
-        seconds, all in memory)."""
+        worth, by the documents per band record of the batches before (the largest of the
+        last batch, or a slowly falling average); a band record holds up to a prepare batch
+        of documents, so ``batch_size`` records could hold a million of them in a backlog
+        (one batch of many seconds, all in memory)."""
         return max(1, min(batch_size, int(BATCH_DOCUMENTS_PER_SIZE * batch_size / self._per_message)))
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
@@ -294,10 +294,9 @@ class ShardProcessor(StageHooks):
         written.seconds = seconds
         if self._uncommitted:
             batch, held = self._uncommitted.pop(0)
-            for p, (added, removed) in held.items():
-                shard = self.shards.get(p)
-                if shard is not None:
-                    shard.commit(added, removed)
+            for p, (owner, added, removed) in held.items():
+                if self.shards.get(p) is owner:  # not a shard restored since (its own batches hold it)
+                    owner.commit(added, removed)
             for p, records in batch.items():
                 shard = self.shards.get(p)
                 if shard is None or shard.store is None:
@@ -433,8 +432,9 @@ class ShardProcessor(StageHooks):
                     if rec.order > shard.last:
                         shard.hold(rec, offset)
                 continue
+            if records:
+                shard.watermark = max(shard.watermark, order_time(max(rec.order for rec in records)))
             for rec in records:
-                shard.watermark = max(shard.watermark, order_time(rec.order))
                 if shard.last and rec.order <= shard.last:
                     stats.late += 1
                     stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
@@ -450,7 +450,7 @@ class ShardProcessor(StageHooks):
             log.warning("%d documents of band records came after a later one was released (up to %d ms behind); "
                         "processed late", stats.late, behind)
         t = self.topology
-        held: dict[int, tuple[list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]] = {}
+        held: dict[int, tuple[_Shard, list[tuple[bytes, tuple[BandRecord, int]]], list[bytes]]] = {}
         end = {tp.partition: tp.offset for tp in ends}
         for p in sorted(touched):
             shard = self.shards[p]
@@ -464,7 +464,7 @@ class ShardProcessor(StageHooks):
             shard.consumed = max(shard.consumed, end[p])
             out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
             stats.held += len(shard.held)
-            held[p] = shard.changes()
+            held[p] = (shard, *shard.changes())
         for q in sorted(found):  # one findings record per decide partition (split if large)
             chunk: list[bytes] = []
             size = 0
