@@ -71,23 +71,15 @@ def _mark_of(processor: PrepareProcessor, tp: tuple[str, int]) -> bytes | None:
 def test_a_paused_partition_is_not_taken_as_read_to_its_end(kafka_bootstrap, kafka_topic_factory):
     """A partition read to its end, paused, then written to: while paused the consumer
     fetches nothing of it, so its cached end offset stays where it was. Its watermark must
-    stay at its last record sent, not move to the wall clock as that of a partition read to
-    its end (the shards would release the other partitions' documents past its new records,
-    which then come late); once resumed, it moves only when the broker says it is at its
-    end."""
+    not move past its new records (the shards would release the other partitions'
+    documents past them, and they would come late); once resumed and read, it is at its
+    end again as the broker says."""
     topic = kafka_topic_factory("in-step", partitions=3)
     processor, consumer, (a, b, c) = _prepare(kafka_bootstrap, topic)
     try:
         now = int(time.time() * 1000)
         producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        for p in range(3):
-            producer.produce(topic, value=b"x", partition=p, timestamp=now - 60_000)
-        producer.flush(10)
-        seen: set[int] = set()
-        deadline = time.monotonic() + 30
-        while len(seen) < 3 and time.monotonic() < deadline:
-            seen |= {m.partition() for m in consumer.consume(10, timeout=0.5) if m.error() is None}
-        assert seen == {0, 1, 2}
+        _read_one_each(producer, consumer, topic, now - 60_000)
         processor._consumer, processor._counts = consumer, {topic: 3}
         processor._start = {a: 0, b: 0, c: 0}
         processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in (a, b, c)}
@@ -95,25 +87,78 @@ def test_a_paused_partition_is_not_taken_as_read_to_its_end(kafka_bootstrap, kaf
         while consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] != 1:
             assert time.monotonic() < deadline
             consumer.consume(10, timeout=0.2)
-        assert _mark_of(processor, a) > order_key(now, 2, 0)  # read to its end: the wall clock less the window
+        assert _mark_of(processor, a) > order_key(now, 2, 0)  # read to its end: the time asked less the window
 
         processor._pause(consumer, [a])
         time.sleep(1.0)  # a fetch in flight as it was paused has come back (fetch.wait.max.ms 500)
-        for i in range(5):  # records stamped before the wall clock mark a had
-            producer.produce(topic, value=b"y", partition=0, timestamp=now - 30_000 + i)
+        written = int(time.time() * 1000)
+        for _ in range(5):
+            producer.produce(topic, value=b"y", partition=0)
         producer.flush(10)
-        time.sleep(1.0)
-        assert _mark_of(processor, a) == order_key(now - 60_000, 0, 0)  # paused: its last record sent
+        time.sleep(1.0)  # past the reorder window: the wall clock less it is past the new records
+        assert consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] == 1  # the cache: at its end
+        assert _mark_of(processor, a) < order_key(written, 0, 0)  # paused: not past its new records
 
         consumer.resume([TopicPartition(*a)])
         processor._paused.discard(a)
-        assert _mark_of(processor, a) == order_key(now - 60_000, 0, 0)  # resumed, not yet fetched
+        time.sleep(0.2)
+        assert _mark_of(processor, a) < order_key(written, 0, 0)  # resumed, not yet read
         got = 0
         deadline = time.monotonic() + 30
         while got < 5:
             assert time.monotonic() < deadline
             got += sum(1 for m in consumer.consume(10, timeout=0.2) if m.error() is None and m.partition() == 0)
-        processor._sent[a] = order_key(now - 30_000 + 4, 0, 5)
-        assert _mark_of(processor, a) > order_key(now, 2, 0)  # read to its end again
+        processor._sent[a] = order_key(written, 0, 5)
+        time.sleep(0.2)
+        assert _mark_of(processor, a) > order_key(written, 2, 0)  # read to its end again
     finally:
+        processor.close()
         consumer.close()
+
+
+def test_a_partition_whose_fetch_is_held_is_not_taken_as_read_to_its_end(kafka_bootstrap, kafka_topic_factory):
+    """The consumer's cached end offset comes with fetch responses, and nothing bounds how
+    old it is: here the broker holds each fetch for up to ``fetch.wait.max.ms`` (10 s)
+    waiting for ``fetch.min.bytes`` (1 MB), as it holds none during an outage or while the
+    group rebalances. A partition read to its end and written to while its fetch waits
+    shows at its end in the cache, not paused; its watermark must stay below its new
+    records."""
+    topic = kafka_topic_factory("in-step", partitions=3)
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"in-step-{uuid.uuid4().hex[:8]}")
+    processor = PrepareProcessor(settings, Topology(f"in-step-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1))
+    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": settings.group_id,
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 10_000, "fetch.min.bytes": 1 << 20})
+    a, b, c = tps = [(topic, p) for p in range(3)]
+    consumer.assign([TopicPartition(t, p, 0) for t, p in tps])
+    try:
+        now = int(time.time() * 1000)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        _read_one_each(producer, consumer, topic, now - 60_000)
+        written = int(time.time() * 1000)  # the next fetch of a waits up to 10 s from here
+        for _ in range(5):
+            producer.produce(topic, value=b"y", partition=0)
+        producer.flush(10)
+        processor._consumer, processor._counts = consumer, {topic: 3}
+        processor._start = {a: 0, b: 0, c: 0}
+        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in tps}
+        time.sleep(1.0)  # past the reorder window
+        assert consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] == 1  # the cache: at its end
+        assert consumer.position([TopicPartition(*a)])[0].offset == 1
+        assert int(time.time() * 1000) - written < 5_000, "the held fetch may have come back: the test is void"
+        assert _mark_of(processor, a) < order_key(written, 0, 0)
+        assert _mark_of(processor, b) > order_key(written, 2, 0)  # b is at its end: the broker says so
+    finally:
+        processor.close()
+        consumer.close()
+
+
+def _read_one_each(producer: Producer, consumer: Consumer, topic: str, stamp_ms: int) -> None:
+    """Write one record stamped ``stamp_ms`` to each of the three partitions and consume them."""
+    for p in range(3):
+        producer.produce(topic, value=b"x", partition=p, timestamp=stamp_ms)
+    producer.flush(10)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        seen |= {m.partition() for m in consumer.consume(10, timeout=0.5) if m.error() is None}
+    assert seen == {0, 1, 2}

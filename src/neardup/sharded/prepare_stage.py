@@ -14,13 +14,16 @@ through decide exactly once.
 Watermarks: with each batch, and every ``IDLE_MARK_S`` while no input arrives, prepare
 sends every shard partition a watermark record (``neardup.sharded.records``): for each
 input partition it reads, the largest order key it has sent of it, or, for a partition
-read to its end (its position at the high watermark), the wall clock minus
-``reorder_window_ms`` if that is later (its next record will be stamped after that: an
-idle or empty partition does not hold the others back). A paused partition is never taken
-as read to its end, and one paused or newly assigned only once the broker says so (the
-consumer's cached end offset comes with fetches, and it fetches nothing of a paused
-partition: taken from the cache, a partition paused at its end and written to meanwhile
-had its watermark moved past its new records, which then came late). A shard processes a document
+read to its end, the time the broker last confirmed that end less ``reorder_window_ms``
+if that is later (its next record is stamped after that time: an idle or empty partition
+does not hold the others back). A partition counts as read to its end only from the
+broker's answer, never from the consumer's cached end offset alone: that cache comes with
+fetch responses, and nothing bounds how old it is (no fetch of a paused partition, none
+while the broker is out or the group rebalances); taken from it, a partition paused at its
+end and written to meanwhile had its watermark moved past its new records, which then
+came late. The cache only says when to ask: the ends of the partitions it shows at their
+end are asked of the broker in one request at most every ``END_CONFIRM_S``, and the
+answer holds as of the time it was asked. A shard processes a document
 once every input partition's watermark is past its order key, so that documents are
 processed in order-key order however unevenly the partitions are read. A partition
 assigned and not yet read has no watermark: the shards wait for it. With the components
@@ -115,15 +118,27 @@ IDLE_MARK_S = 0.2
 #: Record time, ms, an input partition may run ahead of the one furthest behind before it
 #: is paused (see the module docstring).
 AHEAD_MS = 10_000
-#: Seconds to wait for the broker's end offset of a paused or newly assigned partition
-#: (``PrepareProcessor._at_end``: the stage's thread waits), and seconds before asking again
-#: after no answer (a broker out must not hold every watermark for the timeout).
+#: Seconds to wait for the broker's end offsets (``PrepareProcessor._confirm_ends``: the
+#: stage's thread waits), and seconds before asking again after no answer (a broker out
+#: must not hold every watermark for the timeout).
 END_QUERY_TIMEOUT_S = 0.5
 END_QUERY_PAUSE_S = 2.0
+#: Seconds an answer of the broker about a partition's end is used for before it is asked
+#: again: a partition read to its end has its watermark at most this much behind the
+#: wall clock less the reorder window.
+END_CONFIRM_S = 0.1
 #: Seconds between two reads of what waits downstream (``LeadMonitor``).
 LEAD_CHECK_S = 0.25
 #: Seconds without a read of what waits downstream before the log says the bound is not kept.
 UNREAD_WARN_S = 30.0
+
+
+def _reader_config(settings: Settings) -> dict[str, Any]:
+    """The configuration of a consumer that never subscribes (it reads offsets only) on
+    the stage's cluster: the stage's client settings but its static membership."""
+    base = {k: v for k, v in settings.kafka.items() if k != "group.instance.id"}
+    return base | {"bootstrap.servers": settings.bootstrap_servers, "enable.auto.commit": False,
+                   "logger": rdkafka_logger()}
 
 
 class LeadMonitor:
@@ -141,9 +156,7 @@ class LeadMonitor:
     def __init__(self, settings: Settings, topology: Topology, limit: int) -> None:
         self.topology, self.limit = topology, limit
         app = topology.app
-        base = {k: v for k, v in settings.kafka.items() if k != "group.instance.id"}
-        base |= {"bootstrap.servers": settings.bootstrap_servers, "enable.auto.commit": False,
-                 "logger": rdkafka_logger()}
+        base = _reader_config(settings)
         # Consumers that never subscribe, so never join their group: ``committed`` reads the
         # group's offsets and ``offsets_for_times`` the partitions' ends. Not an AdminClient:
         # librdkafka 2.16 aborts the process (rd_kafka_enq_once_del_source_return's assertion)
@@ -317,10 +330,14 @@ class PrepareProcessor(StageHooks):
         self._sent_committed: dict[TP, bytes] = {}  # ... as of the last committed batch
         self._marked_at = 0.0
         self._paused: set[TP] = set()
-        # partitions paused or assigned since their end offset was last asked of the broker
-        # (the consumer's cached end offset is stale: ``_at_end``)
-        self._unfetched: set[TP] = set()
-        self._unasked: dict[TP, float] = {}  # monotonic time before which the broker is not asked again
+        # per partition, its end offset as the broker last said it, and the wall-clock time
+        # (ms) it was asked at (``_confirm_ends``)
+        self._ends: dict[TP, tuple[int, int]] = {}
+        self._ends_asked = 0.0  # monotonic time the broker was last asked
+        self._unasked = 0.0  # monotonic time before which the broker is not asked again
+        # asks the ends: a connection of its own, as a request on the stage's consumer's waits
+        # behind a fetch the broker holds (up to fetch.wait.max.ms at a partition's end)
+        self._ends_reader: Consumer | None = None
         # per partition, the record time (ms) its next record comes after, as of the last time
         # it was read to its end (the wall clock minus the reorder window then)
         self._caught_up: dict[TP, int] = {}
@@ -335,6 +352,9 @@ class PrepareProcessor(StageHooks):
         if self.lead is not None:
             self.lead.close()
             self.lead = None
+        if self._ends_reader is not None:
+            self._ends_reader.close()
+            self._ends_reader = None
 
     def is_output(self, topic: str) -> bool:
         return topic in (self.topology.bands, self.topology.findings)
@@ -364,7 +384,8 @@ class PrepareProcessor(StageHooks):
         # revoked and assigned again would never be read again
         consumer.resume(tps)
         self._paused.difference_update(partitions)
-        self._unfetched.update(partitions)
+        for tp in partitions:  # an end said before a revocation is no longer known to hold
+            self._ends.pop(tp, None)
         committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
         for tp in committed:
             offset = tp.offset
@@ -377,8 +398,7 @@ class PrepareProcessor(StageHooks):
     def revoked(self, partitions: set[TP]) -> None:
         for tp in partitions:
             self._paused.discard(tp)
-            self._unfetched.discard(tp)
-            self._unasked.pop(tp, None)
+            self._ends.pop(tp, None)
             self._start.pop(tp, None)
             self._sent.pop(tp, None)
             self._sent_committed.pop(tp, None)
@@ -433,12 +453,9 @@ class PrepareProcessor(StageHooks):
             log.debug("reading in step: paused %s, resumed %s", sorted(pause), sorted(resume))
 
     def _pause(self, consumer: Consumer, partitions: list[TP]) -> None:
-        """Pause ``partitions``: nothing of them is fetched until they are resumed, and
-        their end offsets are asked of the broker before they count as read to their end
-        again (``_at_end``)."""
+        """Pause ``partitions``: nothing of them is fetched until they are resumed."""
         consumer.pause([TopicPartition(t, p) for t, p in partitions])
         self._paused.update(partitions)
-        self._unfetched.update(partitions)
 
     def _watermarks(self) -> list[Record]:
         """The watermark records of what ``_sent`` holds (one per shard partition; none
@@ -446,22 +463,29 @@ class PrepareProcessor(StageHooks):
         consumer = self._consumer
         if consumer is None or not self._start:
             return []
-        now_ms = int(time.time() * 1000) - self.settings.reorder_window_ms
-        now = time_mark(now_ms)
-        marks: dict[TP, tuple[int, bytes]] = {}
-        behind: list[TP] = []  # partitions with records still to read
+        window = self.settings.reorder_window_ms
+        positions: dict[TP, int] = {}
+        ask: list[TP] = []  # partitions the consumer's cache shows at their end (or knows no end of)
         for tp in consumer.position([TopicPartition(t, p) for t, p in self._start]):
             key = (tp.topic, tp.partition)
-            position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
+            positions[key] = position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
             _, high = consumer.get_watermark_offsets(tp, cached=True)
+            if position >= 0 and not 0 <= position < high:
+                ask.append(key)
+        self._confirm_ends(ask)
+        marks: dict[TP, tuple[int, bytes]] = {}
+        behind: list[TP] = []  # partitions with records still to read
+        for key, position in positions.items():
             mark = self._sent.get(key)
-            if 0 <= high <= position and self._at_end(consumer, tp, position):  # its next record comes after now
-                mark = max(mark or b"", now)
-                self._caught_up[key] = now_ms
+            end, asked_ms = self._ends.get(key, (-1, 0))
+            if 0 <= end <= position:  # read to its end as of asked_ms: its next record comes after
+                caught_up = asked_ms - window
+                mark = max(mark or b"", time_mark(caught_up))
+                self._caught_up[key] = max(self._caught_up.get(key, caught_up), caught_up)
             else:
                 behind.append(key)
-            if mark is not None and tp.topic in self._counts:
-                marks[key] = (self._counts[tp.topic], mark)
+            if mark is not None and key[0] in self._counts:
+                marks[key] = (self._counts[key[0]], mark)
         self._marked_at = time.monotonic()
         self._in_step(consumer, behind)
         if not marks:
@@ -471,29 +495,30 @@ class PrepareProcessor(StageHooks):
         counts = {self.topology.bands: self.topology.shards, self.topology.findings: self.topology.decide_partitions}
         return [(topic, q, None, value, headers) for topic in self.marked for q in range(counts[topic])]
 
-    def _at_end(self, consumer: Consumer, tp: TopicPartition, position: int) -> bool:
-        """Whether a partition whose cached end offset is at ``position`` is read to its
-        end. The cached end comes with each fetch, and the consumer fetches nothing of a
-        paused partition: for one paused (or assigned) since its end was last confirmed, the
-        broker is asked (False while it does not answer)."""
-        key = (tp.topic, tp.partition)
-        if key in self._paused:
-            return False
-        if key not in self._unfetched:
-            return True
-        if time.monotonic() < self._unasked.get(key, 0.0):  # the broker did not answer a moment ago
-            return False
+    def _confirm_ends(self, partitions: list[TP]) -> None:
+        """Ask the broker the end offsets of ``partitions`` (one request per leader, read
+        committed: the last stable offset, as far as the stage's consumer reads) and keep
+        each with the wall-clock time it was asked at, unless it was asked less than
+        ``END_CONFIRM_S`` ago, or the broker gave no answer less than
+        ``END_QUERY_PAUSE_S`` ago (then the ends said before stay)."""
+        now = time.monotonic()
+        if not partitions or now - self._ends_asked < END_CONFIRM_S or now < self._unasked:
+            return
+        self._ends_asked = now
+        if self._ends_reader is None:
+            self._ends_reader = Consumer({**_reader_config(self.settings), "isolation.level": "read_committed",
+                                          "group.id": f"neardup-ends-{self.topology.app}"})
+        asked_ms = int(time.time() * 1000)
         try:
-            _, high = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
-                                                     timeout=END_QUERY_TIMEOUT_S, cached=False)
+            ends = self._ends_reader.offsets_for_times([TopicPartition(t, p, OFFSET_END) for t, p in partitions],
+                                              timeout=END_QUERY_TIMEOUT_S)
         except KafkaException as exc:
-            log.debug("reading the end offset of %s[%d]: %s", tp.topic, tp.partition, exc)
-            self._unasked[key] = time.monotonic() + END_QUERY_PAUSE_S
-            return False
-        if high < 0 or high > position:
-            return False
-        self._unfetched.discard(key)
-        return True
+            log.debug("reading the end offsets of %d partitions: %s", len(partitions), exc)
+            self._unasked = time.monotonic() + END_QUERY_PAUSE_S
+            return
+        for tp in ends:
+            if tp.error is None and tp.offset >= 0:
+                self._ends[(tp.topic, tp.partition)] = (tp.offset, asked_ms)
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings
