@@ -24,6 +24,7 @@ from test_kafka_poison import _set_limit
 from neardup.config import load_settings
 from neardup.detector import Detector
 from neardup.run import KafkaDeduplicator
+from neardup.kafka import stage as stage_module
 from neardup.kafka.progress import Progress
 from neardup.metrics import Metrics
 from neardup.server import MetricsServer, Readiness
@@ -31,6 +32,9 @@ from neardup.state.rocksdb import RocksDBStateStore
 
 STALL_AFTER_S = 5.0
 LOG_EVERY_S = 4.0
+#: How long an abort that times out is retried before a new producer (60 s in neardup):
+#: the same sequence of events, sooner.
+TRANSACTION_RETRY_S = 15.0
 
 
 def _waiting_since(base: str) -> float:
@@ -74,7 +78,8 @@ def _watched_run(bootstrap: str, topic: str, tmp_path, name: str):
     assert not runner.is_alive()
 
 
-def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog):
+def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(stage_module, "TRANSACTION_RETRY_S", TRANSACTION_RETRY_S)
     topic = create_topic(kafka_bootstrap, f"stall-{uuid.uuid4().hex[:12]}")
     # a record batch of one record is at least 61 bytes: nothing fits in 40
     create_topic(kafka_bootstrap, f"{topic}.dlq", {"max.message.bytes": "40"})
@@ -97,7 +102,8 @@ def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bo
         # refusal once, however many retries there were
         _until(lambda: sum("neardup run is stalled" in r.getMessage() for r in caplog.records) >= 3,
                timeout=4 * LOG_EVERY_S + STALL_AFTER_S)
-        # a second retry comes after the abort of the first has timed out (a minute)
+        # a second retry comes after the abort of the first has been retried for
+        # TRANSACTION_RETRY_S (a minute; here shorter) and a new producer started
         _until(lambda: sum("batch failed" in r.getMessage() for r in caplog.records) >= 2, timeout=180)
         status, reason = _get(f"{server.url}/readyz")
         assert status == 503 and "2 attempt(s) failed" in reason, reason
@@ -121,7 +127,7 @@ def test_a_dead_letter_topic_that_refuses_every_record_shows_as_a_stall(kafka_bo
           f"stall lines {len(stalls)} apart by {[round(g, 1) for g in gaps]} s")
 
 
-def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog):
+def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, caplog, monkeypatch):
     """The same for ``neardup stage prepare``: its band topic's max.message.bytes lowered
     below any record, every batch fails; /readyz answers 503 with the reason,
     ``neardup_stage_input_waiting_since_timestamp_seconds{stage="prepare"}`` holds the
@@ -134,6 +140,7 @@ def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, 
     from neardup.sharded.topology import Topology
     from neardup.metrics import StageMetrics
 
+    monkeypatch.setattr(stage_module, "TRANSACTION_RETRY_S", TRANSACTION_RETRY_S)
     topic = create_topic(kafka_bootstrap, f"stall-stage-{uuid.uuid4().hex[:12]}")
     topology = Topology(f"stall-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
     topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
@@ -162,7 +169,8 @@ def test_a_stage_that_cannot_commit_shows_as_a_stall(kafka_bootstrap, tmp_path, 
         try:
             # read once stalled: before the input's batch, an idle watermark batch of prepare's
             # own (``Processor.due``) waits too, for as long as it takes to commit
-            status, reason = _until(lambda: (r := _get(f"{server.url}/readyz"))[0] == 503 and r)
+            status, reason = _until(lambda: (r := _get(f"{server.url}/readyz"))[0] == 503
+                                    and r[1].startswith("stalled") and r)
             unready_at = time.time()
             waiting = since()
             unready_after = unready_at - waiting
