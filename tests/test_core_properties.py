@@ -31,7 +31,7 @@ from neardup.core.cluster import (
     cluster_batch,
     pair_similarities,
 )
-from neardup.core.lsh import LshParams, band_hashes, false_negative_area, false_positive_area, optimal_params
+from neardup.core.lsh import LshParams, band_hashes, false_negative_area, false_positive_area, optimal_params, recall_params
 from neardup.core.minhash import (
     EMPTY,
     MERSENNE_61,
@@ -41,7 +41,7 @@ from neardup.core.minhash import (
 )
 from neardup.core.normalize import TextNorm, normalize
 from neardup.core.overlap import bottom_k
-from neardup.core.settings import EngineSettings
+from neardup.core.settings import CANDIDATE_MARGIN, SCORE_RECALL, EngineSettings
 from neardup.core.shingle import ShingleBatch, Shingling, shingle_batch
 from neardup.core.xxh3 import xxh3_spans
 from neardup.core.unionfind import find, peek_root, union
@@ -467,12 +467,28 @@ def test_optimal_params_is_the_least_weighted_area(num_perm: int) -> None:
 
 
 def test_banding_computed_once_per_setting() -> None:
-    optimal_params.cache_clear()
-    for _ in range(3):
-        EngineSettings(threshold=0.8)
-    EngineSettings(threshold=0.9)
-    info = optimal_params.cache_info()
-    assert (info.misses, info.hits) == (2, 2)
+    for choose, optimised in ((recall_params, False), (optimal_params, True)):
+        choose.cache_clear()
+        for threshold in (0.8, 0.8, 0.8, 0.9):
+            EngineSettings(threshold=threshold, candidate_threshold=threshold - 0.2 if optimised else None)
+        info = choose.cache_info()
+        assert (info.misses, info.hits) == (2, 2), choose
+
+
+def test_the_default_banding_reaches_the_score_floor() -> None:
+    """Without a banding or candidate threshold given, a pair at the score floor is a
+    candidate with probability SCORE_RECALL or more, with the most rows that allow it."""
+    for threshold, floor in ((0.8, None), (0.8, 0.5), (0.9, None), (0.7, 0.6), (0.95, 0.9)):
+        engine = EngineSettings(threshold=threshold, score_floor=floor)
+        lsh, at = engine.bands, engine.floor
+        assert at == (floor if floor is not None else threshold - CANDIDATE_MARGIN)
+        assert lsh.probability(at) >= SCORE_RECALL, (threshold, floor, lsh)
+        wider = LshParams(engine.num_perm // (lsh.rows + 1), lsh.rows + 1)
+        assert wider.probability(at) < SCORE_RECALL, (threshold, floor, lsh)
+        assert engine.near_similarity == at
+    assert (EngineSettings().bands.bands, EngineSettings().bands.rows) == (32, 4)
+    with pytest.raises(ValueError, match="score floor"):
+        EngineSettings(threshold=0.8, score_floor=0.85)
 
 
 def test_optimal_params_errors() -> None:

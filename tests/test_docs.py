@@ -174,7 +174,7 @@ def test_a_console_transcript_that_differs_from_the_output_fails(tmp_path: Path)
     done = _run(command, *_scratch(tmp_path))
     assert done.returncode == 0, done.stderr
     assert not _in_order(shown, done.stdout)
-    assert _in_order(["bands 21  rows 6  (uses 126 of 128 slots), tuned for similarity 0.55"], done.stdout)
+    assert _in_order(["bands 32  rows 4  (uses 128 of 128 slots), tuned for similarity 0.55"], done.stdout)
 
 
 def test_blocks_not_run_are_few_and_say_why() -> None:

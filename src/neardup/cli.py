@@ -34,7 +34,7 @@ from neardup.config import (
 )
 from neardup.core import numba_math_without_scipy
 from neardup.core.lsh import false_negative_area, false_positive_area
-from neardup.core.settings import CANDIDATE_MARGIN, EngineSettings
+from neardup.core.settings import CANDIDATE_MARGIN, SCORE_RECALL, EngineSettings
 from neardup.errors import user_error
 
 log = logging.getLogger("neardup")
@@ -73,7 +73,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify", choices=["exact", "estimate"], help=f"exact: decide on the exact similarity of stored shingle fingerprints; estimate: on the estimate from a bottom-k sample of them, the 2 x num-perm smallest (at most 8 x num-perm bytes per document; exact for shorter texts) ({_d('verify')})")
     g.add_argument("--duplicate-buckets", choices=["new", "all"], help=f"new: a duplicate joins only the LSH buckets holding none of its matches; all: every bucket ({_d('duplicate_buckets')})")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help=f"canonical: join a cluster only if similar to its canonical document; components: classic union-find ({_d('cluster_policy')})")
-    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is tuned for (default: threshold minus {CANDIDATE_MARGIN:g} for Jaccard; for containment t / (1 + R - t), R the containment ratio)")
+    g.add_argument("--score-floor", type=float, help=f"Jaccard similarity down to which every output's nearest and similarity reach: the banding makes a pair at the floor a candidate with probability {SCORE_RECALL:g} or more (lower: more candidates per document) (default: threshold minus {CANDIDATE_MARGIN:g})")
+    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is optimised for instead of reaching --score-floor (default: none for Jaccard; for containment t / (1 + R - t), R the containment ratio)")
     g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help=f"count repeated shingles (a bag) instead of a set ({_d('multiset')})")
 
 
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     params = sub.add_parser("params", help="print the LSH banding for a threshold")
     for flag, kind in (("--threshold", float), ("--num-perm", int), ("--bands", int), ("--rows", int),
-                       ("--candidate-threshold", float), ("--containment-ratio", float)):
+                       ("--score-floor", float), ("--candidate-threshold", float), ("--containment-ratio", float)):
         params.add_argument(flag, type=kind, default=default(flag[2:].replace("-", "_")))
     params.add_argument("--measure", choices=["jaccard", "containment"], default=default("measure"))
     params.add_argument("--verify", choices=["exact", "estimate"], default=default("verify"))
@@ -324,7 +325,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     engine = Settings(
         threshold=args.threshold, num_perm=args.num_perm, bands=args.bands, rows=args.rows,
         measure=args.measure, verify=args.verify, candidate_threshold=args.candidate_threshold,
-        containment_ratio=args.containment_ratio,
+        containment_ratio=args.containment_ratio, score_floor=args.score_floor,
     ).engine()
     lsh = engine.bands
     grid = np.round(np.arange(0.5, 1.0001, 0.05), 2)
@@ -332,7 +333,8 @@ def cmd_params(args: argparse.Namespace) -> int:
     fp, fn = false_positive_area(args.threshold, lsh), false_negative_area(args.threshold, lsh)
     if args.json:
         print(json.dumps({"threshold": args.threshold, "num_perm": args.num_perm,
-                          "banding_threshold": engine.banding_threshold, "bands": lsh.bands,
+                          "banding_threshold": engine.banding_threshold, "score_floor": engine.floor,
+                          "score_floor_probability": round(float(lsh.probability(engine.floor)), 6), "bands": lsh.bands,
                           "rows": lsh.rows, "false_positive_area": fp, "false_negative_area": fn,
                           "probability": table}))
         return 0
@@ -340,6 +342,8 @@ def cmd_params(args: argparse.Namespace) -> int:
     print(f"bands {lsh.bands}  rows {lsh.rows}  (uses {lsh.bands * lsh.rows} of {args.num_perm} slots), "
           f"tuned for similarity {engine.banding_threshold:.2f}")
     print(f"false-positive area {fp:.5f}  false-negative area {fn:.5f}")
+    print(f"score floor {engine.floor:.2f}: a pair there is a candidate with probability "
+          f"{lsh.probability(engine.floor):.4f} (scores reach down to it)")
     print("similarity  P(candidate)")
     for s, p in table.items():
         print(f"{s:>10}  {p:.4f}")

@@ -83,6 +83,7 @@ class Settings(BaseSettings):
     containment_ratio: float = Field(8.0, ge=1.0)
     verify: Literal["exact", "estimate"] = "exact"
     cluster_policy: Literal["canonical", "components"] = "canonical"
+    score_floor: float | None = Field(None, gt=0.0, le=1.0)
     candidate_threshold: float | None = Field(None, gt=0.0, lt=1.0)
     multiset: bool = False
     # retention (stored with the state; changeable)
@@ -197,6 +198,7 @@ class Settings(BaseSettings):
             containment_ratio=self.containment_ratio,
             verify=self.verify,
             cluster_policy=self.cluster_policy,
+            score_floor=self.score_floor,
             candidate_threshold=self.candidate_threshold,
             future_tolerance_s=_tolerance(self.future_tolerance),
         )

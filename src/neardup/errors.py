@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from neardup.config import default
+from neardup.core.lsh import optimal_params
 from neardup.kafka.kafka_config import redact
 from neardup.server import ServerError
 from neardup.state.base import SettingsMismatchError, StateError
@@ -74,6 +75,13 @@ def _banding(stored: tuple[int, int], settings: Settings) -> str:
     now = f"{engine.bands.bands} bands x {engine.bands.rows} rows"
     if settings.bands is not None:
         return f"--bands {settings.bands} --rows {settings.rows} give {now}"
+    if settings.candidate_threshold is None and engine.measure == "jaccard":
+        earlier = optimal_params(engine.banding_threshold, engine.num_perm)
+        if (earlier.bands, earlier.rows) == stored:
+            return (f"the state was built with {stored[0]} bands x {stored[1]} rows, the banding earlier "
+                    f"versions chose for --threshold {settings.threshold:g}; this one chooses {now} so that "
+                    f"scores reach the score floor {engine.floor:g}: give --bands {stored[0]} --rows {stored[1]} "
+                    f"to keep this state (scores then reach less far)")
     flag, current = ("--candidate-threshold", settings.candidate_threshold) if \
         settings.candidate_threshold is not None else ("--threshold", settings.threshold)
     threshold = default("threshold")

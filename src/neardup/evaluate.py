@@ -179,7 +179,7 @@ def evaluate(
         "seconds": {"ground_truth": round(truth_seconds, 3), "detector": round(main.seconds, 3)},
         "size_ratios": _by_ratio(truth, found, main.links, exact_of_link, settings.threshold,
                                  pairs.sizes, n) if settings.measure == "containment" else None,
-        "scores": _score_summary(reported, exact_best, settings.threshold),
+        "scores": _score_summary(reported, exact_best, settings.threshold, settings.floor),
         "score_pairs": {"reported": reported.tolist(), "exact_best": exact_best.tolist()},
         "histogram": {
             "found": sim_values[np.isin(_pair_index(pairs.earlier, pairs.later, n), link_keys)].tolist(),
@@ -217,17 +217,23 @@ def _by_ratio(truth: Pairs, found: np.ndarray, links: np.ndarray, exact_of_link:
     return out
 
 
-def _score_summary(reported: np.ndarray, exact_best: np.ndarray, threshold: float) -> dict[str, float]:
+def _score_summary(reported: np.ndarray, exact_best: np.ndarray, threshold: float,
+                   floor: float) -> dict[str, float]:
     """How the score every verdict carries (its nearest candidate's similarity) compares
     with each document's exact best similarity to an earlier one: the share equal (within
-    1e-9) of all documents and of those whose exact best reaches ``threshold``, and the
-    mean and largest shortfall."""
+    1e-9) of all documents, of those whose exact best reaches ``threshold`` and of those
+    whose exact best reaches the score ``floor`` (with their count), and the mean and
+    largest shortfall."""
     short = exact_best - reported
     equal = np.abs(short) <= 1e-9
     above = exact_best >= threshold
+    reach = exact_best >= floor
     return {
         "equal_to_exact_best": _ratio(equal.sum(), len(short)),
         "equal_at_threshold": _ratio((equal & above).sum(), above.sum()),
+        "score_floor": floor,
+        "documents_at_floor": int(reach.sum()),
+        "equal_at_floor": _ratio((equal & reach).sum(), reach.sum()),
         "mean_shortfall": float(short.mean()) if len(short) else 0.0,
         "largest_shortfall": float(short.max(initial=0.0)),
     }
@@ -278,7 +284,8 @@ def render(report: dict[str, Any]) -> str:
     sc = report["scores"]
     lines.append(
         f"score = exact best          {sc['equal_to_exact_best']:.4f} of documents, "
-        f"{sc['equal_at_threshold']:.4f} of those >= threshold; "
+        f"{sc['equal_at_threshold']:.4f} of those >= threshold, {sc['equal_at_floor']:.4f} of the "
+        f"{sc['documents_at_floor']:,} >= the score floor {sc['score_floor']:g}; "
         f"shortfall mean {sc['mean_shortfall']:.4f}, largest {sc['largest_shortfall']:.4f}")
     disk = report["disk_bytes_per_document"]
     lines.append(f"state on disk              {disk:,.0f} bytes/document" if disk else "state on disk: n/a")

@@ -159,14 +159,15 @@ def copy_bucket_ids(seqs: np.ndarray) -> np.ndarray:
     return combine(seqs, np.full(len(seqs), COPY_TAG, dtype=np.uint64))
 
 
+@lru_cache(maxsize=64)
 def recall_params(similarity: float, num_perm: int = 128, recall: float = 0.995) -> LshParams:
     """The banding with the most rows (the fewest false candidates) whose S-curve still
     makes a pair of Jaccard ``similarity`` a candidate with probability at least
     ``recall``, each band as wide as ``num_perm`` allows (bands = num_perm // rows); one
     row per band (every slot a bucket) if none reaches it.
 
-    Used where the Jaccard similarity of the pairs sought is known only from below, as
-    for containment: a set A contained to at least t in a set B at most R times larger
+    Used where the Jaccard similarity of the pairs sought is known only from below: the
+    score floor (``EngineSettings.score_floor``), and containment: a set A contained to at least t in a set B at most R times larger
     has a Jaccard similarity of at least t / (1 + R - t) (the size-bound conversion of
     LSH Ensemble, Zhu, Nargesian, Pu, Miller, VLDB 2016).
 

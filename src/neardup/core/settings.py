@@ -25,6 +25,13 @@ Direction = Literal["new-in-earlier", "earlier-in-new", "both"]
 #: Reuters char:5 at 0.8. (Containment is banded from its size bound instead:
 #: ``containment_jaccard``.)
 CANDIDATE_MARGIN = 0.25
+#: The share of the pairs at the score floor that the Jaccard banding makes candidates
+#: (``neardup.core.lsh.recall_params``): at the default floor of threshold 0.8, 0.55, it
+#: gives 32 bands x 4 rows (0.954; the banding optimised for 0.55, 21 x 6, gives 0.445).
+#: On Reuters-21578 at threshold 0.8, of the documents whose best earlier document lies at
+#: or above 0.55, 674 of 674 (word:5) and 1,390 of 1,409 (char:5) then report it as
+#: ``nearest`` with its exact similarity (21 x 6: 640 and 1,227).
+SCORE_RECALL = 0.95
 #: ``verify="estimate"`` keeps this many of a set's smallest fingerprints per MinHash slot
 #: (``neardup.core.overlap.bottom_k``): 2 × 4 bytes, the bytes of a uint64 signature slot.
 SAMPLE_PER_PERM = 2
@@ -91,13 +98,21 @@ class EngineSettings:
             similarity to the cluster's canonical (earliest) document reaches the
             threshold, so clusters cannot chain; ``"components"`` joins every verified
             pair (classic union-find connected components).
-        candidate_threshold: the Jaccard similarity the LSH banding is tuned for; None
-            means ``threshold`` minus ``CANDIDATE_MARGIN`` (0.25) for Jaccard,
-            ``containment_jaccard(threshold,
-            containment_ratio)`` for containment.
-        lsh: the banding; None chooses ``optimal_params(candidate_threshold, num_perm)``
-            for Jaccard, ``recall_params(candidate_threshold, num_perm,
-            CONTAINMENT_RECALL)`` for containment.
+        score_floor: the Jaccard similarity down to which each document's score (its
+            ``nearest`` earlier document and their similarity) reaches: the banding makes
+            a pair at the floor a candidate with probability at least ``SCORE_RECALL``,
+            and a candidate at or above it counts as a near miss (see
+            ``extra_candidates``). None means ``threshold`` minus ``CANDIDATE_MARGIN``
+            (0.25). A lower floor costs more candidates per document. Jaccard only: with
+            containment the banding reaches the containment bound.
+        candidate_threshold: the Jaccard similarity the LSH banding is optimised for
+            (``optimal_params``) instead of reaching ``score_floor``; None means the
+            score floor for Jaccard, ``containment_jaccard(threshold, containment_ratio)``
+            for containment.
+        lsh: the banding; None chooses ``recall_params(score_floor, num_perm,
+            SCORE_RECALL)`` for Jaccard (``optimal_params(candidate_threshold, num_perm)``
+            when ``candidate_threshold`` is given), ``recall_params(candidate_threshold,
+            num_perm, CONTAINMENT_RECALL)`` for containment.
         max_bucket_size: documents kept per band bucket; later arrivals in a full bucket
             are still compared with its documents but not added (bounds hot buckets made
             by boilerplate).
@@ -131,6 +146,7 @@ class EngineSettings:
     containment_ratio: float = 8.0
     verify: Verify = "exact"
     cluster_policy: ClusterPolicy = "canonical"
+    score_floor: float | None = None
     candidate_threshold: float | None = None
     lsh: LshParams | None = None
     max_bucket_size: int = 256
@@ -170,12 +186,16 @@ class EngineSettings:
             object.__setattr__(self, "extra_candidates", EXTRA_CANDIDATES[self.measure])
         if self.extra_candidates < 0:
             raise ValueError("extra_candidates must be at least 0")
+        if self.score_floor is not None and not 0.0 < self.score_floor <= self.threshold:
+            raise ValueError(f"score floor must lie in (0, threshold={self.threshold}], not {self.score_floor}")
         if self.lsh is not None:
             lsh = self.lsh
         elif self.measure == "containment":
             lsh = recall_params(self.banding_threshold, self.num_perm, CONTAINMENT_RECALL)
-        else:
+        elif self.candidate_threshold is not None:
             lsh = optimal_params(self.banding_threshold, self.num_perm)
+        else:
+            lsh = recall_params(self.banding_threshold, self.num_perm, SCORE_RECALL)
         if lsh.bands * lsh.rows > self.num_perm:
             raise ValueError(
                 f"{lsh.bands} bands x {lsh.rows} rows need more than num_perm={self.num_perm}"
@@ -184,21 +204,27 @@ class EngineSettings:
 
     @property
     def banding_threshold(self) -> float:
-        """The similarity the banding is tuned for (see ``candidate_threshold``)."""
+        """The Jaccard similarity the banding is tuned for: ``candidate_threshold`` if
+        given, else the containment bound (containment) or the score floor (Jaccard)."""
         if self.candidate_threshold is not None:
             t = self.candidate_threshold
         elif self.measure == "containment":
             return min(max(containment_jaccard(self.threshold, self.containment_ratio), 0.01), 0.99)
         else:
-            t = self.threshold - CANDIDATE_MARGIN
+            t = self.floor
         return min(max(t, 0.05), 0.99)
+
+    @property
+    def floor(self) -> float:
+        """The score floor in force: ``score_floor``, else ``threshold`` minus
+        ``CANDIDATE_MARGIN`` (at least 0.05)."""
+        return self.score_floor if self.score_floor is not None else max(self.threshold - CANDIDATE_MARGIN, 0.05)
 
     @property
     def near_similarity(self) -> float:
         """The similarity (``measure``) of a near miss, which keeps the verification
-        going past ``max_candidates`` (see ``extra_candidates``): ``threshold`` minus
-        ``CANDIDATE_MARGIN``, the similarity Jaccard banding is tuned for."""
-        return max(self.threshold - CANDIDATE_MARGIN, 0.05)
+        going past ``max_candidates`` (see ``extra_candidates``): the score floor."""
+        return self.floor
 
     @property
     def bands(self) -> LshParams:
