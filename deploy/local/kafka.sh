@@ -202,6 +202,10 @@ auto.create.topics.enable=true
 num.partitions=1
 default.replication.factor=1
 transaction.abort.timed.out.transaction.cleanup.interval.ms=2000
+# Records are kept however old their timestamps: replayed stories are stamped in the
+# past, and the retention check (every 5 minutes) would otherwise delete a topic's
+# records, outputs too, while they are still read (seen in a test: stamped in 2023).
+log.retention.ms=-1
 EOF
 }
 
