@@ -152,6 +152,38 @@ def test_a_partition_whose_fetch_is_held_is_not_taken_as_read_to_its_end(kafka_b
         consumer.close()
 
 
+def test_an_answer_of_the_broker_does_not_outlive_records_the_cache_shows(kafka_bootstrap, kafka_topic_factory):
+    """The broker said a partition was at its end a moment ago (its answer is used for
+    ``END_CONFIRM_S``); records came since, and the consumer has fetched them: the
+    partition has records to read and is behind (reading in step pauses it while prepare
+    holds back), whatever that answer said (taken as read to its end, it was resumed
+    while prepare held back, and what waited for decide reached ten times the bound)."""
+    topic = kafka_topic_factory("in-step", partitions=3)
+    processor, consumer, (a, b, c) = _prepare(kafka_bootstrap, topic)
+    try:
+        now = int(time.time() * 1000)
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        _read_one_each(producer, consumer, topic, now - 60_000)
+        processor._consumer, processor._counts = consumer, {topic: 3}
+        processor._start = {a: 0, b: 0, c: 0}
+        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in (a, b, c)}
+        assert _mark_of(processor, a) > order_key(now, 2, 0)  # at its end, as the broker says
+        for _ in range(5):
+            producer.produce(topic, value=b"y", partition=0)
+        producer.flush(10)
+        deadline = time.monotonic() + 30
+        while consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] != 6:  # fetched, not consumed
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert consumer.position([TopicPartition(*a)])[0].offset == 1
+        processor._ends[a] = (1, int(time.time() * 1000))  # the broker's answer of a moment ago
+        processor._ends_asked = time.monotonic()
+        assert _mark_of(processor, a) == order_key(now - 60_000, 0, 0)  # behind: its last record sent
+    finally:
+        processor.close()
+        consumer.close()
+
+
 def _read_one_each(producer: Producer, consumer: Consumer, topic: str, stamp_ms: int) -> None:
     """Write one record stamped ``stamp_ms`` to each of the three partitions and consume them."""
     for p in range(3):

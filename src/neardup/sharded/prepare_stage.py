@@ -465,20 +465,23 @@ class PrepareProcessor(StageHooks):
             return []
         window = self.settings.reorder_window_ms
         positions: dict[TP, int] = {}
-        ask: list[TP] = []  # partitions the consumer's cache shows at their end (or knows no end of)
+        ask: set[TP] = set()  # partitions the consumer's cache shows at their end (or knows no end of)
+        # (only these can be read to their end: the cache lags, but never shows records that are not there)
         for tp in consumer.position([TopicPartition(t, p) for t, p in self._start]):
             key = (tp.topic, tp.partition)
             positions[key] = position = tp.offset if tp.offset >= 0 else self._start.get(key, -1)
             _, high = consumer.get_watermark_offsets(tp, cached=True)
             if position >= 0 and not 0 <= position < high:
-                ask.append(key)
+                ask.add(key)
         self._confirm_ends(ask)
         marks: dict[TP, tuple[int, bytes]] = {}
         behind: list[TP] = []  # partitions with records still to read
         for key, position in positions.items():
             mark = self._sent.get(key)
             end, asked_ms = self._ends.get(key, (-1, 0))
-            if 0 <= end <= position:  # read to its end as of asked_ms: its next record comes after
+            # read to its end as of asked_ms (its next record comes after), unless the cache
+            # shows records past the position since (an answer up to END_CONFIRM_S old)
+            if key in ask and 0 <= end <= position:
                 caught_up = asked_ms - window
                 mark = max(mark or b"", time_mark(caught_up))
                 self._caught_up[key] = max(self._caught_up.get(key, caught_up), caught_up)
@@ -495,7 +498,7 @@ class PrepareProcessor(StageHooks):
         counts = {self.topology.bands: self.topology.shards, self.topology.findings: self.topology.decide_partitions}
         return [(topic, q, None, value, headers) for topic in self.marked for q in range(counts[topic])]
 
-    def _confirm_ends(self, partitions: list[TP]) -> None:
+    def _confirm_ends(self, partitions: set[TP]) -> None:
         """Ask the broker the end offsets of ``partitions`` (one request per leader, read
         committed: the last stable offset, as far as the stage's consumer reads) and keep
         each with the wall-clock time it was asked at, unless it was asked less than
