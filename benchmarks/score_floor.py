@@ -26,15 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from benchlib import default_corpus, dir_bytes, environment, table, write_json  # noqa: E402
+from benchlib import default_corpus, dir_bytes, environment, load_corpus, table, write_json  # noqa: E402
 
-#: (name, extra flags of neardup dedup): the earlier default banding, the default floor
+#: (name, settings beyond the shingling): the earlier default banding, the default floor
 #: (threshold - 0.25), and a floor of 0.5.
-SETTINGS = [
-    ("21 x 6 (optimised for 0.55)", ["--bands", "21", "--rows", "6"]),
-    ("floor 0.55 (default)", []),
-    ("floor 0.5", ["--score-floor", "0.5"]),
+SETTINGS: list[tuple[str, dict[str, object]]] = [
+    ("21 x 6 (optimised for 0.55)", {"bands": 21, "rows": 6}),
+    ("floor 0.55 (default)", {}),
+    ("floor 0.5", {"score_floor": 0.5}),
 ]
+
+
+def _flags(settings: dict[str, object]) -> list[str]:
+    """``settings`` as flags of neardup dedup."""
+    return [part for k, v in settings.items() for part in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _dedup(corpus: Path, shingle: str, flags: list[str], scratch: Path) -> tuple[float, int]:
@@ -75,18 +80,16 @@ def main() -> int:
     args = parser.parse_args()
     from neardup.config import load_settings
 
-    docs = sum(1 for _ in subprocess.run(["zcat", "-f", str(args.corpus)], capture_output=True,
-                                         check=True).stdout.splitlines())
+    docs = len(load_corpus(args.corpus))
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for shingle in args.shingle or ["word:5", "char:5"]:
             _dedup(args.corpus, shingle, [], Path(tmp) / "warm")  # the kernels compiled and cached
-            for name, flags in SETTINGS:
-                over = {"shingle": shingle} | ({"bands": int(flags[1]), "rows": int(flags[3])} if "--bands" in flags
-                                               else {"score_floor": float(flags[1])} if flags else {})
+            for name, setting in SETTINGS:
+                over = {"shingle": shingle, **setting}
                 lsh = load_settings(over).engine().bands
-                timings = [_dedup(args.corpus, shingle, flags, Path(tmp) / "run") for _ in range(args.rounds)]
+                timings = [_dedup(args.corpus, shingle, _flags(setting), Path(tmp) / "run") for _ in range(args.rounds)]
                 seconds, state = min(timings)
                 row = {"shingle": shingle, "setting": name, "bands": lsh.bands, "rows": lsh.rows,
                        "seconds": round(seconds, 3), "documents_per_second": round(docs / seconds),

@@ -78,11 +78,7 @@ def test_a_paused_partition_is_not_taken_as_read_to_its_end(kafka_bootstrap, kaf
     processor, consumer, (a, b, c) = _prepare(kafka_bootstrap, topic)
     try:
         now = int(time.time() * 1000)
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        _read_one_each(producer, consumer, topic, now - 60_000)
-        processor._consumer, processor._counts = consumer, {topic: 3}
-        processor._start = {a: 0, b: 0, c: 0}
-        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in (a, b, c)}
+        producer = _read_one_each(processor, consumer, kafka_bootstrap, topic, now - 60_000)
         deadline = time.monotonic() + 30
         while consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] != 1:
             assert time.monotonic() < deadline
@@ -132,15 +128,11 @@ def test_a_partition_whose_fetch_is_held_is_not_taken_as_read_to_its_end(kafka_b
     consumer.assign([TopicPartition(t, p, 0) for t, p in tps])
     try:
         now = int(time.time() * 1000)
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        _read_one_each(producer, consumer, topic, now - 60_000)
+        producer = _read_one_each(processor, consumer, kafka_bootstrap, topic, now - 60_000)
         written = int(time.time() * 1000)  # the next fetch of a waits up to 10 s from here
         for _ in range(5):
             producer.produce(topic, value=b"y", partition=0)
         producer.flush(10)
-        processor._consumer, processor._counts = consumer, {topic: 3}
-        processor._start = {a: 0, b: 0, c: 0}
-        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in tps}
         time.sleep(1.0)  # past the reorder window
         assert consumer.get_watermark_offsets(TopicPartition(*a), cached=True)[1] == 1  # the cache: at its end
         assert consumer.position([TopicPartition(*a)])[0].offset == 1
@@ -162,11 +154,7 @@ def test_an_answer_of_the_broker_does_not_outlive_records_the_cache_shows(kafka_
     processor, consumer, (a, b, c) = _prepare(kafka_bootstrap, topic)
     try:
         now = int(time.time() * 1000)
-        producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        _read_one_each(producer, consumer, topic, now - 60_000)
-        processor._consumer, processor._counts = consumer, {topic: 3}
-        processor._start = {a: 0, b: 0, c: 0}
-        processor._sent = {tp: order_key(now - 60_000, tp[1], 0) for tp in (a, b, c)}
+        producer = _read_one_each(processor, consumer, kafka_bootstrap, topic, now - 60_000)
         assert _mark_of(processor, a) > order_key(now, 2, 0)  # at its end, as the broker says
         for _ in range(5):
             producer.produce(topic, value=b"y", partition=0)
@@ -184,8 +172,11 @@ def test_an_answer_of_the_broker_does_not_outlive_records_the_cache_shows(kafka_
         consumer.close()
 
 
-def _read_one_each(producer: Producer, consumer: Consumer, topic: str, stamp_ms: int) -> None:
-    """Write one record stamped ``stamp_ms`` to each of the three partitions and consume them."""
+def _read_one_each(processor: PrepareProcessor, consumer: Consumer, bootstrap: str, topic: str,
+                   stamp_ms: int) -> Producer:
+    """Write one record stamped ``stamp_ms`` to each of the three partitions, consume them,
+    and hand ``processor`` the consumer with the three sent; return the producer."""
+    producer = Producer({"bootstrap.servers": bootstrap})
     for p in range(3):
         producer.produce(topic, value=b"x", partition=p, timestamp=stamp_ms)
     producer.flush(10)
@@ -194,3 +185,8 @@ def _read_one_each(producer: Producer, consumer: Consumer, topic: str, stamp_ms:
     while len(seen) < 3 and time.monotonic() < deadline:
         seen |= {m.partition() for m in consumer.consume(10, timeout=0.5) if m.error() is None}
     assert seen == {0, 1, 2}
+    tps = [(topic, p) for p in range(3)]
+    processor._consumer, processor._counts = consumer, {topic: 3}
+    processor._start = {tp: 0 for tp in tps}
+    processor._sent = {tp: order_key(stamp_ms, tp[1], 0) for tp in tps}
+    return producer

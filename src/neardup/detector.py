@@ -362,7 +362,7 @@ class Detector:
                 entries, bands, starts, counts, seqs, s.max_bucket_size, first_seq,
                 s.max_candidates, reach, parent, size, canonical, s.threshold,
                 COMPONENTS if s.cluster_policy == "components" else CANONICAL,
-                measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.near_similarity,
+                measure_code(s), s.duplicate_buckets == "new", sets, s.extra_candidates, s.floor,
                 window, local_until, copies, weights)
             if not decisions.missing.any():
                 break

@@ -122,7 +122,7 @@ class EngineSettings:
             of many copies of the same story grows.
         extra_candidates: candidates verified beyond ``max_candidates``, next in the
             same order, one at a time once the most similar so far is a near miss (at
-            least ``near_similarity``), and for Jaccard only while none is accepted: on
+            least ``floor``), and for Jaccard only while none is accepted: on
             templated text the true match can rank below ``max_candidates`` others of
             the same template. A copy of a story republished many times is accepted
             among its first candidates and stops there, so the protection of the cap is
@@ -217,14 +217,10 @@ class EngineSettings:
     @property
     def floor(self) -> float:
         """The score floor in force: ``score_floor``, else ``threshold`` minus
-        ``CANDIDATE_MARGIN`` (at least 0.05)."""
+        ``CANDIDATE_MARGIN`` (at least 0.05). Also the similarity (``measure``) of a near
+        miss, which keeps the verification going past ``max_candidates`` (see
+        ``extra_candidates``)."""
         return self.score_floor if self.score_floor is not None else max(self.threshold - CANDIDATE_MARGIN, 0.05)
-
-    @property
-    def near_similarity(self) -> float:
-        """The similarity (``measure``) of a near miss, which keeps the verification
-        going past ``max_candidates`` (see ``extra_candidates``): the score floor."""
-        return self.floor
 
     @property
     def bands(self) -> LshParams:

@@ -141,6 +141,21 @@ def _reader_config(settings: Settings) -> dict[str, Any]:
                    "logger": rdkafka_logger()}
 
 
+def partition_offsets(reader: Consumer, tps: list[TopicPartition], which: int,
+                      timeout: float) -> dict[TP, int]:
+    """The earliest (``OFFSET_BEGINNING``) or end (``OFFSET_END``; under read_committed the
+    last stable offset) offset of each of ``tps``, in one ListOffsets request per leader.
+
+    Raises:
+        KafkaException: no answer within ``timeout`` seconds, or none for a partition.
+    """
+    found = reader.offsets_for_times([TopicPartition(tp.topic, tp.partition, which) for tp in tps], timeout=timeout)
+    failed = [tp for tp in found if tp.error is not None or tp.offset < 0]
+    if failed:
+        raise KafkaException(failed[0].error or KafkaError(KafkaError._NOENT))
+    return {(tp.topic, tp.partition): tp.offset for tp in found}
+
+
 class LeadMonitor:
     """What waits downstream of prepare, read from the broker every ``LEAD_CHECK_S`` in a
     thread of its own (see the module docstring), and added to by the stage's thread with
@@ -224,21 +239,11 @@ class LeadMonitor:
         reader = self._groups[role]
         tps = [TopicPartition(topic, q) for q in range(partitions)]
         at = {tp.partition: tp.offset for tp in reader.committed(tps, timeout=5) if tp.offset >= 0}
-        ends = self._offsets(reader, tps, OFFSET_END)
+        ends = {q: end for (_, q), end in partition_offsets(reader, tps, OFFSET_END, 5).items()}
         uncommitted = [tp for tp in tps if tp.partition not in at]
         if uncommitted:  # the group has not committed there yet: all of it is ahead of the group
-            at |= self._offsets(reader, uncommitted, OFFSET_BEGINNING)
+            at |= {q: o for (_, q), o in partition_offsets(reader, uncommitted, OFFSET_BEGINNING, 5).items()}
         return {q: (at[q], ends[q]) for q in ends}
-
-    @staticmethod
-    def _offsets(reader: Consumer, tps: list[TopicPartition], which: int) -> dict[int, int]:
-        """The earliest (``OFFSET_BEGINNING``) or end (``OFFSET_END``) offset of each of
-        ``tps``, in one ListOffsets request per leader."""
-        found = reader.offsets_for_times([TopicPartition(tp.topic, tp.partition, which) for tp in tps], timeout=5)
-        failed = [tp for tp in found if tp.error is not None or tp.offset < 0]
-        if failed:
-            raise KafkaException(failed[0].error or KafkaError(KafkaError._NOENT))
-        return {tp.partition: tp.offset for tp in found}
 
     def _read(self) -> None:
         t = self.topology
@@ -384,8 +389,6 @@ class PrepareProcessor(StageHooks):
         # revoked and assigned again would never be read again
         consumer.resume(tps)
         self._paused.difference_update(partitions)
-        for tp in partitions:  # an end said before a revocation is no longer known to hold
-            self._ends.pop(tp, None)
         committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
         for tp in committed:
             offset = tp.offset
@@ -499,7 +502,7 @@ class PrepareProcessor(StageHooks):
         return [(topic, q, None, value, headers) for topic in self.marked for q in range(counts[topic])]
 
     def _confirm_ends(self, partitions: set[TP]) -> None:
-        """Ask the broker the end offsets of ``partitions`` (one request per leader, read
+        """Ask the broker the end offsets of ``partitions`` (``partition_offsets``, read
         committed: the last stable offset, as far as the stage's consumer reads) and keep
         each with the wall-clock time it was asked at, unless it was asked less than
         ``END_CONFIRM_S`` ago, or the broker gave no answer less than
@@ -513,15 +516,13 @@ class PrepareProcessor(StageHooks):
                                           "group.id": f"neardup-ends-{self.topology.app}"})
         asked_ms = int(time.time() * 1000)
         try:
-            ends = self._ends_reader.offsets_for_times([TopicPartition(t, p, OFFSET_END) for t, p in partitions],
-                                              timeout=END_QUERY_TIMEOUT_S)
+            ends = partition_offsets(self._ends_reader, [TopicPartition(t, p) for t, p in partitions], OFFSET_END,
+                                     END_QUERY_TIMEOUT_S)
         except KafkaException as exc:
             log.debug("reading the end offsets of %d partitions: %s", len(partitions), exc)
             self._unasked = time.monotonic() + END_QUERY_PAUSE_S
             return
-        for tp in ends:
-            if tp.error is None and tp.offset >= 0:
-                self._ends[(tp.topic, tp.partition)] = (tp.offset, asked_ms)
+        self._ends.update((tp, (end, asked_ms)) for tp, end in ends.items())
 
     def read(self, messages: list[Message], full: bool) -> PrepareBatch:
         s = self.settings

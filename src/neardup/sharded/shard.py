@@ -262,7 +262,7 @@ class ShardIndex:
         checked: dict[int, Checked] = {}
         best = -1.0
         for j, c in enumerate(ranked[:limit]):
-            if j >= s.max_candidates and (best < s.near_similarity
+            if j >= s.max_candidates and (best < s.floor
                                           or (s.measure == "jaccard" and best >= s.threshold)):
                 break
             if len(checked) >= limit:
@@ -272,7 +272,7 @@ class ShardIndex:
             best = max(best, self._check(c, fingerprints, checked))
             # a near miss, none accepted: the copies it stands in for (neardup.core.decide)
             sim = checked[c].similarity
-            if (copies and max(s.near_similarity, 2 * s.threshold - 1) <= sim < s.threshold
+            if (copies and max(s.floor, 2 * s.threshold - 1) <= sim < s.threshold
                     and best < s.threshold):
                 for m in self._copies(c):
                     if len(checked) >= limit or best >= s.threshold:
