@@ -116,8 +116,8 @@ SILENT_MEMBER = """
 import sys, time
 from confluent_kafka import Consumer
 bootstrap, group, topic = sys.argv[1:4]
-c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "max.poll.interval.ms": 90000,
-              "session.timeout.ms": 45000, "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "max.poll.interval.ms": 30000,
+              "session.timeout.ms": 10000, "enable.auto.commit": False, "auto.offset.reset": "earliest"})
 c.subscribe([topic])
 deadline = time.monotonic() + 60
 while not c.assignment() and time.monotonic() < deadline:
@@ -128,10 +128,11 @@ time.sleep(3600)  # never polls again
 
 
 def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    """A group that holds the rebalance for longer than the assignment watchdog's 60 s
-    (another member stops polling; the coordinator waits for it to rejoin up to its
-    max.poll.interval.ms, 90 s): the consumer, subscribed and never assigned while the
-    broker answers, is replaced, and once the group settles every message comes out once."""
+    """A group that holds the rebalance for longer than the assignment watchdog's wait
+    (``--assign-wait-ms`` 10 s here; another member stops polling, and the coordinator
+    waits for it to rejoin up to its max.poll.interval.ms, 30 s): the consumer, subscribed
+    and never assigned while the broker answers, is replaced, and once the group settles
+    every message comes out once."""
     records = excerpt(300)
     topic = kafka_topic_factory("unassigned")
     produce(kafka_bootstrap, topic, _messages(records))
@@ -145,7 +146,8 @@ def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_fact
         assert silent.stdout is not None and silent.stdout.readline().strip() == "assigned", \
             "the other member was assigned the partition"
         log = tmp_path / "run.log"
-        proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS, log=log)
+        proc = start_run(kafka_bootstrap, topic, group, tmp_path / "state", *JSON_FIELDS,
+                         "--assign-wait-ms", "10000", log=log)
         try:
             wait_committed(kafka_bootstrap, group, topic, len(records), proc, timeout_s=240, log=log)
         finally:

@@ -107,6 +107,7 @@ class Settings(BaseSettings):
     dlq_topic: str | None = None
     batch_max_ms: int = Field(200, ge=1)
     partition_wait_ms: int = Field(2000, ge=0)  # run: timestamp synchronisation (neardup.kafka.intake)
+    assign_wait_ms: int = Field(60_000, ge=1)  # run and stages: the assignment watchdog (neardup.kafka.stage)
     max_message_bytes: int = Field(1 << 20, ge=1)
     from_beginning: bool = False
     transactional_id: str | None = None

@@ -153,11 +153,6 @@ TRANSACTION_RETRY_S = 60.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
 #: (``neardup.kafka.bounded``), this is a backstop above their sum.
 STEP5_WAIT_S = 2 * CALL_WAIT_S + TRANSACTION_RETRY_S + 10.0
-#: Seconds a consumer may go without any assignment (an empty one counts), after it
-#: subscribed or lost all its partitions, while it sees a broker up, before it is
-#: replaced: one subscribed during a broker outage was once seen never to be assigned
-#: after the broker came back.
-ASSIGN_WAIT_S = 60.0
 #: Seconds for which the consumer's last statistics showing a broker up count as recent.
 BROKER_UP_RECENT_S = 15.0
 #: Seconds between two ``consume`` calls while ``Processor.check`` runs in its thread: the
@@ -618,11 +613,13 @@ class StageRuntime:
 
     def _check_assigned(self) -> None:
         """Replace the consumer if it has had no assignment (not even an empty one) for
-        ``ASSIGN_WAIT_S`` since it subscribed, or since it lost all its partitions (a
-        revocation, or a session expired in an outage), though it sees a broker up. Not
-        counted as a reset: the group may be slow, nothing implies a second instance."""
+        ``Settings.assign_wait_ms`` (60 s by default) since it subscribed, or since it lost
+        all its partitions (a revocation, or a session expired in an outage), though it
+        sees a broker up: one subscribed during a broker outage was once seen never to be
+        assigned after the broker came back. Not counted as a reset: the group may be
+        slow, nothing implies a second instance."""
         now = time.monotonic()
-        if (self._unassigned_since is None or now - self._unassigned_since < ASSIGN_WAIT_S
+        if (self._unassigned_since is None or now - self._unassigned_since < self.settings.assign_wait_ms / 1000
                 or now - self._broker_up_at > BROKER_UP_RECENT_S):
             return
         log.warning("no partitions assigned %.0f s after subscribing or losing them, though the broker is up; "
