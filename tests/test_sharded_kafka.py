@@ -1116,6 +1116,58 @@ def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstra
     assert processor._restore(0) == (60, {keys[2], keys[4]}, {keys[2], keys[4]})
 
 
+def test_documents_listed_at_a_restore_stay_listed_until_read_again_and_decided(kafka_bootstrap, tmp_path):
+    """Decide restores a partition whose changelog lists three documents waiting, and
+    reads their records again in two batches. After the first batch, the two documents
+    not yet read again are still listed in the changelog (no tombstone): a rebalance
+    right then (another process restores the partition) still reads them again. They were
+    once tombstoned there, and a rebalance at that moment lost them: prepared, never
+    decided, never output."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from neardup.config import Settings
+    from neardup.kafka.stage import MessageBatch
+    from neardup.sharded.decide_stage import DecideProcessor
+    from neardup.sharded.records import (ENGINE_HEADER, ID_HEADER, KIND_HEADER, ORDER_HEADER, SHARDS_HEADER,
+                                         TOPIC_HEADER, engine_digest, order_key)
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-listed"], group_id=topology.app)
+    digest = engine_digest(settings.engine())
+    keys = [order_key(1_700_000_000_000 + i, 0, i) for i in range(3)]
+    # three documents prepared, their shard's findings not yet come: each waits
+    produce(kafka_bootstrap, topology.findings, [
+        (f"d{i}".encode(), b"{}", [(KIND_HEADER, b"document"), (ORDER_HEADER, key), (TOPIC_HEADER, b"sharded-listed"),
+                                   (ENGINE_HEADER, digest), (SHARDS_HEADER, b"1"), (ID_HEADER, f"d{i}".encode())])
+        for i, key in enumerate(keys)])
+    produce(kafka_bootstrap, topology.decide_changelog,
+            [(b"W" + key, b"") for key in keys] + [(b"P", struct.pack(">q", 3))])
+
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"reader-{uuid.uuid4()}",
+                       "enable.auto.commit": False})
+    reader.assign([TopicPartition(topology.findings, 0, 0)])
+    records = []
+    deadline = time.monotonic() + 30
+    while len(records) < 3 and time.monotonic() < deadline:
+        records += [m for m in reader.consume(10, timeout=0.5) if m.error() is None]
+    reader.close()
+    assert len(records) == 3
+
+    processor = DecideProcessor(settings, topology, None)
+    try:
+        processor.start(None)
+        processor.check(None, [(topology.findings, 0)])
+        out, _ = processor.compute(MessageBatch(records[:1], full=False))  # the first read again
+    finally:
+        processor.close()
+    log = [(key, value) for topic, _, key, value, _ in out if topic == topology.decide_changelog]
+    assert not [key for key, value in log if value is None], "a document not yet read again was tombstoned"
+    produce(kafka_bootstrap, topology.decide_changelog, log)  # the batch committed; then a rebalance
+    _, listed, _ = DecideProcessor(settings, topology, None)._restore(0)
+    assert listed == set(keys), "the next owner of the partition must read every waiting document again"
+
+
 @pytest.mark.parametrize("role", ["shard", "decide"])
 def test_a_changelog_of_an_earlier_layout_stops_a_stage_with_one_line(kafka_bootstrap, kafka_topic_factory,
                                                                       tmp_path, role):

@@ -342,6 +342,7 @@ class DecideProcessor(StageHooks):
         new_decisions, self._table_new = self._table_new, False
         touched: dict[int, set[bytes]] = {}
         fresh: set[bytes] = set()  # the waiting documents copied in this batch (``_changing``)
+        settled: dict[int, set[bytes]] = {}  # per partition, the documents decided in this batch
         for m in batch.messages:
             q = m.partition()
             offset = m.offset()
@@ -390,7 +391,7 @@ class DecideProcessor(StageHooks):
             new_decisions = True
             touched = {q: set(waiting) for q, waiting in self.partitions.items()}
         if self.policy == "components":
-            changed |= self._decide_in_order(out, stats)
+            changed |= self._decide_in_order(out, stats, settled)
             touched = {}
         while touched or new_decisions:
             decided = 0
@@ -403,6 +404,7 @@ class DecideProcessor(StageHooks):
                     state = self._try(q, order, w, out, stats)
                     if state == "decided":
                         del waiting[order]
+                        settled.setdefault(q, set()).add(order)
                         blocked.discard(order)
                         changed.add(q)
                         decided += 1
@@ -417,8 +419,12 @@ class DecideProcessor(StageHooks):
         for q in sorted(changed):
             waiting = self.partitions[q]
             consumed = self._consumed[q] = max(self._consumed.get(q, -1), end.get(q, -1))
-            logged, now = self._logged.setdefault(q, set()), set(waiting)
-            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in sorted(logged - now)]
+            # a document leaves the log once decided: one listed at a restart and not yet
+            # read again stays logged though it is not in memory (a rebalance before it is
+            # read again must list it again)
+            logged, gone = self._logged.setdefault(q, set()), settled.get(q, set())
+            now = (logged - gone) | set(waiting)
+            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in sorted(logged & gone)]
             out += [(t.decide_changelog, q, _WAITING + order, b"", []) for order in sorted(now - logged)]
             out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed), []))
             self._logged[q] = now
@@ -441,7 +447,7 @@ class DecideProcessor(StageHooks):
         w = waiting[order] = _Waiting() if w is None else w.copy()
         return w
 
-    def _decide_in_order(self, out: list[Record], stats: DecideWritten) -> set[int]:
+    def _decide_in_order(self, out: list[Record], stats: DecideWritten, settled: dict[int, set[bytes]]) -> set[int]:
         """The components policy: a document's cluster is the union of its candidates'
         clusters with every merge decided before it, so documents are decided in
         order-key order: this process's in turn across its partitions, none while an
@@ -449,7 +455,7 @@ class DecideProcessor(StageHooks):
         before every earlier document has come to its partitions (prepare's watermarks)
         and been decided on the others (their published progress). Then the progress of
         each partition it owns goes to the decisions topic when it moved. Returns the
-        partitions with a document decided."""
+        partitions with a document decided; the documents decided go to ``settled``."""
         limit, changed = self._decidable(), set()
         for order, q in sorted((order, q) for q, waiting in self.partitions.items() for order in waiting):
             if limit is None or order_seq(order) >= limit:
@@ -457,6 +463,7 @@ class DecideProcessor(StageHooks):
             if self._try(q, order, self.partitions[q][order], out, stats) != "decided":
                 break
             del self.partitions[q][order]
+            settled.setdefault(q, set()).add(order)
             changed.add(q)
         for q, waiting in self.partitions.items():
             mark = self._marks[q].limit() if q in self._marks else None
