@@ -56,6 +56,12 @@ Designs:
 - ``D2``: ``D`` with the order keys of a band record as varint columns (see ``LAYOUTS``),
   and the shard's member records as one record per (batch, shard partition) in the same
   columns, not one per member.
+- ``D3``: ``D2`` with the set topic partitioned as the shards are, by the shard partition
+  owning the document's band-0 bucket, and read with it (co-partitioned: one process
+  reads shard partition q and set partition q): a near copy shares its band-0 bucket
+  with its original more often than not, so both sets are in one place; a shard sends
+  candidates to the document's home partition only when it is another, as one record per
+  (batch, shard, home partition), the keys as varint columns (``LAYOUTS``).
 - ``D-doc``: ``D2`` with the input record's value left off the findings topic (decide
   would read it from the input topic by partition and offset): not proposed, shown to
   say what the copy of the input costs.
@@ -84,7 +90,7 @@ from neardup.core.types import Document
 from neardup.detector import Preparer
 from neardup.sharded.records import (ORDER, bands_value, decide_partition, findings_value,
                                      found_value, order_key, order_seq)
-from neardup.sharded.routing import group_by_shard
+from neardup.sharded.routing import group_by_shard, shard_of
 from neardup.sharded.shard import ShardIndex
 from neardup.state.shard_store import member_value
 
@@ -115,6 +121,9 @@ LAYOUTS = {
     "D2 member record": 'one per (batch, shard partition): key "M" + the first order key (21 B); value ">I" n, '
                         'the order keys as in a D2 band record, n × ">BB" buckets joined k and copies c, the '
                         "copies' order keys (20 B each), the bucket ids joined (uint64)",
+    "D3 candidates record": "one per (batch, shard partition, home partition): \">I\" n; the n order keys as "
+                            "in a D2 band record; per document \">B\" m, then m × (the candidate's order key as "
+                            "varints: timestamp difference, zigzag; partition; offset; \">B\" bands shared)",
     "B findings entry": "to decide, per document: order key, \">H\" count, then per verified candidate: "
                         "order key, \">ddd\", \">H\" id length, id (46 + L): 22 + Σ (46 + L)",
 }
@@ -156,6 +165,14 @@ def order_column_bytes(orders: list[bytes]) -> int:
         doff[j] = o - last.get(p, 0)
         last[p] = o
     return varint_bytes(dts) + varint_bytes(part) + varint_bytes(zigzag(doff))
+
+
+def relative_key_bytes(order: bytes, earlier: bytes) -> int:
+    """Bytes of an earlier document's order key written against ``order``'s: varints of
+    the timestamp difference (zigzag), its input partition and its offset."""
+    ts, _, _ = ORDER.unpack(order)
+    ts_c, p_c, off_c = ORDER.unpack(earlier)
+    return varint_bytes(np.array([2 * (ts - ts_c) if ts >= ts_c else 2 * (ts_c - ts) - 1, p_c, off_c]))
 
 
 def delta_varint_raw(fp: np.ndarray) -> bytes:
@@ -200,11 +217,12 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
     setp = [decide_partition(o, shards) for o in orders]  # the set-store partition of each document
     decide_parts = 4
     index = [ShardIndex(settings) for _ in range(shards)]
+    home3: dict[int, int] = {}
     lsh: dict[int, list[int]] = defaultdict(list)  # bucket id -> every earlier document (no cap)
     fsize: dict[int, int] = {}
     limit = settings.max_candidates + settings.extra_candidates
     t: dict[str, dict[str, float]] = {d: defaultdict(float) for d in
-                                      ("A", "B-push", "B-pull", "C-varint", "C-zlib", "D", "D2", "D-doc")}
+                                      ("A", "B-push", "B-pull", "C-varint", "C-zlib", "D", "D2", "D3", "D-doc")}
     stats = defaultdict(float)
     touched_total = 0
     for b in data["batches"]:
@@ -213,7 +231,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
         docs = b["docs"]
         # the input records, on the findings topic to decide (today's document record: key + value)
         doc_bytes = sum(len(inputs[i][0]) + len(inputs[i][1]) for i in b["all"])
-        for d in ("A", "B-push", "B-pull", "C-varint", "D", "D2"):
+        for d in ("A", "B-push", "B-pull", "C-varint", "D", "D2", "D3"):
             t[d]["document"] += doc_bytes
         t["D-doc"]["document"] += sum(len(inputs[i][0]) + ORDER.size for i in b["all"])  # key and order key
         per_dp = defaultdict(list)
@@ -250,6 +268,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
         # --- the shards, document by document in order
         members_by_q = defaultdict(list)  # (C-zlib) member records of this batch per shard partition
         joined_by_q = defaultdict(list)  # (D2) (order key, copies, buckets joined) per shard partition
+        entries3 = defaultdict(list)  # (D3) per (shard partition, home partition): (order key, candidates)
         found_by_dp = defaultdict(list)
         for v, i in enumerate(docs):
             seq = order_seq(orders[i])
@@ -260,6 +279,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             pairs: dict[int, int] = {}  # candidate document -> bands shared (all shards)
             checked: dict[int, tuple[float, float, float]] = {}
             entries_b = []  # per shard touched: candidates sent
+            home3[i] = shard_of(b["buckets"][v][:1], shards)[0].item()  # D3: the shard of its band-0 bucket
             for q in range(shards):
                 if cut[q + 1] == cut[q]:
                     continue
@@ -281,6 +301,8 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
                     for c in index[q]._copies(m):
                         met.setdefault(_doc_of(c), 0)
                 entries_b.append(len(met))
+                if met and q != home3[i]:
+                    entries3[(q, home3[i])].append((orders[i], list(met)))
                 for c, k in met.items():
                     pairs[c] = pairs.get(c, 0) + k
                 finding, joins = index[q].add(seq, bk, fp, ids[i])
@@ -323,6 +345,15 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             t["B-pull"]["exchange"] += pull
             for d in ("D", "D2", "D-doc"):
                 t[d]["exchange"] += min(push, pull)
+            remote3: dict[int, list[int]] = defaultdict(list)
+            for c in pairs:
+                if home3[c] != home3[i]:
+                    remote3[home3[c]].append(c)
+            push3 = sum(26 + 4 * len(fp) + 20 * len(cs) + 64 * len(cs) for cs in remote3.values())
+            pull3 = sum(22 + 20 * len(cs) + sum(46 + len(raw_ids[c]) + 4 * fsize[c] for c in cs)
+                        for cs in remote3.values())
+            t["D3"]["exchange"] += min(push3, pull3)
+            stats["remote_partitions_first_bucket"] += len(remote3)
             stats["push"] += push
             stats["pull"] += pull
             stats["pairs"] += len(pairs)
@@ -338,7 +369,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             for d in ("B-push", "B-pull"):
                 t[d]["set store"] += 2 * set_record
                 t[d]["findings"] += findings_b
-            for d in ("D", "D2", "D-doc"):
+            for d in ("D", "D2", "D3", "D-doc"):
                 t[d]["set store"] += set_record
                 t[d]["findings"] += findings_b
             for x in b["buckets"][v].tolist():  # now an earlier document in all its buckets
@@ -346,6 +377,9 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
         # P records: one per shard partition touched by the batch (a shard batch taken as a prepare batch)
         for d in t:
             t[d]["shard changelog"] += P_RECORD * len(entries)
+        for es in entries3.values():  # D3: one candidates record per (batch, shard, home partition)
+            t["D3"]["exchange"] += 4 + order_column_bytes([o for o, _ in es]) + sum(
+                1 + sum(1 + relative_key_bytes(o, orders[c]) for c in cs) for o, cs in es)
         for ms in joined_by_q.values():  # D2: one member record per (batch, shard partition)
             t["D2"]["shard changelog"] += 1 + ORDER.size + 4 + order_column_bytes([o for o, _, _ in ms]) + sum(
                 2 + ORDER.size * c + 8 * k for _, c, k in ms)
@@ -357,6 +391,8 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             t = {d: defaultdict(float, x) for d, x in kept[0].items()}
             stats, touched_total = defaultdict(float, kept[1]), kept[2]
     input_bytes = sum(len(inputs[i][0]) + len(inputs[i][1]) for b in counted for i in b["all"]) / n_docs
+    for topic in ("bands", "shard changelog"):
+        t["D3"][topic] = t["D2"][topic]
     t["D-doc"] = {**t["D2"], "document": t["D-doc"]["document"]}  # D2 without the input's value to decide
     designs = {}
     for d, topics in t.items():
@@ -372,6 +408,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             "documents_with_candidates": stats["with_pairs"] / valid,
             "set_partitions_holding_candidates_per_document": stats["partitions"] / valid,
             "other_set_partitions_per_document": stats["remote_partitions"] / valid,
+            "other_first_bucket_partitions_per_document": stats["remote_partitions_first_bucket"] / valid,
             "verified_today_per_document": stats["checked"] / valid,
             "push_bytes_per_document": stats["push"] / n_docs, "pull_bytes_per_document": stats["pull"] / n_docs,
             "designs": designs}
@@ -417,11 +454,12 @@ def main() -> None:
           f"document (key + value); bytes are key + value per input document\n")
     print(benchlib.table(
         ["shards", "shards touched", "candidate pairs", "of them by the LSH", "docs with any",
-         "set partitions holding them", "other than its own", "verified today"],
+         "set partitions holding them", "other than its own", "other (by first bucket)", "verified today"],
         [[r["shards"], f"{r['shards_touched_per_document']:.2f}", f"{r['candidate_pairs_per_document']:.2f}",
           f"{r['candidate_pairs_lsh_per_document']:.2f}", f"{r['documents_with_candidates']:.3f}",
           f"{r['set_partitions_holding_candidates_per_document']:.2f}",
-          f"{r['other_set_partitions_per_document']:.2f}", f"{r['verified_today_per_document']:.2f}"]
+          f"{r['other_set_partitions_per_document']:.2f}",
+          f"{r['other_first_bucket_partitions_per_document']:.2f}", f"{r['verified_today_per_document']:.2f}"]
          for r in runs]))
     print("(per document with a set; candidate pairs deduplicated per pair)\n")
     rows = []
