@@ -1,6 +1,6 @@
 """Shared pytest fixtures.
 
-The suite can run in parallel (pytest-xdist, ``pytest -n 4``): the broker tests mostly
+The suite can run in parallel (pytest-xdist, ``pytest -n 5``): the broker tests mostly
 wait, so several can run at once. The processes of one run (the controller and its
 workers, or the one process of a serial run) share a folder, ``$PYTEST_NEARDUP_RUN_DIR``
 (made by :func:`pytest_configure` in the controller, inherited by the workers), where the
@@ -60,7 +60,7 @@ RUN_DIR_ENV = "PYTEST_NEARDUP_RUN_DIR"
 _RUN_DIR_KEY = pytest.StashKey[Path]()
 #: JVM options of every broker the tests start (kafka.sh reads them; a user's own setting
 #: wins): the C1 compiler only and the serial collector, about half the broker's CPU on the
-#: tests' short runs, which share 2 cores with four workers and their processes.
+#: tests' short runs, which share 2 cores with five workers and their processes.
 os.environ.setdefault("NEARDUP_KAFKA_JVM_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
