@@ -21,7 +21,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from kafka_util import committed_offset, excerpt, produce, read_all, stop
-from neardup.config import load_settings
+from neardup.config import Settings, load_settings
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
@@ -36,6 +36,7 @@ from neardup.sharded.records import (
     SHARDS_HEADER,
     WATERMARK_KIND,
     decide_partition,
+    engine_digest,
     parse_bands,
     parse_watermarks,
 )
@@ -456,10 +457,13 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     # the order key of each document waiting after a batch, once (a tombstone when decided)
     logged = read_all(kafka_bootstrap, [topology.shard_changelog, topology.decide_changelog], idle_s=2.0)
     kinds = Counter((o.topic, o.key[:1]) for o in logged)
-    assert {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"),
+    assert {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
             (topology.decide_changelog, b"P")} <= set(kinds) <= {
-        (topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.decide_changelog, b"P"),
-        (topology.decide_changelog, b"W")}, kinds
+        (topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
+        (topology.decide_changelog, b"P"), (topology.decide_changelog, b"W")}, kinds
+    # the engine settings the members were indexed with, beside each progress record
+    assert {o.value for o in logged if o.topic == topology.shard_changelog and o.key == b"E"} == {
+        engine_digest(Settings().engine())}
     progress = [o for o in logged if o.topic == topology.decide_changelog and o.key == b"P"]
     assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
     waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")
@@ -1166,6 +1170,34 @@ def test_documents_listed_at_a_restore_stay_listed_until_read_again_and_decided(
     produce(kafka_bootstrap, topology.decide_changelog, log)  # the batch committed; then a rebalance
     _, listed, _ = DecideProcessor(settings, topology, None)._restore(0)
     assert listed == set(keys), "the next owner of the partition must read every waiting document again"
+
+
+@pytest.mark.parametrize("state", ["memory", "disk"])
+def test_a_shard_state_indexed_with_other_engine_settings_stops_the_shard_with_one_line(
+        kafka_bootstrap, kafka_topic_factory, tmp_path, state):
+    # a shard partition's changelog says its members were indexed with other engine
+    # settings (another banding: they would never be met again): the shard stops at once
+    # with one line instead of giving wrong verdicts silently
+    import struct
+
+    topic = kafka_topic_factory("sharded-state-engine", partitions=1)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    other = engine_digest(Settings(threshold=0.9).engine())
+    produce(kafka_bootstrap, topology.shard_changelog,
+            [(b"P", struct.pack(">qq", 1_700_000_000_000, 0)), (b"E", other)])
+    stage = subprocess.run(
+        [sys.executable, "-m", "neardup.cli", "stage", "shard", "--bootstrap-servers", kafka_bootstrap,
+         "--input-topic", topic, "--app", topology.app, "--shards", "1", "--decide-partitions", "1",
+         *(["--state-dir", str(tmp_path / "shard")] if state == "disk" else []),
+         "--log-level", "WARNING", "-X", "session.timeout.ms=6000"],
+        capture_output=True, text=True, timeout=180)
+    assert stage.returncode == 2, stage.stderr[-2000:]
+    last = stage.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"neardup: error: {topology.shard_changelog}[0] holds members indexed with other "
+                           f"engine settings (digest {other.decode()}"), last
+    assert last.endswith("start under a new --app to build an index with these")
+    assert "Traceback" not in stage.stderr
 
 
 @pytest.mark.parametrize("role", ["shard", "decide"])

@@ -54,6 +54,10 @@ Changelog records (key -> value; a null value deletes):
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
+- ``b"E"`` -> the engine settings' digest (``engine_digest``), with every ``P``: the
+  settings the members were indexed with. A partition restored with another digest stops
+  the stage with one line (members of another banding would never be met: wrong verdicts,
+  silently); one without (written by an earlier version) is taken as it is, with a warning.
 
 Findings go to decide as one findings record per batch and decide partition
 (``neardup.sharded.records``).
@@ -87,6 +91,7 @@ from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     ENGINE_HEADER,
     ChangelogLayoutError,
+    EngineMismatchError,
     FINDINGS_KIND,
     KIND_HEADER,
     ORDER,
@@ -332,6 +337,7 @@ class ShardProcessor(StageHooks):
         shard = _Shard(ShardIndex(self.engine, self.retention_ms))
         started, records = time.perf_counter(), 0
         members: dict[bytes, bytes] = {}  # in changelog order, less the deleted (expired) ones
+        engine: bytes | None = None
         for chunk in read_to_end(self.settings, self.topology.shard_changelog, p):
             for m in chunk:
                 records += 1
@@ -344,6 +350,9 @@ class ShardProcessor(StageHooks):
                         members.setdefault(order, value)
                 elif kind == b"P" and value is not None:
                     shard.progress(value, (self.topology.shard_changelog, p))
+                elif kind == b"E" and value is not None:
+                    engine = value
+        self._check_state(p, engine, bool(members))
         for order, value in members.items():
             self._member(shard.index, order, value)
         self._resume(shard)
@@ -378,17 +387,37 @@ class ShardProcessor(StageHooks):
             raise
         shard = _Shard(StoredShardIndex(self.engine, store, self.retention_ms), store)
         progress = store.get(b"P")
-        if progress is not None:
-            try:
+        try:
+            self._check_state(p, store.get(b"E"), progress is not None)
+            if progress is not None:
                 shard.progress(progress, (self.topology.shard_changelog, p))
-            except ChangelogLayoutError:
-                store.close()
-                raise
+        except (ChangelogLayoutError, EngineMismatchError):
+            store.close()
+            raise
         self._resume(shard)
         log.info("shard %d opened at %s: %s, %d changelog records read, in %.1f s", p, store.path,
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
                  time.perf_counter() - started)
         return shard
+
+    def _check_state(self, p: int, engine: bytes | None, held: bool) -> None:
+        """Whether partition ``p``'s restored state was indexed with this stage's engine
+        settings (``engine``: its ``E`` record; ``held``: it has records at all).
+
+        Raises:
+            EngineMismatchError: it was indexed with other settings.
+        """
+        where = f"{self.topology.shard_changelog}[{p}]"
+        if engine is not None and engine != self.digest:
+            raise EngineMismatchError(
+                f"{where} holds members indexed with other engine settings (digest {engine.decode(errors='replace')}, "
+                f"this stage's {self.digest.decode()}): every stage of one deduplication needs the same engine "
+                "settings; start under a new --app to build an index with these")
+        if engine is None and held:
+            log.warning("%s holds members of an earlier version, which did not record its engine settings: taken as "
+                        "indexed with this stage's; if the banding changed (32 bands x 4 rows at --threshold 0.8 "
+                        "since the score floor, 21 x 6 before), give every stage --bands and --rows of the state's "
+                        "or start under a new --app", where)
 
     @staticmethod
     def _resume(shard: _Shard) -> None:
@@ -463,6 +492,7 @@ class ShardProcessor(StageHooks):
                 stats.expired += len(gone)
             shard.consumed = max(shard.consumed, end[p])
             out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
+            out.append((t.shard_changelog, p, b"E", self.digest, []))
             stats.held += len(shard.held)
             held[p] = (shard, *shard.changes())
         for q in sorted(found):  # one findings record per decide partition (split if large)
