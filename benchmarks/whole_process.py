@@ -1,4 +1,4 @@
-"""Whole-process speed: ``neardup dedup FILE`` next to datasketch and rensa pipelines, each a process.
+"""Whole-process speed: ``neardup dedup FILE`` next to rensa, datasketch and gaoya pipelines, each a process.
 
 What a user times: the command from launch to exit (imports, compiled-kernel loading,
 reading and parsing the JSONL, the work, writing the outputs, the state). Each tool runs
@@ -9,6 +9,13 @@ as its own process, one after the other, on the same file:
    ``--state-dir``); the compile cache is warmed beforehand by the start-up runs.
 2. **rensa** and 3. **datasketch**: ``reference_dedup.py`` (its docstring: orjson reading,
    Python word 5-grams, in-memory LSH, the same three output files).
+4. **gaoya**: ``reference_dedup.py gaoya``: the same reading and writing, gaoya's
+   ``MinHashStringIndex`` hashing the normalised text with its own Rust word 5-gram
+   analyzer (white-space tokens), 16 bands x 8 rows, query then insert per document.
+5. **gaoya-bulk**: ``reference_dedup.py gaoya-bulk``: the whole file read first, then
+   ``par_bulk_insert_docs`` and ``par_bulk_query`` on all cores; a document is a duplicate
+   when its answer holds an earlier document at or above the threshold. The only tool
+   here that is not one pass in input order, and the only one using both cores for its work.
 
 The datasets:
 
@@ -53,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-TOOLS = ("neardup", "rensa", "datasketch")
+TOOLS = ("neardup", "rensa", "datasketch", "gaoya", "gaoya-bulk")
 
 
 def neardup_command(extra: list[str]) -> list[str]:
