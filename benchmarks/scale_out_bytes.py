@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import time
 import zlib
 from collections import defaultdict
@@ -88,7 +87,7 @@ import benchlib
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
-from neardup.sharded.records import (ORDER, bands_value, decide_partition, findings_value,
+from neardup.sharded.records import (ORDER, band_values, bands_value, decide_partition, findings_value,
                                      found_value, order_key, order_seq)
 from neardup.sharded.routing import group_by_shard, shard_of
 from neardup.sharded.shard import ShardIndex
@@ -317,7 +316,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
                 found_by_dp[decide_partition(orders[i], decide_parts)].append(f)
                 if not joins.empty:
                     copies = [orders[_doc_of(c)] for c in joins.copies]
-                    band = _band(raw_ids[i], joins.buckets, fp)
+                    band = band_values(ids[i], [joins.buckets], fp)[0]  # the stage's member band
                     member = member_value(copies, band)
                     key = 1 + ORDER.size
                     t["A"]["shard changelog"] += key + len(member)
@@ -420,12 +419,6 @@ _BASE = 1_700_000_000_000
 def _doc_of(seq: int) -> int:
     """The document number of an order seq (``load``'s order keys: time = base + number)."""
     return (seq >> 96) - _BASE
-
-
-def _band(raw_id: bytes, buckets: np.ndarray, fp: np.ndarray) -> bytes:
-    """A member's band record value (``BandRecord.value``: ">HHI", id, buckets, set)."""
-    return b"".join((struct.pack(">HHI", len(buckets), len(raw_id), len(fp)), raw_id,
-                     buckets.astype("<u8", copy=False).tobytes(), fp.astype("<u4", copy=False).tobytes()))
 
 
 TOPIC_ORDER = ("document", "findings", "bands", "shard changelog", "set store", "exchange",

@@ -353,7 +353,6 @@ def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir:
     50, short sessions, and the thread that will run it (not started)."""
     import threading
 
-    from neardup.config import Settings
     from neardup.sharded.shard_stage import ShardStage
 
     settings = Settings(bootstrap_servers=bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
@@ -1071,7 +1070,6 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
     """A decisions table on disk whose position lies beyond the end of its topic (the
     topology's topics deleted and created again under the same app) describes another
     topic: it is wiped and the topic read in full, not trusted."""
-    from neardup.config import Settings
     from neardup.sharded.decide_stage import DecideProcessor
     from neardup.sharded.records import order_key, order_seq
     from neardup.state.decisions import StoredDecisionsTable
@@ -1101,7 +1099,6 @@ def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstra
     records before its ``P`` record replaces the list."""
     import struct
 
-    from neardup.config import Settings
     from neardup.sharded.decide_stage import DecideProcessor
     from neardup.sharded.records import order_key
 
@@ -1129,7 +1126,6 @@ def test_documents_listed_at_a_restore_stay_listed_until_read_again_and_decided(
     decided, never output."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from neardup.config import Settings
     from neardup.kafka.stage import MessageBatch
     from neardup.sharded.decide_stage import DecideProcessor
     from neardup.sharded.records import (ENGINE_HEADER, ID_HEADER, KIND_HEADER, ORDER_HEADER, SHARDS_HEADER,
@@ -1178,8 +1174,6 @@ def test_a_shard_state_indexed_with_other_engine_settings_stops_the_shard_with_o
     # a shard partition's changelog says its members were indexed with other engine
     # settings (another banding: they would never be met again): the shard stops at once
     # with one line instead of giving wrong verdicts silently
-    import struct
-
     topic = kafka_topic_factory("sharded-state-engine", partitions=1)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
     topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
