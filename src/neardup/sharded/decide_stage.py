@@ -105,9 +105,15 @@ class _Waiting:
     findings: dict[int, list] = field(default_factory=dict)
     error: str | None = None  # a shard could not read its band record
     first: int = 1 << 62  # the findings-topic offset of its earliest record
+    shards: int = 0  # how many shards answer (its record's ``SHARDS_HEADER``)
 
     def copy(self) -> _Waiting:
-        return _Waiting(self.record, dict(self.findings), self.error, self.first)
+        return _Waiting(self.record, dict(self.findings), self.error, self.first, self.shards)
+
+    @property
+    def complete(self) -> bool:
+        """Its record and every shard's finding have come."""
+        return self.record is not None and len(self.findings) >= self.shards
 
 
 @dataclass
@@ -360,6 +366,7 @@ class DecideProcessor(StageHooks):
                     continue
                 w = self._changing(self.partitions[q], order, fresh)
                 w.record = (m.key(), m.value(), headers)
+                w.shards = int(_header(headers, SHARDS_HEADER) or b"0")
                 w.first = min(w.first, offset)
                 touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:
@@ -507,13 +514,11 @@ class DecideProcessor(StageHooks):
         """Decide one document if it can be (its records appended to ``out``): "decided",
         "incomplete" (its record or a finding has not come), or "blocked" (a candidate
         it accepted has no cluster yet)."""
-        if w.record is None:
+        if not w.complete:
             return "incomplete"
+        assert w.record is not None
         key, value, headers = w.record
         named = dict(reversed(headers))  # a header's first value, by name
-        shards = int(named.get(SHARDS_HEADER) or b"0")
-        if len(w.findings) < shards:
-            return "incomplete"
         seq = order_seq(order)
         topic = (named.get(TOPIC_HEADER) or b"").decode("utf-8")
         carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
