@@ -6,12 +6,13 @@ Inputs:
 - measured runs of ``benchmarks/scale_out.py`` (``--measured``, JSON, one process per
   stage, at two or more shard counts): per stage, CPU µs per document and records and
   bytes per document on each topic. Each stage's CPU per document is fitted as
-  ``a + b * r``, where ``r`` is the band records per document (one per shard partition a
-  document touches), by least squares over the runs; so are the bytes per document of
-  the band, findings and changelog topics.
+  ``a + b * r``, where ``r`` is the band entries per document (one per shard partition a
+  document touches, from the routing below at the measured shard count), by least
+  squares over the runs; so are the bytes per document of the band, findings and
+  changelog topics.
 - the routing of real documents (``--docs`` of the replayed Reuters stream, prepared with
   the default engine settings): for each shard count, which shard partitions every
-  document touches, hence ``r`` and the share of band records of each partition.
+  document touches, hence ``r`` and the share of band entries of each partition.
 
 The simulation: a fluid queue per process (one core each, first in first out), time
 steps of ``--step`` seconds for ``--seconds`` seconds, documents arriving at ``--rate``
@@ -58,14 +59,17 @@ def fit(rs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def load_costs(paths: list[Path]) -> dict[str, object]:
+def load_costs(paths: list[Path], entries: dict[int, float]) -> dict[str, object]:
     """The fitted ``(a, b)`` per stage (CPU µs per document) and per topic (bytes per
-    document), from the one-process-per-stage run of each measured file."""
+    document), from the one-process-per-stage run of each measured file; ``entries``:
+    per shard count, the shard partitions a document touches (its band entries: a
+    band record holds a batch's entries for one partition, so the records per document
+    no longer count them)."""
     runs = []
     for path in paths:
         data = json.loads(path.read_text())
         run = next(r for r in data["runs"] if r["processes_per_stage"] == 1)
-        runs.append({"shards": data["shards"], "docs": data["docs"], "r": run["records_per_document"]["bands"],
+        runs.append({"shards": data["shards"], "docs": data["docs"], "r": entries[data["shards"]],
                      "cpu": run["cpu_us_per_document"], "bytes": run["bytes_per_document"],
                      "load": [run["load_before"], run["load_after"]]})
     rs = [x["r"] for x in runs]
@@ -160,14 +164,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=results / "scale_out_sim.json")
     args = ap.parse_args()
 
-    costs = load_costs(args.measured)
+    measured = sorted({json.loads(p.read_text())["shards"] for p in args.measured})
+    touched, set_bytes = routing(args.docs, sorted(set(args.shards) | set(measured)))
+    costs = load_costs(args.measured, {s: float(np.mean([len(t) for t in touched[s]])) for s in measured})
     print(f"load average {os.getloadavg()}")
     print("measured (one process per stage): " + "; ".join(
-        f"{x['shards']} shards, {x['docs']:,} docs: {x['r']:.2f} band records/doc, CPU µs/doc "
+        f"{x['shards']} shards, {x['docs']:,} docs: {x['r']:.2f} band entries/doc, CPU µs/doc "
         + "/".join(f"{x['cpu'][s]:.0f}" for s in ROLES) for x in costs["runs"]))
     print("fitted CPU µs per document, a + b × r: " + ", ".join(
         f"{s} {a:.0f} + {b:.1f} r" for s, (a, b) in costs["cpu"].items()))
-    touched, set_bytes = routing(args.docs, args.shards)
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                     if k != "measured"}, "measured": [str(p) for p in args.measured],
            "costs": costs, "set_bytes": set_bytes, "targets": []}
@@ -189,7 +194,7 @@ def main() -> None:
             "sets": args.index * r * set_bytes / shards / 1e9,
             "bucket_entries_8_bytes": args.index * bands * 8 / shards / 1e9}
         out["targets"].append(row)
-        print(f"\n{shards} shards: {r:.2f} band records per document; CPU µs/doc "
+        print(f"\n{shards} shards: {r:.2f} band entries per document; CPU µs/doc "
               + ", ".join(f"{s} {cpu[s]:.0f}" for s in ROLES))
         print("  processes (1 core each) at {:,.0f} docs/s, analytic -> simulated: ".format(args.rate) + ", ".join(
             f"{s} {analytic[s]:.1f} -> {need[s] if need[s] else 'no (more than ' + str(partitions[s]) + ' partitions needed)'}"
