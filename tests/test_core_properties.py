@@ -190,6 +190,19 @@ def test_word_tokens_are_regex_tokens_hashed_with_xxh3(texts: list[str]) -> None
         assert _doc_hashes(batch, d) == expected
 
 
+def test_the_word_table_filled_block_by_block_is_re_word_class_at_every_code_point() -> None:
+    """The table of ``\\w`` code points is filled a block at a time, as texts use them
+    (a start-up saving): filled for every code point it is ``re``'s ``\\w`` exactly."""
+    from neardup.core.shingle import _word_characters
+
+    expected = np.zeros(sys.maxunicode + 1, dtype=bool)
+    for match in re.finditer(r"\w+", "".join(map(chr, range(sys.maxunicode + 1)))):
+        expected[match.start():match.end()] = True
+    assert _word_characters()[:128].tolist() == expected[:128].tolist()
+    table = _word_characters(np.arange(sys.maxunicode + 1, dtype=np.uint32))
+    assert np.array_equal(table, expected)
+
+
 @FAST
 @given(st.binary(max_size=400), st.lists(st.tuples(st.integers(0, 400), st.integers(0, 300)), max_size=30))
 def test_xxh3_spans_equal_the_library(data: bytes, spans: list[tuple[int, int]]) -> None:
