@@ -676,11 +676,18 @@ def collect_rarely() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def _compiles(args: argparse.Namespace) -> bool:
+    """Whether the command runs compiled kernels (numba: about 0.5 s of start-up to
+    import and load; the shard and decide stages run none)."""
+    return args.command in ("dedup", "run", "eval", "query") or (args.command == "stage" and args.role == "prepare")
+
+
 def main(argv: list[str] | None = None) -> int:
     collect_rarely()
-    numba_math_without_scipy()  # before any compiled call: 0.06-0.09 s of start-up
     parser = build_parser()
     args = parser.parse_args(argv)
+    if _compiles(args):
+        numba_math_without_scipy()  # before any compiled call: 0.06-0.09 s of start-up
     if (args.command in ("run", "stage") and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
         # A consumer is stopped with SIGTERM (Kubernetes, systemd, a test): one that is
@@ -709,7 +716,8 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         engine = settings.engine()  # built once; validated before anything starts
         retention_changes(settings)
         _setup_logging(settings)
-        _compile_notice()
+        if _compiles(args):
+            _compile_notice()
         if args.command == "dedup":
             return cmd_dedup(args, settings, engine)
         if args.command == "run":

@@ -21,7 +21,6 @@ from typing import Literal
 import numpy as np
 
 from neardup.core.hashing import combine, mix64
-from neardup.core.xxh3 import xxh3_spans
 
 _WORD = re.compile(r"\w+")
 
@@ -161,6 +160,8 @@ def _token_hashes(texts: Sequence[str], shingling: Shingling) -> tuple[np.ndarra
     """Token hashes (uint64, shape (n_tokens,)) and per-document token offsets."""
     if shingling.kind == "word":
         data, starts, ends, counts = _word_spans(texts)
+        from neardup.core.xxh3 import xxh3_spans  # here: numba is imported where a text is hashed (0.2 s)
+
         hashes = xxh3_spans(data, starts, ends)  # = xxhash.xxh3_64_intdigest of each token
     else:
         counts = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +83,12 @@ class Rejected:
 
     id: str
     reason: str
+
+
+class Node(NamedTuple):
+    """One stored union-find entry (``neardup.core.unionfind``). ``size`` and
+    ``canonical`` are meaningful on roots only."""
+
+    parent: int
+    size: int
+    canonical: int

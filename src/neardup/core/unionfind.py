@@ -14,18 +14,12 @@ are numba-compiled: they run at C speed inside other compiled loops
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 from numba import njit
 
+from neardup.core.types import Node
 
-class Node(NamedTuple):
-    """One stored union-find entry. ``size`` and ``canonical`` are meaningful on roots only."""
-
-    parent: int
-    size: int
-    canonical: int
+__all__ = ["Node", "find", "peek_root", "union"]
 
 
 @njit(nogil=True, cache=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from neardup.core.unionfind import Node
+from neardup.core.types import Node
 from neardup.state.errors import SettingsMismatchError, StateError
 
 if TYPE_CHECKING:

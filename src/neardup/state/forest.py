@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from neardup.core.arrays import sorted_unique
-from neardup.core.unionfind import Node
+from neardup.core.types import Node
 
 
 class Forest:

@@ -18,7 +18,7 @@ import numpy as np
 
 from neardup.core.arrays import sorted_unique
 from neardup.core.retention import NO_TIME, Retention
-from neardup.core.unionfind import Node
+from neardup.core.types import Node
 from neardup.state import codec
 from neardup.state.base import StateUpdate
 from neardup.state.changelog import ChangelogMixin, exclusive

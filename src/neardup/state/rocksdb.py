@@ -21,6 +21,7 @@ from neardup.state import codec
 from neardup.state.errors import StateCorruptedError, StateError, StateLockedError, write_error
 from neardup.state.changelog import exclusive
 from neardup.state.kv import Deletes, KeyValueStateStore, Puts, Ranges, Record
+from neardup.state.view import INFO_LOG_BYTES, INFO_LOG_FILES
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,6 @@ DB_WRITE_BUFFER_BYTES = 64 << 20
 #: At 128 MB the logs swung between 10 and 134 MB, most of a 200,000-document retention
 #: window's state on disk (160 MB of SST files); at 8 MB, no slower (benchmarks/scale.py).
 MAX_WAL_BYTES = 8 << 20
-#: RocksDB's info log: files of at most INFO_LOG_BYTES, the INFO_LOG_FILES newest kept.
-INFO_LOG_BYTES = 1 << 20
-INFO_LOG_FILES = 2
 
 
 #: A file in the state directory while ``_wipe_all`` runs: RocksDB's DestroyDB removes the

@@ -26,8 +26,11 @@ from pathlib import Path
 from rocksdict import BlockBasedIndexType, BlockBasedOptions, Cache, Options, Rdict, WriteBatch
 
 from neardup.state.errors import StateError, write_error
-from neardup.state.rocksdb import INFO_LOG_BYTES, INFO_LOG_FILES
 
+#: RocksDB's info log: files of at most INFO_LOG_BYTES, the INFO_LOG_FILES newest kept
+#: (every store: these views and ``neardup.state.rocksdb``'s).
+INFO_LOG_BYTES = 1 << 20
+INFO_LOG_FILES = 2
 WRITE_BUFFER_BYTES = 8 << 20
 BLOCK_CACHE_BYTES = 64 << 20
 POSITION_KEY = b"O"
