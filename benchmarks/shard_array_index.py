@@ -9,7 +9,8 @@ the other in one uint32 array. Members get dense local ids in the order they are
 their order keys are kept as (timestamp, partition, offset) columns, so that a document
 processed late meets only the members before it. Every array grows by doubling.
 
-Not here (``ShardIndex`` serves those): the retention window and the containment measure.
+Not here (``ShardIndex`` serves those): the retention window, the containment measure, a
+restore from the changelog and the RocksDB store.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from neardup.core.retention import NO_TIME
 from neardup.core.settings import EngineSettings
-from neardup.sharded.records import ORDER, BandRecord, seq_order
+from neardup.sharded.records import BandRecord
 from neardup.sharded.shard import Checked, Finding, Joins
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -209,25 +209,6 @@ def _add_batch(keys, used, head, tail, count, nxt, member, chead, ctail, ccount,
     return n_nodes, n_used
 
 
-@njit(nogil=True, cache=True)
-def _apply_batch(keys, used, head, tail, count, nxt, member, chead, ctail, ccount, fp, fstart, fend, n_nodes,
-                 n_used, first, boff, bk, coff, cp, foff, fps):  # pragma: no cover - compiled
-    """Add members ``first ..`` again (a restore): their buckets, copy buckets, sets."""
-    f_at = fend[first - 1] if first > 0 else 0
-    for d in range(len(boff) - 1):
-        me = first + d
-        nf = foff[d + 1] - foff[d]
-        fp[f_at:f_at + nf] = fps[foff[d]:foff[d + 1]]
-        fstart[me], fend[me] = f_at, f_at + nf
-        f_at += nf
-        for b in range(boff[d], boff[d + 1]):
-            n_nodes, n_used = _join(keys, used, head, tail, count, nxt, member, n_nodes, n_used, bk[b], me)
-        for x in range(coff[d], coff[d + 1]):
-            n_nodes = _append(nxt, member, chead, ctail, n_nodes, cp[x], me)
-            ccount[cp[x]] += 1
-    return n_nodes, n_used
-
-
 def _offsets(arrays: list[np.ndarray]) -> np.ndarray:
     out = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum([len(a) for a in arrays], out=out[1:])
@@ -244,8 +225,8 @@ def _grown(array: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
 
 class ArrayShardIndex:
     """One shard partition's buckets, copy buckets and member sets in arrays, its rules
-    compiled (see the module docstring): ``ShardIndex``'s interface for the shard stage,
-    with the Jaccard measure and without a retention window.
+    compiled (see the module docstring): ``ShardIndex.add``'s findings and joins, a band
+    record at a time, with the Jaccard measure and without a retention window.
 
     Args:
         settings: the engine settings (threshold, caps, bucket joins).
@@ -254,20 +235,14 @@ class ArrayShardIndex:
         ValueError: the containment measure (``ShardIndex`` serves it).
     """
 
-    retention_ms = None
-
     def __init__(self, settings: EngineSettings) -> None:
         if settings.measure != "jaccard":
             raise ValueError("the array shard index serves the Jaccard measure only")
         s = self.settings = settings
         self._limit = s.max_candidates + s.extra_candidates
         self._copies_on = s.duplicate_buckets == "new"
-        self.last = -1  # the highest seq added
-        self.mark = NO_TIME
         self.seqs: list[int] = []  # local id -> seq
         self.ids: list[str] = []  # local id -> document id
-        self._local: dict[int, int] = {}  # seq -> local id
-        self._pending: list[tuple[int, str, Joins, np.ndarray]] = []  # applied, not yet in the arrays
         self._nodes = self._used = 0
         size = 1 << 12
         self._keys = np.zeros(size, dtype=np.uint64)
@@ -285,44 +260,8 @@ class ArrayShardIndex:
         self._fend = np.zeros(size, dtype=np.int64)
         self._fp = np.zeros(size * 64, dtype=np.uint32)
 
-    def __len__(self) -> int:
-        """The documents added (members or not)."""
-        self._flush()
-        return len(self.seqs)
-
-    # --- what the shard stage calls ------------------------------------------------------
-    def floor(self) -> int:
-        return NO_TIME
-
-    def advance(self, seq: int) -> int:
-        self.mark = max(self.mark, seq >> 96)
-        return NO_TIME
-
-    def expired(self) -> list[int]:
-        return []
-
-    def remove(self, seqs: list[int]) -> None:
-        if seqs:
-            raise ValueError("the array shard index keeps every member (no retention window)")
-
-    def id_of(self, seq: int) -> str:
-        """The external id of the member ``seq``."""
-        self._flush()
-        return self.ids[self._local[seq]]
-
-    def fingerprints(self, seq: int) -> np.ndarray:
-        """uint32, sorted distinct: the shingle set of the member ``seq``."""
-        self._flush()
-        i = self._local[seq]
-        return self._fp[self._fstart[i]:self._fend[i]].copy()
-
-    def add(self, seq: int, buckets: np.ndarray, fingerprints: np.ndarray, doc_id: str = "") -> tuple[Finding, Joins]:
-        """``ShardIndex.add`` of one document."""
-        return self.add_batch([BandRecord(seq_order(seq), doc_id, buckets, fingerprints)])[0]
-
     def add_batch(self, records: list[BandRecord]) -> list[tuple[Finding, Joins]]:
         """Meet, verify and join documents in order (``ShardIndex.add`` of each)."""
-        self._flush()
         if not records:
             return []
         n = len(records)
@@ -364,7 +303,6 @@ class ArrayShardIndex:
             how many (int64, (n,)); per bucket entry whether it joined (bool); the copy
             buckets joined (local ids, (n, limit)) and how many ((n,)).
         """
-        self._flush()
         n, first = len(ids), len(self.seqs)
         self._room(n, len(bk) + n * self._limit, len(fps))
         seqs = self._take(orders, ids)
@@ -382,18 +320,8 @@ class ArrayShardIndex:
             self._ctail, self._ccount, self._order, self._fp, self._fstart, self._fend, self._nodes, self._used,
             first, boff, bk, foff, fps, s.max_bucket_size, s.max_candidates, limit, s.floor, s.threshold,
             self._copies_on, s.duplicate_buckets == "new", out_c, out_j, out_k, out_n, joined, copied, copied_n)
-        if seqs:
-            self.last = max(self.last, max(seqs))
-            self.mark = max(self.mark, max(seqs) >> 96)
         return seqs, (out_c, out_j, out_k, out_n, joined, copied, copied_n)
 
-    def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
-        """Add what ``add`` added for a document again (a restore, in the same order);
-        taken into the arrays with the next call that reads them."""
-        self._pending.append((seq, doc_id, joins, fingerprints))
-        self.last = max(self.last, seq)
-
-    # --- the arrays ----------------------------------------------------------------------
     def _take(self, orders: bytes, ids: list[str]) -> list[int]:
         """Local ids for documents of these order keys (20 bytes each, joined) and ids,
         in order; their seqs."""
@@ -405,28 +333,7 @@ class ArrayShardIndex:
         seqs = [(t << 96) | (p << 64) | o for t, p, o in zip(*(c.tolist() for c in columns))]
         self.seqs += seqs
         self.ids += ids
-        self._local.update(zip(seqs, range(first, first + len(seqs))))
         return seqs
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        n, first = len(pending), len(self.seqs)
-        buckets = [j.buckets for _, _, j, _ in pending]
-        sets = [f for *_, f in pending]
-        boff, foff = _offsets(buckets), _offsets(sets)
-        bk = np.concatenate(buckets).astype(np.uint64, copy=False) if n else np.zeros(0, np.uint64)
-        fps = np.concatenate(sets).astype(np.uint32, copy=False) if n else np.zeros(0, np.uint32)
-        coff = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(j.copies) for _, _, j, _ in pending], out=coff[1:])
-        self._room(n, len(bk) + int(coff[-1]), len(fps))
-        self._take(b"".join(seq_order(seq) for seq, *_ in pending), [doc_id for _, doc_id, *_ in pending])
-        cp = np.array([self._local[c] for _, _, j, _ in pending for c in j.copies], dtype=np.int64)
-        self._nodes, self._used = _apply_batch(
-            self._keys, self._used_at, self._head, self._tail, self._count, self._nxt, self._member, self._chead,
-            self._ctail, self._ccount, self._fp, self._fstart, self._fend, self._nodes, self._used, first, boff, bk,
-            coff, cp, foff, fps)
 
     def _room(self, docs: int, nodes: int, fingerprints: int) -> None:
         """Grow the arrays for ``docs`` more documents, ``nodes`` more list nodes (at most

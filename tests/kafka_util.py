@@ -68,6 +68,7 @@ class Out:
     value: bytes | None
     headers: dict[str, bytes]
     header_list: tuple[tuple[str, bytes], ...] = ()  # as received, in order
+    partition: int = -1
 
 
 def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
@@ -92,8 +93,8 @@ def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
             got = [m for m in batch if m.error() is None]
             if got:
                 last = time.monotonic()
-                out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or []), tuple(m.headers() or ()))
-                        for m in got]
+                out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or []), tuple(m.headers() or ()),
+                            m.partition()) for m in got]
             elif time.monotonic() - last > idle_s and (expected is None or len(out) >= expected):
                 break
     finally:

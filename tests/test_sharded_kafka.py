@@ -460,9 +460,11 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
             (topology.decide_changelog, b"P")} <= set(kinds) <= {
         (topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
         (topology.decide_changelog, b"P"), (topology.decide_changelog, b"W")}, kinds
-    # the engine settings the members were indexed with, beside each progress record
+    # the engine settings the members were indexed with, in every partition with progress
     assert {o.value for o in logged if o.topic == topology.shard_changelog and o.key == b"E"} == {
         engine_digest(Settings().engine())}
+    assert {o.partition for o in logged if o.topic == topology.shard_changelog and o.key == b"P"} == {
+        o.partition for o in logged if o.topic == topology.shard_changelog and o.key == b"E"}
     progress = [o for o in logged if o.topic == topology.decide_changelog and o.key == b"P"]
     assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
     waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")

@@ -106,15 +106,9 @@ def _word_characters(points: np.ndarray | None = None) -> np.ndarray:
     """bool, shape (sys.maxunicode + 1,): which code points ``\w`` matches, at least
     for the blocks of 256 code points of ``points`` (uint32; None: the ASCII block only).
     The other entries may still be False."""
-    if points is None:
-        blocks = [0]
-    else:
-        used = np.zeros(len(_WORD_BLOCKS_DONE), dtype=bool)
-        used[points // _WORD_BLOCK] = True
-        blocks = np.flatnonzero(used & ~_WORD_BLOCKS_DONE).tolist()
-    for block in blocks:
-        if _WORD_BLOCKS_DONE[block]:
-            continue
+    used = np.zeros(len(_WORD_BLOCKS_DONE), dtype=bool)
+    used[0 if points is None else points // _WORD_BLOCK] = True
+    for block in np.flatnonzero(used & ~_WORD_BLOCKS_DONE).tolist():
         low = block * _WORD_BLOCK
         for match in _WORD.finditer("".join(map(chr, range(low, low + _WORD_BLOCK)))):
             _WORD_TABLE[low + match.start():low + match.end()] = True

@@ -54,8 +54,8 @@ Changelog records (key -> value; a null value deletes):
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
-- ``b"E"`` -> the engine settings' digest (``engine_digest``), with every ``P``: the
-  settings the members were indexed with. A partition restored with another digest stops
+- ``b"E"`` -> the engine settings' digest (``engine_digest``), in the first batch after
+  each restore of the partition: the settings the members were indexed with. A partition restored with another digest stops
   the stage with one line (members of another banding would never be met: wrong verdicts,
   silently); one without (written by an earlier version) is taken as it is, with a warning.
 
@@ -139,6 +139,7 @@ class _Shard:
     removed: list[bytes] = field(default_factory=list)
     queue: list[bytes] = field(default_factory=list)  # the held keys, a heap (a key may repeat)
     last: bytes = b""
+    engine_logged: bool = False  # its ``E`` record written since the restore (once is enough: compacted, kept)
     watermark: int = -(1 << 62)
     consumed: int = -1  # band-topic offset after the last record of the batches logged (P)
     watermarks: Watermarks = field(default_factory=Watermarks)  # from the watermark records read
@@ -492,7 +493,9 @@ class ShardProcessor(StageHooks):
                 stats.expired += len(gone)
             shard.consumed = max(shard.consumed, end[p])
             out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
-            out.append((t.shard_changelog, p, b"E", self.digest, []))
+            if not shard.engine_logged:  # a failed batch restores the shard: written again then
+                out.append((t.shard_changelog, p, b"E", self.digest, []))
+                shard.engine_logged = True
             stats.held += len(shard.held)
             held[p] = (shard, *shard.changes())
         for q in sorted(found):  # one findings record per decide partition (split if large)
