@@ -597,6 +597,31 @@ def test_a_failed_commit_in_its_thread_is_retried_exactly_once(kafka_bootstrap, 
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
 
 
+def test_sigterm_wrapped_by_the_library_it_interrupted_still_exits_0(monkeypatch, caplog):
+    """SIGTERM landing inside a library call while the command starts, which turns the
+    raised signal into an exception of its own (pydantic building a settings class turns
+    it into a ``SchemaError``): the command still stops with 0, not a traceback."""
+    import neardup.cli as cli
+
+    def interrupted(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, on the next bytecode
+            time.sleep(5)
+        except BaseException:
+            raise RuntimeError("Error building a validator")  # noqa: B904 - as the library does
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(cli, "_settings", interrupted)
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with caplog.at_level(logging.INFO, logger="neardup"):
+        code = cli.main(["stage", "shard", "--bootstrap-servers", "127.0.0.1:1", "--input-topic", "never",
+                         "--app", "never"])
+    assert code == 0
+    assert "stopped by SIGTERM while starting (it interrupted: RuntimeError)" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the start-up handler is gone again
+
+
 @pytest.mark.parametrize("role", ["run", "stage-shard"])
 def test_sigterm_while_starting_exits_0_without_a_traceback(tmp_path, role):
     """A consumer stopped while it still waits for a broker (none listens on the port):

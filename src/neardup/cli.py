@@ -655,7 +655,14 @@ class _Terminated(BaseException):
     """SIGTERM before the consumer loop took the signal over."""
 
 
+#: Set when SIGTERM arrived while starting: a library the signal interrupted may have
+#: wrapped ``_Terminated`` into an exception of its own (pydantic building a settings
+#: class turns it into a ``SchemaError``), which then still means "stopped".
+_terminating = threading.Event()
+
+
 def _terminated(*_: Any) -> None:
+    _terminating.set()
     raise _Terminated
 
 
@@ -693,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         # A consumer is stopped with SIGTERM (Kubernetes, systemd, a test): one that is
         # still starting stops there and exits 0, as it does once its loop runs (the loop
         # installs its own handler, which finishes and commits the batch in progress).
+        _terminating.clear()
         signal.signal(signal.SIGTERM, _terminated)
         try:
             return _command(parser, args)
@@ -735,6 +743,9 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:  # the one place where a user error becomes one line
+        if _terminating.is_set():  # SIGTERM, wrapped by the library it interrupted
+            log.info("stopped by SIGTERM while starting (it interrupted: %s)", type(exc).__name__)
+            return 0
         line = user_error(exc, settings, dict(getattr(args, "kafka", None) or []))
         if line is None:
             raise

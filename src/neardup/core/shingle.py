@@ -103,7 +103,7 @@ _WORD_BLOCKS_DONE = np.zeros(len(_WORD_TABLE) // _WORD_BLOCK, dtype=bool)
 
 
 def _word_characters(points: np.ndarray | None = None) -> np.ndarray:
-    """bool, shape (sys.maxunicode + 1,): which code points ``\w`` matches, at least
+    """bool, shape (sys.maxunicode + 1,): which code points ``\\w`` matches, at least
     for the blocks of 256 code points of ``points`` (uint32; None: the ASCII block only).
     The other entries may still be False."""
     used = np.zeros(len(_WORD_BLOCKS_DONE), dtype=bool)
