@@ -61,7 +61,7 @@ def main() -> None:
         differ = {f: sum(getattr(a, f) != getattr(b, f) for a, b in zip(one, sharded))
                   for f in ("verdict", "match", "cluster")}
         any_differ = sum(any(getattr(a, f) != getattr(b, f) for f in differ) for a, b in zip(one, sharded))
-        entries = [sum(map(len, s.buckets.values())) for s in ref.shards]
+        entries = [s.bucket_entries() for s in ref.shards]
         sets = [len(s.sets) for s in ref.shards]
         set_bytes = [4 * sum(len(x) for x in s.sets.values()) for s in ref.shards]
         run = {"shards": shards, "agreement": 1 - any_differ / len(one), "differ": differ,

@@ -138,7 +138,7 @@ def test_an_expired_member_is_no_candidate_and_is_removed():
     gone = index.expired()
     assert gone == [ms << 96]
     index.remove(gone)
-    assert ms << 96 not in index.sets and all(ms << 96 not in m for m in index.buckets.values())
+    assert ms << 96 not in index.sets and all(ms << 96 not in index.bucket(b) for b in index.buckets)
 
 
 def test_a_window_by_document_count_is_refused_by_the_reference():

@@ -267,7 +267,10 @@ class BandRecord:
 
     def value(self) -> bytes:
         """The record's value (the layout above)."""
-        return band_values(self.id, [self.buckets], self.fingerprints)[0]
+        raw_id = self.id.encode("utf-8")
+        return b"".join((_BAND.pack(len(self.buckets), len(raw_id), len(self.fingerprints)), raw_id,
+                         self.buckets.astype("<u8", copy=False).tobytes(),
+                         self.fingerprints.astype("<u4", copy=False).tobytes()))
 
     @classmethod
     def parse(cls, key: bytes, value: bytes) -> BandRecord:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,7 +147,9 @@ class ShardIndex:
         if retention_ms is not None and retention_ms < 1:
             raise ValueError(f"a retention window of {retention_ms} ms keeps nothing")
         self.settings = settings
-        self.buckets: dict[int, list[int]] = {}
+        # bucket id -> its members' seqs in the order they joined: the seq itself while
+        # it has one member (most buckets: no list object each), a list once it has more
+        self.buckets: dict[int, int | list[int]] = {}
         self.sets: dict[int, np.ndarray] = {}
         self.copies: dict[int, list[int]] = {}
         self.ids: dict[int, str] = {}
@@ -170,10 +173,13 @@ class ShardIndex:
     def advance(self, seq: int) -> int:
         """Move the mark to document ``seq``'s time (ms; taken as now when it lies beyond
         now plus the future tolerance); returns the floor for that document."""
-        t = seq_time(seq)
-        if self.retention_ms is not None:
-            t, future = window_time(seq, self.settings.future_tolerance_s)
-            self.future += future
+        if self.retention_ms is None:
+            t = seq_time(seq)
+            if t > self.mark:
+                self.mark = t
+            return NO_TIME
+        t, future = window_time(seq, self.settings.future_tolerance_s)
+        self.future += future
         self.mark = max(self.mark, t)
         return self.floor()
 
@@ -207,9 +213,11 @@ class ShardIndex:
             self.sets.pop(seq, None)
             self.ids.pop(seq, None)
         for b in touched:
-            kept = [m for m in self.buckets.get(b, ()) if m not in gone]
-            if kept:
+            kept = [m for m in self.bucket(b) if m not in gone]
+            if len(kept) > 1:
                 self.buckets[b] = kept
+            elif kept:
+                self.buckets[b] = kept[0]
             else:
                 self.buckets.pop(b, None)
         for c in copied:
@@ -239,16 +247,20 @@ class ShardIndex:
         """
         s = self.settings
         bucket_ids = buckets.tolist()
-        lists = self._members(bucket_ids)
         floor = self.advance(seq)
-        if floor != NO_TIME:  # a retention window: only the members held are met
-            lowest = floor << 96  # the first seq of the floor's millisecond
-            lists = [[m for m in members if m >= lowest] for members in lists]
+        if self._none_held(bucket_ids):
+            lists: list[Sequence[int]] = []
+        else:
+            lists = self._members(bucket_ids)
+            if floor != NO_TIME:  # a retention window: only the members held are met
+                lowest = floor << 96  # the first seq of the floor's millisecond
+                lists = [[m for m in members if m >= lowest] for members in lists]
         if not any(lists) and s.max_bucket_size > 0:  # meets no one here (most do): joins every bucket
-            self.last = max(self.last, seq)
             joins = Joins(buckets, ())
-            if len(buckets):
-                self.apply(seq, doc_id, joins, fingerprints)
+            if bucket_ids:
+                self._join(seq, doc_id, bucket_ids, joins, fingerprints)
+            elif seq > self.last:
+                self.last = seq
             return Finding(seq, ()), joins
         shared: Counter[int] = Counter()
         for members in lists:
@@ -298,14 +310,20 @@ class ShardIndex:
     def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
         """Add what ``add`` added for a document (also to add it again: a restore, in the
         same order)."""
-        self.last = max(self.last, seq)
+        self._join(seq, doc_id, joins.buckets.tolist(), joins, fingerprints)
+
+    def _join(self, seq: int, doc_id: str, bucket_ids: list[int], joins: Joins, fingerprints: np.ndarray) -> None:
+        if seq > self.last:
+            self.last = seq
         buckets = self.buckets
-        for b in joins.buckets.tolist():
+        for b in bucket_ids:
             members = buckets.get(b)
             if members is None:
-                buckets[b] = [seq]
+                buckets[b] = seq
+            elif members.__class__ is int:
+                buckets[b] = [members, seq]  # type: ignore[list-item]
             else:
-                members.append(seq)
+                members.append(seq)  # type: ignore[union-attr]
         for c in joins.copies:
             self.copies.setdefault(c, []).append(seq)
         self.sets[seq] = fingerprints
@@ -315,9 +333,27 @@ class ShardIndex:
             heapq.heappush(self._by_time, seq)
 
     # --- the storage: dicts here, a RocksDB store below them in ``StoredShardIndex`` -------
-    def _members(self, buckets: list[int]) -> list[list[int]]:
+    def bucket(self, b: int) -> Sequence[int]:
+        """The members (seqs) of bucket ``b`` in memory, in the order they joined."""
+        members = self.buckets.get(b, ())
+        return (members,) if members.__class__ is int else members  # type: ignore[return-value]
+
+    def bucket_entries(self) -> int:
+        """How many (bucket, member) entries the buckets in memory hold."""
+        return sum(1 if m.__class__ is int else len(m) for m in self.buckets.values())  # type: ignore[arg-type]
+
+    def _none_held(self, buckets: list[int]) -> bool:
+        """Whether none of ``buckets`` holds a member (then ``_members`` is all empty)."""
+        return self.buckets.keys().isdisjoint(buckets)
+
+    def _members(self, buckets: list[int]) -> list[Sequence[int]]:
         """The members (seqs) of each bucket, in the order they joined."""
-        return [self.buckets.get(b, []) for b in buckets]
+        get = self.buckets.get
+        out: list[Sequence[int]] = []
+        for b in buckets:
+            members = get(b)
+            out.append(() if members is None else (members,) if members.__class__ is int else members)  # type: ignore[arg-type]
+        return out
 
     def _copies(self, seq: int) -> list[int]:
         """The members (seqs) of the copy bucket of ``seq``."""
@@ -378,9 +414,12 @@ class StoredShardIndex(ShardIndex):
         for seq in seqs:
             self._parsed.pop(seq, None)
 
-    def _members(self, buckets: list[int]) -> list[list[int]]:
+    def _none_held(self, buckets: list[int]) -> bool:
+        return False  # the store's members are read in ``_members``
+
+    def _members(self, buckets: list[int]) -> list[Sequence[int]]:
         stored = self.store.members(buckets)
-        return [[order_seq(o) for o in keys] + self.buckets.get(b, []) for keys, b in zip(stored, buckets)]
+        return [[order_seq(o) for o in keys] + list(self.bucket(b)) for keys, b in zip(stored, buckets)]
 
     def _copies(self, seq: int) -> list[int]:
         return [order_seq(o) for o in self.store.copies(seq_order(seq))] + self.copies.get(seq, [])

@@ -551,20 +551,20 @@ class ShardProcessor(StageHooks):
         decide partition), their members' changelog records to ``out``."""
         t = self.topology
         index = shard.index
+        add, id_of, parts, changelog = index.add, index.id_of, t.decide_partitions, t.shard_changelog
         for rec in records:
-            seq = order_seq(rec.order)
-            finding, joins = index.add(seq, rec.buckets, rec.fingerprints, rec.id)
-            checked = [(seq_order(c.seq), index.id_of(c.seq), c.jaccard, c.containment, c.similarity)
+            order = rec.order
+            seq = order_seq(order)
+            finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
+            checked = [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
                        for c in finding.checked]
-            found.setdefault(decide_partition(rec.order, t.decide_partitions), []).append(
-                found_value(rec.order, p, checked))
+            found.setdefault(decide_partition(order, parts), []).append(found_value(order, p, checked))
             if not joins.empty:
-                member = BandRecord(rec.order, rec.id, joins.buckets, rec.fingerprints).value()
-                out.append((t.shard_changelog, p, b"M" + rec.order,
-                            member_value([seq_order(c) for c in joins.copies], member), []))
-            if rec.order > shard.last:
-                shard.last = rec.order
-            stats.released += 1
+                member = BandRecord(order, rec.id, joins.buckets, rec.fingerprints).value()
+                out.append((changelog, p, b"M" + order, member_value([seq_order(c) for c in joins.copies], member), []))
+            if order > shard.last:
+                shard.last = order
+        stats.released += len(records)
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:
         """Produce the batch's findings and changelog records into the open transaction.
