@@ -390,6 +390,7 @@ class DecideProcessor(StageHooks):
                 log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
                           m.topic(), q, m.offset())
         changed = set(touched)  # the partitions whose waiting documents change
+        arrived = touched  # per partition, the documents given a record or a finding here
         # Only what changed is tried: documents given a record or a finding in this batch,
         # and, once any decision is new (read from the table or taken here), those that
         # were complete but waited for a candidate's cluster.
@@ -429,10 +430,15 @@ class DecideProcessor(StageHooks):
             # a document leaves the log once decided: one listed at a restart and not yet
             # read again stays logged though it is not in memory (a rebalance before it is
             # read again must list it again)
+            # every document waiting before this batch is logged: of those waiting now,
+            # only ones that came in it can be new to the log
             logged, gone = self._logged.setdefault(q, set()), settled.get(q, set())
-            now = (logged - gone) | set(waiting)
-            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in sorted(logged & gone)]
-            out += [(t.decide_changelog, q, _WAITING + order, b"", []) for order in sorted(now - logged)]
+            dropped = sorted(order for order in gone if order in logged)
+            added = sorted(order for order in arrived.get(q, ()) if order in waiting and order not in logged)
+            now = logged.difference(dropped)
+            now.update(added)
+            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in dropped]
+            out += [(t.decide_changelog, q, _WAITING + order, b"", []) for order in added]
             out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed), []))
             self._logged[q] = now
             after[q] = (dict(waiting), consumed, now)  # its documents are copied before they change
