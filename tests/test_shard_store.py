@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from neardup.core.settings import EngineSettings
 from neardup.detector import Preparer
 from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
-from neardup.state.shard_store import ShardStore, member_parts, member_value
+from neardup.state.shard_store import ShardStore, member_parts, member_value, members_parts, members_value
 from test_quality import _excerpt
 from test_sharded import _republished
 
@@ -120,3 +121,40 @@ def test_the_position_is_kept_with_the_data_and_applying_twice_changes_nothing(t
     store = _store(path)
     assert store.position() is None and store.get(b"P") is None
     store.close()
+
+
+def test_a_members_record_applies_as_its_members_one_by_one(tmp_path: Path) -> None:
+    """An ``N`` record (a batch's members on one partition, as the shard stage writes them)
+    leaves a store as its members' own records would, plus its marker; applied again (a
+    position that lagged) it changes nothing; its deletion drops the marker alone (each
+    member expires by its own deletion); a value cut short is refused."""
+    docs = _stream(60)  # 180 documents, copies among them
+    index = ShardIndex(SETTINGS)
+    records = [r for doc in docs for r in _add(index, doc, 0)[1]]
+    assert len(records) > 100
+    one_by_one, batched = _store(tmp_path / "m"), _store(tmp_path / "n")
+    try:
+        one_by_one.apply(records, position=len(records))
+        chunks = [records[i:i + 50] for i in range(0, len(records), 50)]
+        keyed = [(b"N" + max(k[1:] for k, _ in chunk), members_value([(k[1:], v) for k, v in chunk]))
+                 for chunk in chunks]
+        batched.apply(keyed[:2], position=2)
+        batched.apply(keyed, position=len(keyed))  # the first two again
+        buckets = sorted({b for doc in docs for b in doc[2][0].tolist()})
+        assert batched.members(buckets) == one_by_one.members(buckets)
+        assert any(len(m) > 1 for m in batched.members(buckets))
+        for order, _ in [(k[1:], v) for k, v in records]:
+            assert batched.member(order) == one_by_one.member(order)
+            assert batched.copies(order) == one_by_one.copies(order)
+        assert [k for k, _ in batched.prefixed(b"N")] == sorted(k[1:] for k, _ in keyed)
+        first_time = order_seq(keyed[0][0][1:]) >> 96
+        assert batched.batches_before(first_time + 1) == [keyed[0][0][1:]]
+        batched.apply([(keyed[0][0], None)], position=len(keyed) + 1)
+        assert [k for k, _ in batched.prefixed(b"N")] == sorted(k[1:] for k, _ in keyed[1:])
+        assert batched.members(buckets) == one_by_one.members(buckets)  # its members stay until deleted
+        assert members_parts(keyed[1][1]) == [(k[1:], v) for k, v in chunks[1]]
+        with pytest.raises(ValueError):
+            members_parts(keyed[1][1][:-3])
+    finally:
+        one_by_one.close()
+        batched.close()

@@ -41,6 +41,7 @@ from neardup.sharded.records import (
     parse_watermarks,
 )
 from neardup.sharded.routing import shard_of
+from neardup.state.shard_store import members_parts
 
 
 
@@ -456,9 +457,9 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     # the order key of each document waiting after a batch, once (a tombstone when decided)
     logged = read_all(kafka_bootstrap, [topology.shard_changelog, topology.decide_changelog], idle_s=2.0)
     kinds = Counter((o.topic, o.key[:1]) for o in logged)
-    assert {(topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
+    assert {(topology.shard_changelog, b"N"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
             (topology.decide_changelog, b"P")} <= set(kinds) <= {
-        (topology.shard_changelog, b"M"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
+        (topology.shard_changelog, b"N"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
         (topology.decide_changelog, b"P"), (topology.decide_changelog, b"W")}, kinds
     # the engine settings the members were indexed with, in every partition with progress
     assert {o.value for o in logged if o.topic == topology.shard_changelog and o.key == b"E"} == {
@@ -469,7 +470,13 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
     waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")
     assert all(n <= 2 for n in waits.values()), waits.most_common(3)  # added once, deleted once
-    assert kinds[(topology.shard_changelog, b"M")] >= len(messages) / 2  # the documents joining buckets
+    # the members: one record per batch and partition, each member once, keyed by its highest
+    members = [(o.partition, order) for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N"
+               for order, _ in members_parts(o.value)]
+    assert len(members) == len(set(members)) >= len(messages) / 2  # the documents joining buckets
+    assert kinds[(topology.shard_changelog, b"N")] < len(members) / 4
+    assert all(o.key[1:] == max(order for order, _ in members_parts(o.value))
+               for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N")
     # the findings of a batch go to decide in one record per decide partition
     findings = read_all(kafka_bootstrap, [topology.findings], idle_s=2.0)
     assert sum(o.headers.get(KIND_HEADER) == b"findings" for o in findings) < len(messages) / 2

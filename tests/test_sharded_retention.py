@@ -167,16 +167,22 @@ def _produce_stamped(bootstrap: str, topic: str, docs: list[Document]) -> None:
     assert producer.flush(60) == 0
 
 
-def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[int, int, set[tuple[int, bytes]]]:
-    """(member records, members deleted, members live as (partition, key)) of a shard
-    changelog topic, read to its end (read_committed); a member put or deleted twice in
-    one partition is a defect."""
+def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[
+        int, int, dict[tuple[int, bytes], bytes], dict[tuple[int, bytes], bool]]:
+    """(members put, members deleted, the members live as (partition, order key) -> the key
+    of their ``N`` record, whether each ``N`` record (partition, key) was deleted) of a
+    shard changelog topic, read to its end (read_committed); a
+    members record put or deleted twice, or a member put twice, in one partition is a
+    defect."""
     from confluent_kafka import Consumer, TopicPartition
+
+    from neardup.state.shard_store import members_parts
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"changelog-{time.time_ns()}",
                   "isolation.level": "read_committed", "enable.auto.commit": False})
     put: Counter[tuple[int, bytes]] = Counter()
     deleted: Counter[tuple[int, bytes]] = Counter()
+    members: dict[tuple[int, bytes], list[bytes]] = {}  # (partition, N key) -> its members' order keys
     try:
         for p in range(partitions):
             _, end = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
@@ -187,14 +193,20 @@ def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[int
                     if m.error() is not None:
                         continue
                     position = m.offset() + 1
-                    if m.key()[:1] == b"M":
+                    assert m.key()[:1] != b"M", "a member record of the earlier layout"
+                    if m.key()[:1] == b"N":
                         (deleted if m.value() is None else put)[(p, m.key())] += 1
+                        if m.value() is not None:
+                            members[(p, m.key())] = [order for order, _ in members_parts(m.value())]
                 if c.position([TopicPartition(topic, p)])[0].offset >= end:
                     break
     finally:
         c.close()
     assert max(put.values(), default=1) == 1 and max(deleted.values(), default=1) == 1
-    return sum(put.values()), len(deleted), set(put) - set(deleted)
+    each = Counter((p, order) for (p, _), orders in members.items() for order in orders)
+    assert max(each.values(), default=1) == 1
+    live = {(p, order): key for (p, key), orders in members.items() if (p, key) not in deleted for order in orders}
+    return len(each), sum(len(members[k]) for k in deleted), live, {k: k in deleted for k in members}
 
 
 @pytest.mark.parametrize("state", ["memory", "disk"])
@@ -266,20 +278,33 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     assert sum(v.is_duplicate for v in unbounded.values()) > sum(v.is_duplicate for v in reference.values()) + 20
 
     # the shards deleted their expired members, in the changelog and the stores
-    puts, deletes, live = _changelog_members(kafka_bootstrap, topology.shard_changelog, topology.shards)
-    print(f"{state}: {len(docs)} documents; changelog: {puts} member records, {deletes} deletions, {len(live)} live")
-    assert deletes >= 0.6 * puts and len(live) == puts - deletes
-    latest = max(d.time for d in docs)
-    assert all(order_seq(k[1:]) >> 96 >= 1000 * (latest - 3 * 9 / 8) - 100 for _, k in live)
-    if disk:
+    puts, deletes, live, records = _changelog_members(kafka_bootstrap, topology.shard_changelog, topology.shards)
+    print(f"{state}: {len(docs)} documents; changelog: {puts} members, {deletes} deleted, {len(live)} live, "
+          f"{len(records)} members records, {sum(records.values())} deleted")
+    assert len(live) == puts - deletes
+    # a members record is deleted once its highest member (its key) has left the window:
+    # a shard partition's floor is the time of the latest document it processed (at least
+    # its latest member's) less 3 s, and its last removal was due at most an eighth of the
+    # window before that
+    latest_ms = 1000 * max(d.time for d in docs)
+    key_ms = {k: order_seq(k[1][1:]) >> 96 for k in records}
+    floor = {p: max(t for (q, _), t in key_ms.items() if q == p) - 3000 for p, _ in records}
+    assert all(records[k] for k in records if key_ms[k] < floor[k[0]] - 3000 / 8 - 100), "expired, not deleted"
+    assert not any(records[k] for k in records if key_ms[k] >= latest_ms - 3000 + 100), "deleted in the window"
+    assert deletes >= puts / 3  # of a stream spanning more than 3 windows
+    latest = latest_ms / 1000
+    if disk:  # a store drops each member as it expires: what it holds is live, and in the window
         stored: set[tuple[int, bytes]] = set()
         for p in range(topology.shards):
             store = ShardStore(tmp_path / "shard-state" / f"shard-{p}", lambda band: [])
             try:
-                stored |= {(p, b"M" + k) for k, _ in store.prefixed(b"M")}
+                stored |= {(p, k) for k, _ in store.prefixed(b"M")}
             finally:
                 store.close()
-        assert stored == live, (len(stored), len(live))
+        assert stored <= set(live), len(stored - set(live))
+        assert all(order_seq(k) >> 96 >= 1000 * (latest - 3 * 9 / 8) - 100 for _, k in stored)
+        held = {k for k in live if order_seq(k[1]) >> 96 >= 1000 * latest - 3000 + 100}  # never past the floor
+        assert held <= stored, len(held - stored)
 
 
 def test_a_store_drops_a_deleted_member_from_its_bucket_and_copy_lists(tmp_path):

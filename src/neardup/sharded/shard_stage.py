@@ -49,8 +49,14 @@ only: the documents held as of the last committed batch are kept in memory for i
 
 Changelog records (key -> value; a null value deletes):
 
-- ``b"M" + order key`` -> ``">I"`` n, n candidate order keys whose copy bucket it joined,
-  then a member value (id, the buckets it joined, its set): a member.
+- ``b"N" + order key`` -> a batch's members on this shard partition, in the order they
+  joined (``neardup.state.shard_store.members_value``; the key is the highest of their
+  order keys), each a ``member_value``: ``">I"`` n, n candidate order keys whose copy
+  bucket it joined, then a member value (id, the buckets it joined, its set). One record
+  per batch and partition (split above ``MEMBERS_RECORD_BYTES``), not one per member: at
+  16 shards a document joins about 14 partitions, and a record each cost a produce call
+  and librdkafka's work per record. An earlier version wrote ``b"M" + order key`` ->
+  one ``member_value``; a restore still reads those.
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
@@ -64,11 +70,16 @@ Findings go to decide as one findings record per batch and decide partition
 
 Retention (``retention_ms``): the shard's index meets only the members held in the window
 (``neardup.sharded.shard``), and each time the window's floor has moved by an eighth of it,
-the batch deletes the expired members: a null ``M`` record each, in its transaction, which
-the in-memory index applies at once and a store when the batch has committed (dropping
-the member from its buckets' lists, ``neardup.state.shard_store``). A restore applies the
-deletions too, so the state held stays about 9/8 of the window, in memory, on disk and in
-the compacted changelog. The shard's mark after a restore is the time of the last record
+the batch deletes the expired members: the in-memory index at once, a store when the
+batch has committed (dropping the member from its buckets' lists,
+``neardup.state.shard_store``), and in the changelog a null ``N`` record, in the batch's
+transaction, for each ``N`` record whose members have all expired (its key, the highest
+order key, is below the floor). An ``N`` record with a member still in the window keeps
+the expired ones beside it until that one expires too: a restore adds them and the first
+batch after it deletes them again (the first removal after a restore is always due). So
+the state held stays about 9/8 of the window, in memory and on disk, and the compacted
+changelog that plus about a batch per partition. (``M`` records of an earlier version
+are not deleted from the changelog: a restore adds them and the window drops them.) The shard's mark after a restore is the time of the last record
 released (``P``).
 """
 
@@ -110,7 +121,7 @@ from neardup.sharded.records import (
     seq_order,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
-from neardup.state.shard_store import ShardStore, member_parts, member_value
+from neardup.state.shard_store import ShardStore, member_parts, member_value, members_of, members_parts, members_value
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +129,9 @@ _PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed off
 #: The largest findings record produced, bytes (a batch's findings for one decide
 #: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
 FINDINGS_RECORD_BYTES = 512 << 10
+#: The largest ``N`` record produced (a batch's members on one shard partition), bytes
+#: (split above it).
+MEMBERS_RECORD_BYTES = 512 << 10
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: A shard batch holds about this many times ``batch_size`` documents (``batch_messages``):
 #: what a batch costs apart from its documents (a ``P`` record per partition, the findings
@@ -140,6 +154,7 @@ class _Shard:
     queue: list[bytes] = field(default_factory=list)  # the held keys, a heap (a key may repeat)
     last: bytes = b""
     engine_logged: bool = False  # its ``E`` record written since the restore (once is enough: compacted, kept)
+    batches: set[bytes] = field(default_factory=set)  # the keys (order keys) of its ``N`` records not deleted
     watermark: int = -(1 << 62)
     consumed: int = -1  # band-topic offset after the last record of the batches logged (P)
     watermarks: Watermarks = field(default_factory=Watermarks)  # from the watermark records read
@@ -311,7 +326,7 @@ class ShardProcessor(StageHooks):
                 assert isinstance(shard.index, StoredShardIndex)
                 shard.index.forget()
                 for later, _ in self._uncommitted:
-                    for key, value in later.get(p, ()):
+                    for key, value in members_of(later.get(p, ())):
                         if key[:1] == b"M" and value is not None:
                             self._member(shard.index, key[1:], value)
                         elif key[:1] == b"M":
@@ -337,25 +352,35 @@ class ShardProcessor(StageHooks):
             return self._restore_stored(p)
         shard = _Shard(ShardIndex(self.engine, self.retention_ms))
         started, records = time.perf_counter(), 0
-        members: dict[bytes, bytes] = {}  # in changelog order, less the deleted (expired) ones
+        # the ``N`` records (and ``M`` of an earlier version) in changelog order, less the deleted
+        members: dict[bytes, bytes] = {}
         engine: bytes | None = None
         for chunk in read_to_end(self.settings, self.topology.shard_changelog, p):
             for m in chunk:
                 records += 1
                 key, value = m.key(), m.value()
-                kind, order = key[:1], key[1:]
-                if kind == b"M":
+                kind = key[:1]
+                if kind in (b"N", b"M"):
                     if value is None:
-                        members.pop(order, None)
+                        members.pop(key, None)
                     else:
-                        members.setdefault(order, value)
+                        members.setdefault(key, value)
                 elif kind == b"P" and value is not None:
                     shard.progress(value, (self.topology.shard_changelog, p))
                 elif kind == b"E" and value is not None:
                     engine = value
         self._check_state(p, engine, bool(members))
-        for order, value in members.items():
-            self._member(shard.index, order, value)
+        for key, value in members.items():
+            if key[:1] == b"M":
+                self._member(shard.index, key[1:], value)
+                continue
+            try:
+                batch = members_parts(value)
+            except (ValueError, struct.error) as exc:
+                raise ChangelogLayoutError(self.topology.shard_changelog, p, f"a members record ({exc})") from exc
+            for order, member in batch:
+                self._member(shard.index, order, member)
+            shard.batches.add(key[1:])
         self._resume(shard)
         if records:
             log.info("shard %d restored from %s: %d records, %d members, in %.1f s", p,
@@ -387,6 +412,7 @@ class ShardProcessor(StageHooks):
             store.close()
             raise
         shard = _Shard(StoredShardIndex(self.engine, store, self.retention_ms), store)
+        shard.batches = {key for key, _ in store.prefixed(b"N")}
         progress = store.get(b"P")
         try:
             self._check_state(p, store.get(b"E"), progress is not None)
@@ -436,6 +462,8 @@ class ShardProcessor(StageHooks):
         ends = next_offsets(batch.messages)
         stats = ShardWritten(ends, messages=len(batch.messages))
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
+        members: dict[int, list[tuple[bytes, bytes]]] = {}  # shard partition -> its members joined
+        store_only: dict[int, list[tuple[bytes, None]]] = {}  # the members expired, for the stores
         touched: set[int] = set()
         behind = watermarks = 0
         prepared = [(ENGINE_HEADER, self.digest)]  # a band record's headers
@@ -469,7 +497,7 @@ class ShardProcessor(StageHooks):
                     stats.late += 1
                     stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
                     behind = max(behind, stats.lateness_ms[-1])
-                    self._release(p, shard, [rec], out, found, stats)
+                    self._release(p, shard, [rec], members.setdefault(p, []), found, stats)
                 else:
                     shard.hold(rec, offset)
         bands = len(batch.messages) - watermarks
@@ -485,11 +513,17 @@ class ShardProcessor(StageHooks):
         for p in sorted(touched):
             shard = self.shards[p]
             limit = shard.limit()
-            self._release(p, shard, [] if limit is None else shard.ready(limit), out, found, stats)
+            joined = members.setdefault(p, [])
+            self._release(p, shard, [] if limit is None else shard.ready(limit), joined, found, stats)
+            self._members_records(p, shard, joined, out)
             gone = shard.index.expired()
-            if gone:  # out of the retention window: deleted from the index and the changelog
+            if gone:  # out of the retention window: deleted from the index, the stores and the changelog
                 shard.index.remove(gone)
-                out += [(t.shard_changelog, p, b"M" + seq_order(seq), None, []) for seq in gone]
+                store_only[p] = [(b"M" + seq_order(seq), None) for seq in gone]
+                floor = shard.index.floor()
+                done = sorted(key for key in shard.batches if order_time(key) < floor)  # every member expired
+                shard.batches.difference_update(done)
+                out += [(t.shard_changelog, p, b"N" + key, None, []) for key in done]
                 stats.expired += len(gone)
             shard.consumed = max(shard.consumed, end[p])
             out.append((t.shard_changelog, p, b"P", _PROGRESS.pack(shard.watermark, shard.consumed) + shard.last, []))
@@ -517,6 +551,8 @@ class ShardProcessor(StageHooks):
             for topic, part, key, value, _ in out:
                 if topic == t.shard_changelog:
                     changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
+            for part, deleted in store_only.items():
+                changes.setdefault(part, []).extend(deleted)
         self._uncommitted.append((changes, held))
         return out, stats
 
@@ -545,13 +581,13 @@ class ShardProcessor(StageHooks):
             found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
                 found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
-    def _release(self, p: int, shard: _Shard, records: list[BandRecord], out: list[Record],
+    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[tuple[bytes, bytes]],
                  found: dict[int, list[bytes]], stats: ShardWritten) -> None:
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
-        decide partition), their members' changelog records to ``out``."""
+        decide partition), the members they made to ``members`` (order key, ``member_value``)."""
         t = self.topology
         index = shard.index
-        add, id_of, parts, changelog = index.add, index.id_of, t.decide_partitions, t.shard_changelog
+        add, id_of, parts = index.add, index.id_of, t.decide_partitions
         for rec in records:
             order = rec.order
             seq = order_seq(order)
@@ -561,10 +597,25 @@ class ShardProcessor(StageHooks):
             found.setdefault(decide_partition(order, parts), []).append(found_value(order, p, checked))
             if not joins.empty:
                 member = BandRecord(order, rec.id, joins.buckets, rec.fingerprints).value()
-                out.append((changelog, p, b"M" + order, member_value([seq_order(c) for c in joins.copies], member), []))
+                members.append((order, member_value([seq_order(c) for c in joins.copies], member)))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)
+
+    def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
+        """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
+        joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
+        at = 0
+        while at < len(members):
+            end, size = at + 1, len(members[at][1])
+            while end < len(members) and size + len(members[end][1]) <= MEMBERS_RECORD_BYTES:
+                size += len(members[end][1])
+                end += 1
+            chunk = members[at:end]
+            key = max(order for order, _ in chunk)
+            out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
+            shard.batches.add(key)
+            at = end
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:
         """Produce the batch's findings and changelog records into the open transaction.

@@ -11,9 +11,12 @@ So a store is valid whenever it opens, after a clean stop, a rebalance or a SIGK
 what its process committed and did not apply is after its position, and an open reads the
 changelog from there (Kafka Streams' restore, from a checkpoint; Kafka Streams itself, whose
 stores take writes before the commit, must wipe a store that was not closed cleanly under
-exactly-once). Applying is idempotent (a member's record is applied once; the others are
-puts and deletes), so a position may lag behind what the store holds. A deleted member
-(``M`` with a null value: expired from the retention window) leaves its buckets' and copy
+exactly-once). Applying is idempotent (a member is applied once; the others are
+puts and deletes), so a position may lag behind what the store holds. A changelog record
+of a batch's members (``N``) is applied as one ``M`` record per member, and kept as a
+marker (its key, an empty value) that its deletion removes. A deleted member (``M`` with a
+null value: expired from the retention window, which the shard stage applies to the store
+alone, its ``N`` record staying in the changelog until every member in it has expired) leaves its buckets' and copy
 buckets' lists and its own copy bucket in the same write; a deletion of a member that is not
 here (applied before, or its record compacted away) changes nothing. A store without a
 position (new) is wiped and restored in full; a restore cut short resumes at the position
@@ -22,10 +25,13 @@ of its last chunk (``neardup.kafka.partition_log.catch_up``).
 Key layout (raw bytes; an order key is ``neardup.sharded.records.ORDER``, 20 bytes, whose
 byte order is the documents' order):
 
-- the changelog's records, as they are: ``b"M" + order key`` (a member: its copy joins,
-  buckets and shingle set), ``b"P"`` (watermark, consumed band-topic offset and last
-  released order key; the records held in the reorder window are not logged, the band
-  topic keeps them: ``neardup.sharded.shard_stage``);
+- the changelog's records, as they are: ``b"P"`` (watermark, consumed band-topic offset
+  and last released order key; the records held in the reorder window are not logged, the
+  band topic keeps them: ``neardup.sharded.shard_stage``), ``b"E"`` (the engine digest);
+- ``b"M" + order key`` -> a member (its copy joins, buckets and shingle set:
+  ``member_value``), from an ``N`` record (or an ``M`` record of an earlier version);
+- ``b"N" + order key`` -> ``b""``: an ``N`` record applied (the key of a batch's members:
+  the highest order key among them);
 - ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
   the order they joined;
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
@@ -66,6 +72,49 @@ def member_parts(value: bytes) -> tuple[list[bytes], bytes]:
     return copies, value[4 + ORDER_BYTES * n:]
 
 
+def members_value(members: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """An ``N`` record's value, a batch's members on one shard partition: ``">I"`` n, then
+    per member its order key (20 bytes), ``">I"`` length L and its ``member_value`` (L
+    bytes). Its key is ``b"N"`` + the highest of the order keys."""
+    parts = [_N.pack(len(members))]
+    for order, value in members:
+        parts += [order, _N.pack(len(value)), value]
+    return b"".join(parts)
+
+
+def members_parts(value: bytes) -> list[tuple[bytes, bytes]]:
+    """``members_value``'s inverse: (order key, ``member_value``) per member.
+
+    Raises:
+        ValueError (struct.error): a value of another layout.
+    """
+    (n,) = _N.unpack_from(value)
+    at, out = _N.size, []
+    for _ in range(n):
+        order = value[at:at + ORDER_BYTES]
+        (size,) = _N.unpack_from(value, at + ORDER_BYTES)
+        at += ORDER_BYTES + _N.size
+        out.append((order, value[at:at + size]))
+        at += size
+    if at != len(value) or any(len(order) != ORDER_BYTES for order, _ in out):
+        raise ValueError("members record of the wrong length")
+    return out
+
+
+def members_of(records: Sequence[Record]) -> list[Record]:
+    """``records`` with each ``N`` record put as its members' ``M`` records, after its key
+    with an empty value (a null ``N`` stays as it is: its members are deleted by their own
+    ``M`` deletions)."""
+    out: list[Record] = []
+    for key, value in records:
+        if key[:1] == b"N" and value is not None:
+            out.append((key, b""))
+            out += [(b"M" + order, member) for order, member in members_parts(value)]
+        else:
+            out.append((key, value))
+    return out
+
+
 def split_orders(raw: bytes | None) -> list[bytes]:
     """The order keys of a ``B`` or ``C`` value."""
     if not raw:
@@ -96,13 +145,15 @@ class ShardStore(TopicView):
     # --- writes ---------------------------------------------------------------------------
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
         """Apply committed changelog records (in changelog order) in one atomic write: each
-        stored as it is (None deletes), each member (``M``) not yet here also appended to
+        stored as it is (None deletes; an ``N`` record as its marker and its members' ``M``
+        records, ``members_of``), each member (``M``) not yet here also appended to
         its buckets' and copy buckets' lists, each member deleted also removed from them
         (and its copy bucket dropped); with ``position``, the new position.
 
         Raises:
             StateError: the write failed (a full disk).
         """
+        records = members_of(records)
         batch = WriteBatch(raw_mode=True)
         appended: dict[bytes, list[bytes]] = {}
         members = list({key for key, _ in records if key[:1] == b"M"})
@@ -177,18 +228,26 @@ class ShardStore(TopicView):
         """The order keys of the members stamped before ``time_ms`` (ms), ascending by
         time. (An order key's time is signed: those before 1970, -1 for a record without a
         timestamp, sort after the others, their sign bit set.)"""
+        return self._keys_before(b"M", time_ms)
+
+    def batches_before(self, time_ms: int) -> list[bytes]:
+        """The order keys of the ``N`` records applied whose highest member is stamped
+        before ``time_ms`` (ms): every member in them is. Ascending by time."""
+        return self._keys_before(b"N", time_ms)
+
+    def _keys_before(self, prefix: bytes, time_ms: int) -> list[bytes]:
         negative: list[bytes] = []
-        for raw in self._db.keys(from_key=b"M\x80"):
+        for raw in self._db.keys(from_key=prefix + b"\x80"):
             key = cast(bytes, raw)
-            if not key.startswith(b"M") or ORDER.unpack(key[1:])[0] >= time_ms:
+            if not key.startswith(prefix) or ORDER.unpack(key[1:])[0] >= time_ms:
                 break
             negative.append(key[1:])
         out: list[bytes] = []
         if time_ms > 0:
             low = ORDER.pack(time_ms, 0, 0)
-            for raw in self._db.keys(from_key=b"M"):
+            for raw in self._db.keys(from_key=prefix):
                 key = cast(bytes, raw)
-                if not key.startswith(b"M") or key[1] >= 0x80 or key[1:] >= low:
+                if not key.startswith(prefix) or key[1] >= 0x80 or key[1:] >= low:
                     break
                 out.append(key[1:])
         return negative + out
