@@ -125,9 +125,9 @@ def test_the_position_is_kept_with_the_data_and_applying_twice_changes_nothing(t
 
 def test_a_members_record_applies_as_its_members_one_by_one(tmp_path: Path) -> None:
     """An ``N`` record (a batch's members on one partition, as the shard stage writes them)
-    leaves a store as its members' own records would, plus its marker; applied again (a
-    position that lagged) it changes nothing; its deletion drops the marker alone (each
-    member expires by its own deletion); a value cut short is refused."""
+    leaves a store as its members' own records would, plus its marker (their order keys);
+    applied again (a position that lagged) it changes nothing; its deletion deletes them
+    as their own deletions would; a value cut short is refused."""
     docs = _stream(60)  # 180 documents, copies among them
     index = ShardIndex(SETTINGS)
     records = [r for doc in docs for r in _add(index, doc, 0)[1]]
@@ -149,9 +149,12 @@ def test_a_members_record_applies_as_its_members_one_by_one(tmp_path: Path) -> N
         assert [k for k, _ in batched.prefixed(b"N")] == sorted(k[1:] for k, _ in keyed)
         first_time = order_seq(keyed[0][0][1:]) >> 96
         assert batched.batches_before(first_time + 1) == [keyed[0][0][1:]]
-        batched.apply([(keyed[0][0], None)], position=len(keyed) + 1)
+        assert [v for _, v in batched.prefixed(b"N")][0] == b"".join(k[1:] for k, _ in chunks[0])
+        batched.apply([(keyed[0][0], None)], position=len(keyed) + 1)  # every member of it expired
+        one_by_one.apply([(k, None) for k, _ in chunks[0]], position=len(records) + 1)
         assert [k for k, _ in batched.prefixed(b"N")] == sorted(k[1:] for k, _ in keyed[1:])
-        assert batched.members(buckets) == one_by_one.members(buckets)  # its members stay until deleted
+        assert batched.members(buckets) == one_by_one.members(buckets)  # its members went with it
+        assert all(batched.member(k[1:]) is None for k, _ in chunks[0])
         assert members_parts(keyed[1][1]) == [(k[1:], v) for k, v in chunks[1]]
         with pytest.raises(ValueError):
             members_parts(keyed[1][1][:-3])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
@@ -9,20 +11,23 @@ from hypothesis import given, settings as hsettings, strategies as st
 from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
 from neardup.core.types import Document, Verdict
-from neardup.detector import Detector
+from neardup.detector import Detector, Preparer
 from neardup.sharded.reference import ShardedReference, run_sharded
 from neardup.sharded.records import (
+    BAND_ENTRY_BYTES,
     BandRecord,
     band_orders,
     band_values,
     bands_value,
+    batch_bands,
     findings_value,
     found_value,
     order_key,
     parse_bands,
     parse_findings,
+    parse_findings_columns,
 )
-from neardup.sharded.routing import group_by_shard, owned_bands, shard_of
+from neardup.sharded.routing import group_by_shard, owned_bands, shard_bounds, shard_of
 from neardup.state.memory import MemoryStateStore
 from test_quality import _chains, _excerpt
 
@@ -107,6 +112,15 @@ def test_band_and_findings_records_read_back_as_written():
         (earlier, 0, [], "malformed_band_record: cut short")]
     with pytest.raises(ValueError):
         parse_findings(findings_value(found)[:-1])
+    # the findings without a candidate go as columns, after the others
+    columns = findings_value(found[:1], [earlier, key], [1, 2])
+    assert parse_findings_columns(columns) == (parse_findings(findings_value(found[:1])), [earlier, key], [1, 2])
+    assert parse_findings(columns)[1:] == [(earlier, 1, [], None), (key, 2, [], None)]
+    for cut in (columns[:-1], columns[:-4], columns[:-6], columns + b"\x00"):
+        with pytest.raises(ValueError):
+            parse_findings(cut)
+    # a record of the earlier version, without the columns, is read as it was
+    assert parse_findings_columns(b"".join([struct.pack(">I", 2), *found])) == (parse_findings(findings_value(found)), [], [])
 
 
 def test_buckets_spread_evenly_over_shards():
@@ -224,3 +238,38 @@ def test_the_prepare_stage_refuses_a_state_dir(capsys, tmp_path):
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "neardup: error: --state-dir is for the shard and decide stages; the prepare stage keeps no state"
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("shards", [1, 4, 16, 64])
+def test_a_batch_s_band_records_built_as_columns_are_those_built_document_by_document(shards):
+    """``batch_bands`` (what prepare sends) gives, per shard partition, the band records
+    ``bands_value`` gives for the documents touching it in turn, byte for byte, cut after
+    the document that takes a record above the limit; a document left out touches none."""
+    docs = _republished(_excerpt()[:150], rounds=1, seed=5)
+    p = Preparer(EngineSettings())(docs)
+    n = len(p.valid)
+    orders = [order_key(1_700_000_000_000 + v, v % 3, v) for v in range(n)]
+    ids = [f"d{v}-é".encode() for v in range(n)]
+    sets = [p.fingerprints[p.fingerprint_offsets[v]:p.fingerprint_offsets[v + 1]] for v in range(n)]
+    grouped, bounds = shard_bounds(p.buckets, shards)
+    assert bounds.tolist() == group_by_shard(p.buckets, shards)[1]
+    include = np.ones(n, dtype=bool)
+    include[[3, 40]] = False
+    for limit in (512 << 10, 9_000):
+        got = batch_bands(orders, ids, grouped, bounds, p.fingerprints, p.fingerprint_offsets, include, limit)
+        assert len(got) == shards
+        for q in range(shards):
+            entries = [(orders[v], ids[v], grouped[v, bounds[v, q]:bounds[v, q + 1]], sets[v])
+                       for v in range(n) if include[v] and bounds[v, q + 1] > bounds[v, q]]
+            want, start, size = [], 0, 0
+            for j, (_, raw_id, buckets, fp) in enumerate(entries):
+                if j > start and size > limit:
+                    want.append(bands_value(*map(list, zip(*entries[start:j]))))
+                    start, size = j, 0
+                size += BAND_ENTRY_BYTES + len(raw_id) + 8 * len(buckets) + 4 * len(fp)
+            if entries:
+                want.append(bands_value(*map(list, zip(*entries[start:]))))
+            assert got[q] == want, (q, limit)
+            assert all(r.order not in (orders[3], orders[40]) for value in got[q] for r in parse_bands(value))
+        if limit == 9_000 and shards == 1:
+            assert len(got[0]) > 3  # the limit cuts

@@ -1227,3 +1227,44 @@ def test_a_changelog_of_an_earlier_layout_stops_a_stage_with_one_line(kafka_boot
     assert last.startswith(f"neardup: error: {changelog}[0] was written by an earlier version of neardup"), last
     assert last.endswith("start the deduplication under a new --app")
     assert "Traceback" not in stage.stderr
+
+
+@pytest.mark.parametrize("state", ["memory", "disk"])
+def test_a_shard_restores_members_records_and_the_member_records_of_the_earlier_layout(
+        kafka_bootstrap, tmp_path, state):
+    """A shard changelog partition holding an earlier version's ``M`` records (one member
+    each, one of them deleted) and ``N`` records (a batch's members each, one deleted)
+    restores to exactly the members not deleted, in memory and in a store, with the ``N``
+    records live as the ones to delete when their members expire."""
+    from neardup.sharded.records import BandRecord, order_key, order_seq
+    from neardup.sharded.shard_stage import ShardProcessor
+    from neardup.state.shard_store import member_value, members_value
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-members"], group_id=topology.app)
+    keys = [order_key(1_700_000_000_000 + i, 0, i) for i in range(8)]
+
+    def member(i: int) -> bytes:  # document i joins buckets i and 100 (shared by all)
+        band = BandRecord(keys[i], f"d{i}", np.array([i, 100], dtype=np.uint64), np.arange(i, i + 5, dtype=np.uint32))
+        return member_value([], band.value())
+
+    produce(kafka_bootstrap, topology.shard_changelog, [
+        (b"M" + keys[0], member(0)), (b"M" + keys[1], member(1)), (b"M" + keys[0], None),  # the earlier layout
+        (b"N" + keys[4], members_value([(keys[i], member(i)) for i in (2, 3, 4)])),
+        (b"N" + keys[6], members_value([(keys[i], member(i)) for i in (5, 6)])),
+        (b"N" + keys[4], None),  # every member of it expired
+        (b"N" + keys[7], members_value([(keys[7], member(7))])),
+        (b"P", struct.pack(">qq", 1_700_000_000_007, 12) + keys[7]), (b"E", engine_digest(settings.engine()))])
+    processor = ShardProcessor(settings, topology, tmp_path / "shard" if state == "disk" else None)
+    try:
+        shard = processor._restore(0)
+        live = [1, 5, 6, 7]
+        assert shard.batches == {keys[6], keys[7]}  # the N records live
+        index = shard.index
+        assert [index.id_of(order_seq(keys[i])) for i in live] == [f"d{i}" for i in live]
+        assert sorted(index._members([100])[0]) == [order_seq(keys[i]) for i in live]
+        assert [list(m) for m in index._members([0, 2, 5])] == [[], [], [order_seq(keys[5])]]
+        assert shard.consumed == 12 and shard.last == keys[7]
+    finally:
+        processor.close()

@@ -83,7 +83,7 @@ from neardup.sharded.records import (
     check_engine,
     engine_digest,
     order_seq,
-    parse_findings,
+    parse_findings_columns,
     seq_order,
 )
 from neardup.sharded.shard import Checked, Finding, window_time
@@ -102,7 +102,7 @@ class _Waiting:
     """A document on its way: its record (key, value, headers) once come, its findings."""
 
     record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
-    findings: dict[int, list] = field(default_factory=dict)
+    findings: dict[int, list | tuple] = field(default_factory=dict)  # shard partition -> its candidates
     error: str | None = None  # a shard could not read its band record
     first: int = 1 << 62  # the findings-topic offset of its earliest record
     shards: int = 0  # how many shards answer (its record's ``SHARDS_HEADER``)
@@ -371,7 +371,7 @@ class DecideProcessor(StageHooks):
                 touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:
                 try:
-                    found = parse_findings(m.value() or b"")
+                    found, empty_orders, empty_shards = parse_findings_columns(m.value() or b"")
                 except (ValueError, struct.error, UnicodeDecodeError) as exc:
                     log.error("findings topic %s[%d]@%d: not a findings record (%s); skipped", m.topic(), q,
                               m.offset(), exc)
@@ -385,6 +385,22 @@ class DecideProcessor(StageHooks):
                     w.first = min(w.first, offset)
                     if error is not None:
                         w.error = error
+                    orders.add(order)
+                # the findings without a candidate (most), per document: one change each
+                shards_of: dict[bytes, list[int]] = {}
+                for order, shard in zip(empty_orders, empty_shards):
+                    got = shards_of.get(order)
+                    if got is None:
+                        shards_of[order] = [shard]
+                    else:
+                        got.append(shard)
+                for order, shards in shards_of.items():
+                    if listed is not None and order not in listed:
+                        continue
+                    w = self._changing(waiting, order, fresh)
+                    w.findings.update(dict.fromkeys(shards, ()))
+                    if offset < w.first:
+                        w.first = offset
                     orders.add(order)
             else:
                 log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",

@@ -96,10 +96,8 @@ from neardup.sharded.records import (
     TOPIC_HEADER,
     VALUE_BYTES_HEADER,
     WATERMARK_KIND,
-    BAND_ENTRY_BYTES,
-    BANDS_RECORD_BYTES,
     band_orders,
-    bands_value,
+    batch_bands,
     decide_partition,
     engine_digest,
     order_key,
@@ -107,7 +105,7 @@ from neardup.sharded.records import (
     time_mark,
     watermark_value,
 )
-from neardup.sharded.routing import group_by_shard
+from neardup.sharded.routing import shard_bounds
 
 log = logging.getLogger(__name__)
 
@@ -551,11 +549,13 @@ class PrepareProcessor(StageHooks):
         largest order key of each partition goes to ``_sent``."""
         t = self.topology
         p = self.preparer(batch.documents)
-        grouped, bounds = group_by_shard(p.buckets, t.shards)
-        offsets = p.fingerprint_offsets
+        grouped, bounds = shard_bounds(p.buckets, t.shards)
+        touched = (bounds[:, 1:] > bounds[:, :-1]).sum(axis=1).tolist()  # shard partitions per document
         band_headers = [(ENGINE_HEADER, self.digest)]
         by_message: dict[int, tuple[str, int]] = {}  # message index -> (document id, band entries)
-        entries: list[list[tuple[bytes, bytes, np.ndarray, np.ndarray]]] = [[] for _ in range(t.shards)]
+        orders: list[bytes] = []  # per valid document (p.valid's order): order key, id
+        ids: list[bytes] = []
+        include = np.ones(len(p.valid), dtype=bool)  # the valid documents sent to the shards
         valid = iter(range(len(p.valid)))
         at = {id(m): i for i, m in enumerate(batch.messages)}
         keys = [self._order(m) for m in batch.messages]  # order keys, by message index
@@ -564,21 +564,16 @@ class PrepareProcessor(StageHooks):
             if reason is not None:
                 batch.errors[i] = f"empty_text: {reason}"
                 continue
+            v = next(valid)
+            orders.append(keys[i])
+            ids.append(doc.id.encode("utf-8"))
             size = record_size(m.key(), m.value(), m.headers() or [])
             if size > self._findings_limit():
                 batch.errors[i] = (f"too_large: a record of {size} bytes does not fit max.message.bytes "
                                    f"{self._findings_limit()} of topic {t.findings}")
-                next(valid)
+                include[v] = False
                 continue
-            v = next(valid)
-            key = keys[i]
-            fp = p.fingerprints[offsets[v]:offsets[v + 1]]
-            cut = bounds[v]
-            raw_id = doc.id.encode("utf-8")
-            shards = [q for q in range(t.shards) if cut[q + 1] > cut[q]]
-            for q in shards:
-                entries[q].append((key, raw_id, grouped[v, cut[q]:cut[q + 1]], fp))
-            by_message[i] = (doc.id, len(shards))
+            by_message[i] = (doc.id, touched[v])
         out: list[Record] = []
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
             tp = (m.topic(), m.partition())
@@ -600,22 +595,11 @@ class PrepareProcessor(StageHooks):
             out.append((t.findings, q, m.key(), value, headers))
             if self.lead is not None:
                 self.lead.sent[q] += 1
-        for q, docs in enumerate(entries):  # one band record per shard partition (split if large)
-            start, size = 0, 0
-            for j, (key, raw_id, buckets, fp) in enumerate(docs):
-                if j > start and size > BANDS_RECORD_BYTES:
-                    out.append((t.bands, q, None, self._bands(docs[start:j]), band_headers))
-                    start, size = j, 0
-                size += BAND_ENTRY_BYTES + len(raw_id) + 8 * len(buckets) + 4 * len(fp)
-            if docs:
-                out.append((t.bands, q, None, self._bands(docs[start:]), band_headers))
+        # one band record per shard partition (split if large), built as columns
+        for q, values in enumerate(batch_bands(orders, ids, grouped, bounds, p.fingerprints,
+                                                p.fingerprint_offsets, include)):
+            out += [(t.bands, q, None, value, band_headers) for value in values]
         return out
-
-    @staticmethod
-    def _bands(docs: list[tuple[bytes, bytes, np.ndarray, np.ndarray]]) -> bytes:
-        """A band record's value of (order key, id, bucket ids, shingle set) entries."""
-        orders, ids, buckets, fps = zip(*docs)
-        return bands_value(list(orders), list(ids), list(buckets), list(fps))
 
     def _findings_limit(self) -> int:
         """The largest record the findings topic takes, bytes (read once)."""

@@ -44,7 +44,11 @@ in one batch, for the documents of one decide partition, in release order:
     the error (E bytes, UTF-8, ``kind: reason``: a band record the shard could not read),
     then per verified candidate: its order key (20 bytes), ">ddd" its Jaccard,
     containment (of the document in it) and the measure's similarity, ">H" its id
-    length L and its id (L bytes, UTF-8).
+    length L and its id (L bytes, UTF-8);
+    then, as columns, the findings without a candidate or an error (most of them:
+    written per finding they were the shard's and decide's largest per-entry cost):
+    ">I" count e, the e documents' order keys (20 bytes each), e × ">i" the shard
+    partitions. (A record of an earlier version ends after the n findings: e = 0.)
 
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
@@ -58,6 +62,7 @@ its value, its size in ``VALUE_BYTES_HEADER``.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,14 +175,35 @@ def found_value(order: bytes, shard: int, candidates: list[tuple[bytes, str, flo
     return b"".join(parts)
 
 
-def findings_value(found: list[bytes]) -> bytes:
-    """A findings record's value: ``found_value`` parts."""
-    return _FINDINGS.pack(len(found)) + b"".join(found)
+def findings_value(found: list[bytes], empty_orders: Sequence[bytes] = (), empty_shards: Sequence[int] = ()) -> bytes:
+    """A findings record's value: ``found_value`` parts, then the findings without a
+    candidate or error as columns: their documents' order keys and shard partitions."""
+    if len(empty_orders) != len(empty_shards):
+        raise ValueError("an order key and a shard partition per finding")
+    return b"".join((_FINDINGS.pack(len(found)), *found, _FINDINGS.pack(len(empty_orders)), *empty_orders,
+                     struct.pack(f">{len(empty_shards)}i", *empty_shards)))
+
+
+#: The bytes of a finding without a candidate in a findings record's columns.
+EMPTY_FINDING_BYTES = ORDER.size + 4
 
 
 def parse_findings(value: bytes) -> list[tuple[bytes, int, list[Candidate], str | None]]:
     """``findings_value``'s inverse: per finding (the document's order key, the shard
-    partition, its verified candidates, its error or None).
+    partition, its verified candidates, its error or None); those of the columns last.
+
+    Raises:
+        ValueError (struct.error, UnicodeDecodeError): a record of another layout.
+    """
+    found, orders, shards = parse_findings_columns(value)
+    return found + [(order, shard, [], None) for order, shard in zip(orders, shards)]
+
+
+def parse_findings_columns(value: bytes) -> tuple[list[tuple[bytes, int, list[Candidate], str | None]],
+                                                  list[bytes], list[int]]:
+    """``findings_value``'s inverse: the findings written one by one (as
+    ``parse_findings``), and the order keys and shard partitions of the findings
+    without a candidate or error.
 
     Raises:
         ValueError (struct.error, UnicodeDecodeError): a record of another layout.
@@ -198,9 +224,22 @@ def parse_findings(value: bytes) -> list[tuple[bytes, int, list[Candidate], str 
                                jaccard, containment, similarity))
             at += n_id
         out.append((order, shard, candidates, error))
+    orders: list[bytes] = []
+    shards: list[int] = []
+    if at < len(value):  # the columns (none in a record of an earlier version)
+        if len(value) < at + _FINDINGS.size:
+            raise ValueError("findings record of the wrong length")
+        (e,) = _FINDINGS.unpack_from(value, at)
+        at += _FINDINGS.size
+        keys_end = at + ORDER.size * e
+        if len(value) != keys_end + 4 * e:
+            raise ValueError("findings record of the wrong length")
+        orders = [value[i:i + ORDER.size] for i in range(at, keys_end, ORDER.size)]
+        shards = list(struct.unpack_from(f">{e}i", value, keys_end))
+        at = len(value)
     if at != len(value):
         raise ValueError("findings record of the wrong length")
-    return out
+    return out, orders, shards
 
 
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
@@ -316,6 +355,57 @@ def bands_value(orders: list[bytes], ids: list[bytes], buckets: list[np.ndarray]
     return b"".join((_COUNT.pack(len(orders)), *orders, entries.tobytes(), *ids,
                      np.concatenate(buckets).astype("<u8", copy=False).tobytes() if buckets else b"",
                      np.concatenate(fingerprints).astype("<u4", copy=False).tobytes() if fingerprints else b""))
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64: the indices ``starts[j]``, ..., ``starts[j] + counts[j] - 1`` of every j, in turn."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+
+
+def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarray, bounds: np.ndarray,
+                 fingerprints: np.ndarray, offsets: np.ndarray, include: np.ndarray,
+                 max_bytes: int = BANDS_RECORD_BYTES) -> list[list[bytes]]:
+    """Per shard partition, the band record values of a batch's documents, built as columns:
+    what ``bands_value`` gives for the documents touching it in turn (byte for byte),
+    a record cut after the document that takes it above ``max_bytes``.
+
+    Args:
+        orders: n order keys (20 bytes each).
+        ids: n ids, UTF-8.
+        grouped: uint64, shape (n, bands), and ``bounds``: int64, shape (n, shards + 1):
+            each document's bucket ids grouped by shard (``neardup.sharded.routing.shard_bounds``).
+        fingerprints: uint32, the documents' shingle sets one after the other;
+            ``offsets``: int64, shape (n + 1,): document i's is ``fingerprints[offsets[i]:offsets[i + 1]]``.
+        include: bool, shape (n,): the documents to send (the others touch no shard).
+    """
+    n = len(orders)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    f_all = offsets[1:n + 1] - offsets[:n]
+    id_all = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+    out: list[list[bytes]] = []
+    for q in range(bounds.shape[1] - 1):
+        k_all = bounds[:, q + 1] - bounds[:, q]
+        sel = np.flatnonzero((k_all > 0) & include)
+        values: list[bytes] = []
+        if len(sel):
+            k, f, n_id = k_all[sel], f_all[sel], id_all[sel]
+            cum = np.cumsum(BAND_ENTRY_BYTES + n_id + 8 * k + 4 * f)
+            start = 0
+            while start < len(sel):
+                base = int(cum[start - 1]) if start else 0
+                end = min(int(np.searchsorted(cum, base + max_bytes, side="right")) + 1, len(sel))
+                rows, kk, ff = sel[start:end], k[start:end], f[start:end]
+                entries = np.empty(len(rows), dtype=_ENTRY)
+                entries["k"], entries["n_id"], entries["f"] = kk, n_id[start:end], ff
+                buckets = grouped[np.repeat(rows, kk), _ranges(bounds[rows, q], kk)]
+                sets = fingerprints[_ranges(offsets[rows], ff)]
+                values.append(b"".join((_COUNT.pack(len(rows)), *(orders[i] for i in rows.tolist()), entries.tobytes(),
+                                        *(ids[i] for i in rows.tolist()), buckets.astype("<u8", copy=False).tobytes(),
+                                        sets.astype("<u4", copy=False).tobytes())))
+                start = end
+        out.append(values)
+    return out
 
 
 def band_orders(value: bytes) -> list[bytes]:

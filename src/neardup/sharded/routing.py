@@ -55,10 +55,16 @@ def group_by_shard(buckets: np.ndarray, shards: int) -> tuple[np.ndarray, list[l
         in band order within one owner; and ``bounds``, n lists of ``shards + 1`` ints:
         document i's bucket ids on shard q are ``grouped[i, bounds[i][q]:bounds[i][q + 1]]``.
     """
+    grouped, bounds = shard_bounds(buckets, shards)
+    return grouped, bounds.tolist()
+
+
+def shard_bounds(buckets: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """``group_by_shard`` with ``bounds`` as an int64 array, shape (n, shards + 1)."""
     owner = shard_of(buckets, shards)
     order = np.argsort(owner, axis=1, kind="stable")
     grouped = np.take_along_axis(np.asarray(buckets, dtype=np.uint64), order, axis=1)
     counts = (owner[:, :, None] == np.arange(shards)).sum(axis=1)
     bounds = np.zeros((len(owner), shards + 1), dtype=np.int64)
     np.cumsum(counts, axis=1, out=bounds[:, 1:])
-    return grouped, bounds.tolist()
+    return grouped, bounds

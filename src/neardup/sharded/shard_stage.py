@@ -100,6 +100,7 @@ from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
 from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
+    EMPTY_FINDING_BYTES,
     ENGINE_HEADER,
     ChangelogLayoutError,
     EngineMismatchError,
@@ -462,6 +463,8 @@ class ShardProcessor(StageHooks):
         ends = next_offsets(batch.messages)
         stats = ShardWritten(ends, messages=len(batch.messages))
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
+        # decide partition -> its documents' findings without a candidate: order keys, shard partitions
+        empty: dict[int, tuple[list[bytes], list[int]]] = {}
         members: dict[int, list[tuple[bytes, bytes]]] = {}  # shard partition -> its members joined
         store_only: dict[int, list[tuple[bytes, None]]] = {}  # the members expired, for the stores
         touched: set[int] = set()
@@ -497,7 +500,7 @@ class ShardProcessor(StageHooks):
                     stats.late += 1
                     stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
                     behind = max(behind, stats.lateness_ms[-1])
-                    self._release(p, shard, [rec], members.setdefault(p, []), found, stats)
+                    self._release(p, shard, [rec], members.setdefault(p, []), found, empty, stats)
                 else:
                     shard.hold(rec, offset)
         bands = len(batch.messages) - watermarks
@@ -514,7 +517,7 @@ class ShardProcessor(StageHooks):
             shard = self.shards[p]
             limit = shard.limit()
             joined = members.setdefault(p, [])
-            self._release(p, shard, [] if limit is None else shard.ready(limit), joined, found, stats)
+            self._release(p, shard, [] if limit is None else shard.ready(limit), joined, found, empty, stats)
             self._members_records(p, shard, joined, out)
             gone = shard.index.expired()
             if gone:  # out of the retention window: deleted from the index, the stores and the changelog
@@ -532,16 +535,21 @@ class ShardProcessor(StageHooks):
                 shard.engine_logged = True
             stats.held += len(shard.held)
             held[p] = (shard, *shard.changes())
-        for q in sorted(found):  # one findings record per decide partition (split if large)
-            chunk: list[bytes] = []
+        for q in sorted(set(found) | set(empty)):  # one findings record per decide partition (split if large)
+            chunks: list[list[bytes]] = [[]]
             size = 0
-            for part in found[q]:
-                if chunk and size + len(part) > FINDINGS_RECORD_BYTES:
-                    out.append((t.findings, q, None, findings_value(chunk), [(KIND_HEADER, FINDINGS_KIND)]))
-                    chunk, size = [], 0
-                chunk.append(part)
+            for part in found.get(q, ()):
+                if chunks[-1] and size + len(part) > FINDINGS_RECORD_BYTES:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(part)
                 size += len(part)
-            out.append((t.findings, q, None, findings_value(chunk), [(KIND_HEADER, FINDINGS_KIND)]))
+            orders, shards = empty.get(q, ([], []))
+            per = FINDINGS_RECORD_BYTES // EMPTY_FINDING_BYTES
+            for i in range(max(len(chunks), -(-len(orders) // per))):
+                value = findings_value(chunks[i] if i < len(chunks) else [], orders[i * per:(i + 1) * per],
+                                       shards[i * per:(i + 1) * per])
+                out.append((t.findings, q, None, value, [(KIND_HEADER, FINDINGS_KIND)]))
         for tp in ends:  # a restart reads again from the earliest record held
             first = self.shards[tp.partition].first_held()
             if first is not None:
@@ -582,9 +590,11 @@ class ShardProcessor(StageHooks):
                 found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
     def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[tuple[bytes, bytes]],
-                 found: dict[int, list[bytes]], stats: ShardWritten) -> None:
+                 found: dict[int, list[bytes]], empty: dict[int, tuple[list[bytes], list[int]]],
+                 stats: ShardWritten) -> None:
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
-        decide partition), the members they made to ``members`` (order key, ``member_value``)."""
+        decide partition; those without a candidate to ``empty``, as columns), the members
+        they made to ``members`` (order key, ``member_value``)."""
         t = self.topology
         index = shard.index
         add, id_of, parts = index.add, index.id_of, t.decide_partitions
@@ -592,9 +602,17 @@ class ShardProcessor(StageHooks):
             order = rec.order
             seq = order_seq(order)
             finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
-            checked = [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
-                       for c in finding.checked]
-            found.setdefault(decide_partition(order, parts), []).append(found_value(order, p, checked))
+            q = decide_partition(order, parts)
+            if finding.checked:
+                checked = [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
+                           for c in finding.checked]
+                found.setdefault(q, []).append(found_value(order, p, checked))
+            else:
+                columns = empty.get(q)
+                if columns is None:
+                    columns = empty[q] = ([], [])
+                columns[0].append(order)
+                columns[1].append(p)
             if not joins.empty:
                 member = BandRecord(order, rec.id, joins.buckets, rec.fingerprints).value()
                 members.append((order, member_value([seq_order(c) for c in joins.copies], member)))

@@ -14,9 +14,10 @@ stores take writes before the commit, must wipe a store that was not closed clea
 exactly-once). Applying is idempotent (a member is applied once; the others are
 puts and deletes), so a position may lag behind what the store holds. A changelog record
 of a batch's members (``N``) is applied as one ``M`` record per member, and kept as a
-marker (its key, an empty value) that its deletion removes. A deleted member (``M`` with a
-null value: expired from the retention window, which the shard stage applies to the store
-alone, its ``N`` record staying in the changelog until every member in it has expired) leaves its buckets' and copy
+marker (its key, its members' order keys); its deletion (every member expired) deletes
+the members still here. A deleted member (``M`` with a null value: expired from the
+retention window, which the shard stage applies to the store alone as each member
+expires, its ``N`` record staying in the changelog until every member in it has expired) leaves its buckets' and copy
 buckets' lists and its own copy bucket in the same write; a deletion of a member that is not
 here (applied before, or its record compacted away) changes nothing. A store without a
 position (new) is wiped and restored in full; a restore cut short resumes at the position
@@ -30,8 +31,8 @@ byte order is the documents' order):
   band topic keeps them: ``neardup.sharded.shard_stage``), ``b"E"`` (the engine digest);
 - ``b"M" + order key`` -> a member (its copy joins, buckets and shingle set:
   ``member_value``), from an ``N`` record (or an ``M`` record of an earlier version);
-- ``b"N" + order key`` -> ``b""``: an ``N`` record applied (the key of a batch's members:
-  the highest order key among them);
+- ``b"N" + order key`` -> the order keys of its members, concatenated: an ``N`` record
+  applied (its key is the highest of them);
 - ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
   the order they joined;
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
@@ -103,13 +104,13 @@ def members_parts(value: bytes) -> list[tuple[bytes, bytes]]:
 
 def members_of(records: Sequence[Record]) -> list[Record]:
     """``records`` with each ``N`` record put as its members' ``M`` records, after its key
-    with an empty value (a null ``N`` stays as it is: its members are deleted by their own
-    ``M`` deletions)."""
+    with its members' order keys (concatenated) as the value (a null ``N`` stays as it is)."""
     out: list[Record] = []
     for key, value in records:
         if key[:1] == b"N" and value is not None:
-            out.append((key, b""))
-            out += [(b"M" + order, member) for order, member in members_parts(value)]
+            members = members_parts(value)
+            out.append((key, b"".join(order for order, _ in members)))
+            out += [(b"M" + order, member) for order, member in members]
         else:
             out.append((key, value))
     return out
@@ -154,6 +155,14 @@ class ShardStore(TopicView):
             StateError: the write failed (a full disk).
         """
         records = members_of(records)
+        gone = [key for key, value in records if key[:1] == b"N" and value is None]
+        if gone:  # a null ``N``: its members go too (every one had expired)
+            marks = {key: value for key, value in records if key[:1] == b"N" and value is not None}
+            missing = [key for key in gone if key not in marks]
+            marks.update(zip(missing, self._db.get(missing) if missing else []))
+            records = [r for key, value in records for r in [(key, value)] + (
+                [(b"M" + order, None) for order in split_orders(marks.get(key))]
+                if key[:1] == b"N" and value is None else [])]
         batch = WriteBatch(raw_mode=True)
         appended: dict[bytes, list[bytes]] = {}
         members = list({key for key, _ in records if key[:1] == b"M"})
