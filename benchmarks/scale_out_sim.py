@@ -150,8 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     results = Path(__file__).parent / "results"
     ap.add_argument("--measured", type=Path, nargs="+",
-                    default=[results / "scale_out_costs_gc_4.json", results / "scale_out_costs_gc_16.json",
-                             results / "scale_out_costs_gc_64.json"])
+                    default=[results / "scale_out_members_4.json", results / "scale_out_members_16.json",
+                             results / "scale_out_members_64.json"])
     ap.add_argument("--docs", type=int, default=20_000, help="documents routed (the replayed Reuters stream)")
     ap.add_argument("--shards", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--rate", type=float, default=100_000, help="documents per second")
