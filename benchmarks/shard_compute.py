@@ -1,0 +1,160 @@
+"""The shard stage's batch work (``ShardProcessor.compute``) over real band records,
+without a broker: CPU per document, and a digest of every record it produces.
+
+``benchmarks/scale_out.py`` measures a shard process whole (consuming, producing,
+committing, start-up); this script isolates what the stage itself does with a batch:
+holding and releasing documents by watermark, the index (``ShardIndex``), findings and
+member records. Its digest makes a change that must not alter the records checkable:
+two commits with the same digest produce the same findings and changelog records, byte
+for byte, for the same input.
+
+Input: ``--docs`` documents of the replayed Reuters stream, prepared in batches of 500
+with the default engine settings (``scale_out_bytes.load``), cut into band records per
+shard partition as prepare cuts them (``neardup.sharded.records.batch_bands``), each
+batch followed by a watermark record on every partition that releases it. The stage's
+processor, in memory, is given ``--per-batch`` band-topic messages per ``compute`` call
+(its transaction batches), the changelog offsets of the batches before taken as
+committed. Timed: the ``compute`` calls only (process CPU), ``--rounds`` times, a fresh
+processor each round; the garbage collector set as the stage sets it.
+
+Printed, per round: messages, documents, records produced, the digest (sha256 of their
+topic, partition, key, value and headers), CPU seconds and µs per document; the load
+average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+import benchlib
+from scale_out_bytes import load
+
+from neardup.cli import collect_rarely
+from neardup.config import Settings
+from neardup.kafka.stage import MessageBatch
+from neardup.sharded.records import (
+    ENGINE_HEADER,
+    KIND_HEADER,
+    WATERMARK_KIND,
+    batch_bands,
+    engine_digest,
+    time_mark,
+    watermark_value,
+)
+from neardup.sharded.routing import shard_bounds
+from neardup.sharded.shard import ShardIndex
+from neardup.sharded.shard_stage import ShardProcessor, _Shard
+from neardup.sharded.topology import Topology
+
+
+class _Message:
+    """A band-topic message as the consumer gives it (the methods ``compute`` calls)."""
+
+    __slots__ = ("_topic", "_partition", "_offset", "_value", "_headers")
+
+    def __init__(self, topic: str, partition: int, offset: int, value: bytes, headers: list) -> None:
+        self._topic, self._partition, self._offset, self._value, self._headers = (
+            topic, partition, offset, value, headers)
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list:
+        return self._headers
+
+    def key(self) -> None:
+        return None
+
+
+def band_messages(docs: int, shards: int, topology: Topology, digest: bytes) -> tuple[list[_Message], int]:
+    """The band topic's messages for ``docs`` replayed documents, and how many documents."""
+    data = load(docs, 500)
+    orders, ids = data["orders"], data["ids"]
+    messages: list[_Message] = []
+    offsets = [0] * shards
+    band_headers = [(ENGINE_HEADER, digest)]
+    mark_headers = [(ENGINE_HEADER, digest), (KIND_HEADER, WATERMARK_KIND)]
+    for b in data["batches"]:
+        grouped, bounds = shard_bounds(b["buckets"], shards)
+        sets = b["fps"]
+        set_offsets = np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+        flat = np.concatenate(sets) if sets else np.zeros(0, dtype=np.uint32)
+        values = batch_bands([orders[i] for i in b["docs"]], [ids[i].encode("utf-8") for i in b["docs"]],
+                             grouped, bounds, flat, set_offsets, np.ones(len(b["docs"]), dtype=bool))
+        (last_ms,) = struct.unpack_from(">q", orders[b["all"][-1]])
+        mark = watermark_value({("input", p): (4, time_mark(last_ms)) for p in range(4)})
+        for q in range(shards):
+            for value in values[q]:
+                messages.append(_Message(topology.bands, q, offsets[q], value, band_headers))
+                offsets[q] += 1
+            messages.append(_Message(topology.bands, q, offsets[q], mark, mark_headers))
+            offsets[q] += 1
+    return messages, sum(len(b["all"]) for b in data["batches"])
+
+
+def run(messages: list[_Message], shards: int, per_batch: int, settings: Settings,
+        topology: Topology) -> tuple[str, int, float]:
+    """(digest, records produced, CPU seconds of the ``compute`` calls)."""
+    processor = ShardProcessor(settings, topology)
+    for p in range(shards):
+        processor.shards[p] = _Shard(ShardIndex(processor.engine))
+    digest, records, spent = hashlib.sha256(), 0, 0.0
+    for start in range(0, len(messages), per_batch):
+        t0 = time.process_time()
+        out, _ = processor.compute(MessageBatch(messages[start:start + per_batch], True))
+        spent += time.process_time() - t0
+        processor._uncommitted.clear()  # taken as committed
+        for record in out:
+            digest.update(repr(record).encode())
+        records += len(out)
+    return digest.hexdigest()[:16], records, spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=20_000)
+    ap.add_argument("--shards", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--per-batch", type=int, default=40, help="band-topic messages per compute call")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+    settings = Settings(bootstrap_servers="unused:9092", group_id="shard-compute")
+    digest = engine_digest(settings.engine())
+    report: dict[str, object] = {"git": benchlib.git_state(), "environment": benchlib.environment(),
+                                 "load_average_start": os.getloadavg(), "runs": []}
+    print(f"{benchlib.describe_git(report['git'])}; load average at start {os.getloadavg()}")
+    collect_rarely()
+    for shards in args.shards:
+        topology = Topology("shard-compute", shards, 4)
+        messages, docs = band_messages(args.docs, shards, topology, digest)
+        for r in range(args.rounds):
+            found, records, seconds = run(messages, shards, args.per_batch, settings, topology)
+            print(f"{shards} shards: {len(messages):,} messages, {docs:,} documents, {records:,} records "
+                  f"(digest {found}), CPU {seconds:.2f} s, {1e6 * seconds / docs:.0f} µs per document")
+            report["runs"].append({"shards": shards, "round": r, "messages": len(messages), "documents": docs,
+                                   "records": records, "digest": found, "cpu_seconds": seconds,
+                                   "us_per_document": 1e6 * seconds / docs})
+    report["load_average_end"] = os.getloadavg()
+    print(f"load average at end {os.getloadavg()}")
+    if args.json:
+        benchlib.write_json(Path(args.json), report)
+
+
+if __name__ == "__main__":
+    main()
