@@ -38,6 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -262,9 +263,7 @@ class ShardIndex:
             elif seq > self.last:
                 self.last = seq
             return Finding(seq, ()), joins
-        shared: Counter[int] = Counter()
-        for members in lists:
-            shared.update(members)
+        shared = Counter(chain.from_iterable(lists))  # member -> buckets it shares here (one call)
         if seq < self.last:  # processed late: the later members are no candidates
             shared = Counter({m: n for m, n in shared.items() if m < seq})
         self.last = max(self.last, seq)
