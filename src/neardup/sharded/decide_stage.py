@@ -44,6 +44,7 @@ in the stage's metrics (``DecideWritten``: documents by verdict, dead letters, w
 
 from __future__ import annotations
 
+import heapq
 import logging
 import struct
 import time
@@ -171,6 +172,9 @@ class DecideProcessor(StageHooks):
         # per partition, as of the last commit: (waiting documents, consumed offset); per
         # batch computed and not yet committed, the same after it
         self._committed: dict[int, tuple[dict[bytes, _Waiting], int]] = {}
+        # per partition, (first, order key) of its waiting documents, a heap: the earliest
+        # record to read again after a restart, without a pass over every one per batch
+        self._firsts: dict[int, list[tuple[int, bytes]]] = {}
         self._uncommitted: list[dict[int, tuple[dict[bytes, _Waiting], int, set[bytes]]]] = []
         self._table_new = False  # decisions came to the table since the last batch
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
@@ -239,13 +243,14 @@ class DecideProcessor(StageHooks):
             self.partitions[q], self._consumed[q], self._listed[q] = {}, consumed, listed
             self._logged[q], self._logged_committed[q] = set(logged), logged
             self._committed[q] = ({}, consumed)
+            self._firsts[q] = []
             self._blocked.pop(q, None)
         self._retry_all = True
 
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
             for state in (self.partitions, self._blocked, self._consumed, self._listed, self._committed,
-                          self._marks, self._published, self._logged, self._logged_committed):
+                          self._marks, self._published, self._logged, self._logged_committed, self._firsts):
                 state.pop(q, None)
 
     def aborted(self) -> None:
@@ -256,6 +261,7 @@ class DecideProcessor(StageHooks):
         for q in list(self.partitions):
             waiting, consumed = self._committed.get(q, ({}, -1))
             self.partitions[q] = {order: w.copy() for order, w in waiting.items()}
+            self._index_firsts(q)
             self._consumed[q] = consumed
             self._logged[q] = set(self._logged_committed.get(q, ()))
         self._blocked.clear()
@@ -367,7 +373,7 @@ class DecideProcessor(StageHooks):
                 w = self._changing(self.partitions[q], order, fresh)
                 w.record = (m.key(), m.value(), headers)
                 w.shards = int(_header(headers, SHARDS_HEADER) or b"0")
-                w.first = min(w.first, offset)
+                self._first(q, order, w, offset)
                 touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:
                 try:
@@ -382,7 +388,7 @@ class DecideProcessor(StageHooks):
                         continue
                     w = self._changing(waiting, order, fresh)
                     w.findings[shard] = checked
-                    w.first = min(w.first, offset)
+                    self._first(q, order, w, offset)
                     if error is not None:
                         w.error = error
                     orders.add(order)
@@ -399,8 +405,7 @@ class DecideProcessor(StageHooks):
                         continue
                     w = self._changing(waiting, order, fresh)
                     w.findings.update(dict.fromkeys(shards, ()))
-                    if offset < w.first:
-                        w.first = offset
+                    self._first(q, order, w, offset)
                     orders.add(order)
             else:
                 log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
@@ -460,9 +465,37 @@ class DecideProcessor(StageHooks):
             after[q] = (dict(waiting), consumed, now)  # its documents are copied before they change
         self._uncommitted.append(after)
         for tp in ends:  # a restart reads again from the earliest record of a waiting document
-            tp.offset = min([tp.offset] + [w.first for w in self.partitions[tp.partition].values()])
+            earliest = self._earliest(tp.partition)
+            if earliest is not None:
+                tp.offset = min(tp.offset, earliest)
         stats.waiting = sum(len(waiting) for waiting in self.partitions.values())
         return out, stats
+
+    def _first(self, q: int, order: bytes, w: _Waiting, offset: int) -> None:
+        """``w.first`` lowered to ``offset`` if that is earlier (noted in ``_firsts``)."""
+        if offset < w.first:
+            w.first = offset
+            heapq.heappush(self._firsts.setdefault(q, []), (offset, order))
+
+    def _earliest(self, q: int) -> int | None:
+        """The findings-topic offset of the earliest record of a document waiting on
+        partition ``q`` (None: none waits). ``_firsts`` holds every waiting document's
+        ``first`` (and stale entries, dropped here: of documents decided since, or whose
+        ``first`` came earlier)."""
+        heap, waiting = self._firsts.get(q), self.partitions.get(q, {})
+        while heap:
+            first, order = heap[0]
+            w = waiting.get(order)
+            if w is not None and w.first == first:
+                return first
+            heapq.heappop(heap)
+        return None
+
+    def _index_firsts(self, q: int) -> None:
+        """``_firsts`` of partition ``q`` anew from its waiting documents."""
+        heap = [(w.first, order) for order, w in self.partitions.get(q, {}).items()]
+        heapq.heapify(heap)
+        self._firsts[q] = heap
 
     @staticmethod
     def _changing(waiting: dict[bytes, _Waiting], order: bytes, fresh: set[bytes]) -> _Waiting:
