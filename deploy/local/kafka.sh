@@ -146,15 +146,31 @@ stop_pid() {
     done
 }
 
-# Two distinct free TCP ports on 127.0.0.1 (both held open while choosing).
+# Two distinct free TCP ports on 127.0.0.1 (both held open while choosing), below the
+# kernel's ephemeral range: a port of that range, free when chosen, can be handed to an
+# outgoing connection before the broker binds it seconds later ("Address already in use",
+# seen with many clients connecting at once).
 free_ports() {
     python3 -c '
-import socket
-s = [socket.socket() for _ in range(2)]
-for x in s:
-    x.bind(("127.0.0.1", 0))
-print(*(x.getsockname()[1] for x in s))
-for x in s:
+import random, socket
+try:
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    low = 32768
+held = []
+while len(held) < 2:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", random.randrange(10000, max(10001, low))))
+    except OSError:
+        s.close()
+        continue
+    if s.getsockname()[1] in [x.getsockname()[1] for x in held]:
+        s.close()
+        continue
+    held.append(s)
+print(*(x.getsockname()[1] for x in held))
+for x in held:
     x.close()
 '
 }
