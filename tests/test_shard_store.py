@@ -147,8 +147,6 @@ def test_a_members_record_applies_as_its_members_one_by_one(tmp_path: Path) -> N
             assert batched.member(order) == one_by_one.member(order)
             assert batched.copies(order) == one_by_one.copies(order)
         assert [k for k, _ in batched.prefixed(b"N")] == sorted(k[1:] for k, _ in keyed)
-        first_time = order_seq(keyed[0][0][1:]) >> 96
-        assert batched.batches_before(first_time + 1) == [keyed[0][0][1:]]
         assert [v for _, v in batched.prefixed(b"N")][0] == b"".join(k[1:] for k, _ in chunks[0])
         batched.apply([(keyed[0][0], None)], position=len(keyed) + 1)  # every member of it expired
         one_by_one.apply([(k, None) for k, _ in chunks[0]], position=len(records) + 1)

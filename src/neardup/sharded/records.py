@@ -306,10 +306,7 @@ class BandRecord:
 
     def value(self) -> bytes:
         """The record's value (the layout above)."""
-        raw_id = self.id.encode("utf-8")
-        return b"".join((_BAND.pack(len(self.buckets), len(raw_id), len(self.fingerprints)), raw_id,
-                         self.buckets.astype("<u8", copy=False).tobytes(),
-                         self.fingerprints.astype("<u4", copy=False).tobytes()))
+        return band_values(self.id, [self.buckets], self.fingerprints)[0]
 
     @classmethod
     def parse(cls, key: bytes, value: bytes) -> BandRecord:

@@ -154,15 +154,7 @@ class ShardStore(TopicView):
         Raises:
             StateError: the write failed (a full disk).
         """
-        records = members_of(records)
-        gone = [key for key, value in records if key[:1] == b"N" and value is None]
-        if gone:  # a null ``N``: its members go too (every one had expired)
-            marks = {key: value for key, value in records if key[:1] == b"N" and value is not None}
-            missing = [key for key in gone if key not in marks]
-            marks.update(zip(missing, self._db.get(missing) if missing else []))
-            records = [r for key, value in records for r in [(key, value)] + (
-                [(b"M" + order, None) for order in split_orders(marks.get(key))]
-                if key[:1] == b"N" and value is None else [])]
+        records = self._expanded(records)
         batch = WriteBatch(raw_mode=True)
         appended: dict[bytes, list[bytes]] = {}
         members = list({key for key, _ in records if key[:1] == b"M"})
@@ -208,6 +200,23 @@ class ShardStore(TopicView):
                     batch.delete(key)
         self.write(batch, position)
 
+    def _expanded(self, records: Sequence[Record]) -> list[Record]:
+        """``members_of(records)``, each null ``N`` followed by its members' deletions (the
+        order keys its marker holds: put in ``records`` or stored before)."""
+        records = members_of(records)
+        gone = [key for key, value in records if key[:1] == b"N" and value is None]
+        if not gone:
+            return records
+        marks = {key: value for key, value in records if key[:1] == b"N" and value is not None}
+        missing = [key for key in gone if key not in marks]
+        marks.update(zip(missing, self._db.get(missing) if missing else []))
+        out: list[Record] = []
+        for key, value in records:
+            out.append((key, value))
+            if key[:1] == b"N" and value is None:  # every member of it had expired
+                out += [(b"M" + order, None) for order in split_orders(marks.get(key))]
+        return out
+
     # --- reads ----------------------------------------------------------------------------
     def members(self, buckets: Sequence[int]) -> list[list[bytes]]:
         """The members' order keys of each bucket (uint64 ids), in the order they joined."""
@@ -237,26 +246,18 @@ class ShardStore(TopicView):
         """The order keys of the members stamped before ``time_ms`` (ms), ascending by
         time. (An order key's time is signed: those before 1970, -1 for a record without a
         timestamp, sort after the others, their sign bit set.)"""
-        return self._keys_before(b"M", time_ms)
-
-    def batches_before(self, time_ms: int) -> list[bytes]:
-        """The order keys of the ``N`` records applied whose highest member is stamped
-        before ``time_ms`` (ms): every member in them is. Ascending by time."""
-        return self._keys_before(b"N", time_ms)
-
-    def _keys_before(self, prefix: bytes, time_ms: int) -> list[bytes]:
         negative: list[bytes] = []
-        for raw in self._db.keys(from_key=prefix + b"\x80"):
+        for raw in self._db.keys(from_key=b"M\x80"):
             key = cast(bytes, raw)
-            if not key.startswith(prefix) or ORDER.unpack(key[1:])[0] >= time_ms:
+            if not key.startswith(b"M") or ORDER.unpack(key[1:])[0] >= time_ms:
                 break
             negative.append(key[1:])
         out: list[bytes] = []
         if time_ms > 0:
             low = ORDER.pack(time_ms, 0, 0)
-            for raw in self._db.keys(from_key=prefix):
+            for raw in self._db.keys(from_key=b"M"):
                 key = cast(bytes, raw)
-                if not key.startswith(prefix) or key[1] >= 0x80 or key[1:] >= low:
+                if not key.startswith(b"M") or key[1] >= 0x80 or key[1:] >= low:
                     break
                 out.append(key[1:])
         return negative + out
