@@ -92,12 +92,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _warm_kernels() -> None:
-    """Compile numba's kernel cache once, before the workers start (``neardup.build_kernels.warm``,
-    in a process of its own: this one must not import numba). On a cold cache every worker,
-    and every ``neardup`` process they start, would otherwise compile the same kernels at
-    once on a machine with fewer cores than workers; on a warm cache it only loads them."""
+    """Compile numba's kernel cache once, before the workers start (``neardup.build_kernels.warm``
+    under ``NEARDUP_KERNELS=jit``, in a process of its own: this one must not import numba).
+    Most tests run the kernels the install built ahead of time; those that run numba's JIT
+    (``NEARDUP_KERNELS=jit``, a source checkout) would otherwise each compile the same
+    kernels at once on a cold cache, on a machine with fewer cores than workers."""
     proc = subprocess.run([sys.executable, "-c", "from neardup.build_kernels import warm; warm()"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1800,
+                          env={**os.environ, "NEARDUP_KERNELS": "jit"})
     if proc.returncode != 0:  # the tests that use the kernels compile them and report the error
         print(f"conftest: the kernel warm-up failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
               file=sys.stderr)

@@ -223,7 +223,8 @@ def test_a_cold_kernel_cache_is_announced(tmp_path: Path, capsys) -> None:
     cold = subprocess.run(
         [sys.executable, "-m", "neardup.cli", "dedup", str(tmp_path / "missing.jsonl")],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(SRC), "NUMBA_CACHE_DIR": str(tmp_path / "numba")},
+        env={**os.environ, "PYTHONPATH": str(SRC), "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+             "NEARDUP_KERNELS": "jit"},
     )
     assert cold.returncode == 2
     assert "compiling kernels, first run only" in cold.stderr

@@ -1,8 +1,11 @@
-"""Compile neardup's kernels into a folder that an image ships (see ``neardup.kernel_cache``).
+"""Compile neardup's kernels: ahead of time into the extension module ``neardup._kernels``
+(``setup.py`` calls :func:`aot_compiler` at install; ``neardup.core.aot``), or into numba's
+cache folder that an image ships for processes that compile at run
+(``neardup.kernel_cache``):
 
     python -m neardup.build_kernels /usr/local/share/neardup/kernels
 
-Run it in the image, as the last step of the build, with the ``NUMBA_CPU_NAME`` the
+Run that in the image, as the last step of the build, with the ``NUMBA_CPU_NAME`` the
 containers will have (``generic``: kernels for any CPU of the architecture).
 """
 
@@ -12,6 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 #: ``neardup dedup`` options, one variant each, whose runs together call every kernel:
 #: the two MinHash schemes, shingle kinds, measures and directions, verification modes,
@@ -45,9 +49,10 @@ def build(target: Path) -> None:
         RuntimeError: numba was imported already (its cache folder is fixed then), or a
             warm-up run failed.
     """
-    if "numba" in sys.modules:
-        raise RuntimeError("build() must run before numba is imported")
+    if "numba" in sys.modules or "neardup.core.aot" in sys.modules:
+        raise RuntimeError("build() must run before numba and neardup.core.aot are imported")
     os.environ["NUMBA_CACHE_DIR"] = str(target)
+    os.environ["NEARDUP_KERNELS"] = "jit"  # numba's kernels, whatever the install built
     warm()
 
 
@@ -80,6 +85,55 @@ def warm() -> None:
                              "--no-pipeline", "--no-progress", "--batch-size", "2", "--log-level", "WARNING", *argv])
             if code != 0:
                 raise RuntimeError(f"kernel warm-up {' '.join(variant) or '(defaults)'} exited {code}")
+
+
+def aot_compiler() -> Any:
+    """numba's ahead-of-time compiler (``numba.pycc.CC``) set up with every kernel that
+    Python calls (``neardup.core.aot.EXPORTS``, each with its one signature) and the kernel
+    sources' digest (``source_digest()`` in the module), for ``CC.distutils_extension()``
+    or ``CC.compile()``. The kernels are compiled for ``NUMBA_CPU_NAME`` when it is set,
+    else for the CPU of this machine (``host``), and release the GIL as their JIT builds do
+    (``nogil=True``: the pipelined mode prepares a batch in a thread meanwhile).
+
+    Must run in a process that has not imported ``neardup.core.aot`` yet (it sets
+    ``NEARDUP_KERNELS=jit``, so that the kernels are numba functions to compile).
+
+    Raises:
+        RuntimeError: ``neardup.core.aot`` was imported already.
+        ImportError: numba is not installed.
+    """
+    import importlib  # noqa: PLC0415 - only here
+    import warnings  # noqa: PLC0415
+
+    if "neardup.core.aot" in sys.modules:
+        raise RuntimeError("aot_compiler() must run before neardup.core.aot is imported")
+    os.environ["NEARDUP_KERNELS"] = "jit"
+    with warnings.catch_warnings():  # numba.pycc: "pending deprecation"
+        warnings.simplefilter("ignore")
+        import numba.pycc.compiler  # noqa: PLC0415
+        from numba.pycc import CC  # noqa: PLC0415
+
+    class _GilReleased(numba.pycc.compiler.Flags):  # type: ignore[misc,name-defined]
+        """The compile flags of every exported kernel, with its Python wrapper releasing
+        the GIL (``nogil=True``; pycc has no option for it)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.release_gil = True
+
+    numba.pycc.compiler.Flags = _GilReleased  # type: ignore[attr-defined]
+    from neardup.core import aot  # noqa: PLC0415
+
+    for module in aot.KERNEL_MODULES:
+        importlib.import_module(module)
+    compiler = CC("_kernels", source_module="neardup.build_kernels")  # neardup._kernels
+    compiler.target_cpu = os.environ.get("NUMBA_CPU_NAME") or "host"
+    compiler.verbose = False
+    for export in aot.EXPORTS:
+        compiler.export(export.symbol, export.signature)(export.function)
+    digest = aot.source_digest()
+    compiler.export("source_digest", "int64()")(lambda: digest)
+    return compiler
 
 
 if __name__ == "__main__":

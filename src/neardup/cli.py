@@ -274,7 +274,8 @@ def _environment(command: argparse.ArgumentParser) -> str:
             f"TOML file (keys: the variables' names in lower case without NEARDUP_), then the default. "
             f"{'; '.join(renamed) + '. ' if renamed else ''}{notes + '. ' if notes else ''}On and off "
             f"settings take true or false. Other NEARDUP_* variables are refused, save NEARDUP_PREBUILT_KERNELS "
-            f"(deploy/README.md) and those of the local "
+            f"(deploy/README.md), NEARDUP_KERNELS=jit (numba's JIT instead of the kernels built at "
+            f"install) and those of the local "
             f"test broker (deploy/local/kafka.sh).")
     return "\n".join(textwrap.wrap(text, 88, break_on_hyphens=False)) + "\n" + listed
 

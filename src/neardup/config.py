@@ -252,11 +252,13 @@ def retention_changes(settings: Settings) -> dict[str, Any] | None:
 
 
 #: ``NEARDUP_*`` variables that are no settings and that the commands let be: those of
-#: the local broker (deploy/local/kafka.sh), of the tests, and the image's prebuilt
-#: kernels (``neardup.kernel_cache``).
+#: the local broker (deploy/local/kafka.sh), of the tests, the image's prebuilt kernels
+#: (``neardup.kernel_cache``) and the choice of numba's JIT over the kernels built at install
+#: (``neardup.core.aot``).
 OTHER_VARIABLES = frozenset({
     "NEARDUP_KAFKA_HOME", "NEARDUP_KAFKA_BOOTSTRAP", "NEARDUP_KAFKA_START_TIMEOUT",
     "NEARDUP_KAFKA_HEAP_OPTS", "NEARDUP_KAFKA_JVM_OPTS", "NEARDUP_FUZZ_SEED", "NEARDUP_PREBUILT_KERNELS",
+    "NEARDUP_KERNELS",
 })
 
 

@@ -516,22 +516,21 @@ def warm_up(settings: EngineSettings) -> None:
     detector.detect([Document("copy", text)])
 
 
-#: The modules holding the compiled kernels (numba, ``cache=True``).
-KERNEL_MODULES = ("neardup.core.xxh3", "neardup.core.oph", "neardup.core.candidates",
-                  "neardup.core.overlap", "neardup.core.decide", "neardup.core.cluster",
-                  "neardup.core.unionfind", "neardup.state.index", "neardup.state.setcache")
-
-
 def kernels_cached() -> bool:
     """Whether numba's on-disk cache holds an up-to-date build of the kernels, i.e.
     whether this run loads them (about a second) rather than compiling them (a minute or
     more on a busy machine): False when a kernel module has no cache index at all, or an
     index is stale (its source changed). Kernels only ever called from other kernels
-    have no index of their own. Reads the indexes only; True when it cannot tell.
+    have no index of their own. Reads the indexes only; True when it cannot tell, and when
+    the process runs the kernels built ahead of time at install (``neardup.core.aot``).
     """
     import importlib  # noqa: PLC0415 - only here
     import os  # noqa: PLC0415
 
+    from neardup.core.aot import KERNEL_MODULES, ahead_of_time  # noqa: PLC0415
+
+    if ahead_of_time():
+        return True
     from numba.core.registry import CPUDispatcher  # noqa: PLC0415
 
     for name in KERNEL_MODULES:

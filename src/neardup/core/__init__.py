@@ -1,7 +1,8 @@
 """The pure core: normalisation, shingling, MinHash, LSH banding, set overlap,
 union-find.
 
-Nothing here does I/O: numpy, numba (one compiled loop) and xxhash only.
+Nothing here does I/O: numpy, numba (the compiled kernels, ``neardup.core.aot``) and
+xxhash only.
 """
 
 import sys
@@ -20,9 +21,12 @@ def numba_math_without_scipy() -> None:
     algebra (``np.dot`` and ``np.linalg`` in compiled code) is off in this process. So
     only neardup's own processes call this (the ``neardup`` command and its worker
     process), before their first compiled call; importing ``neardup`` as a library
-    changes nothing.
+    changes nothing. Nothing is imported when the process runs the kernels built ahead of
+    time (``neardup.core.aot``): numba is not needed then.
     """
-    if "scipy.linalg" in sys.modules:
+    from neardup.core.aot import ahead_of_time  # noqa: PLC0415
+
+    if "scipy.linalg" in sys.modules or ahead_of_time():
         return
     sys.modules["scipy.linalg"] = None  # type: ignore[assignment]  # an import of it fails at once
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 
 class Candidates(NamedTuple):
@@ -62,7 +62,7 @@ def bucket_weights(member_counts: np.ndarray, entry_bucket: np.ndarray) -> np.nd
     return np.maximum(MAX_WEIGHT - np.floor(np.log2(m + 1.0)).astype(np.int64), 1)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
            shift: np.uint64, x: np.uint64, w: int) -> int:  # pragma: no cover - compiled
     """Add ``w`` to the count of ``x`` in an open-addressing table (linear probing);
@@ -79,14 +79,14 @@ def _count(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u
     return u
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _table(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """An empty counting table of 2**bits slots: keys, counts, used slots."""
     return (np.empty(1 << bits, dtype=np.uint64), np.zeros(1 << bits, dtype=np.int64),
             np.empty(1 << bits, dtype=np.int64))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
           member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
           below: np.ndarray, first_seq: int, table_keys: np.ndarray, table_counts: np.ndarray,
@@ -112,7 +112,7 @@ def _meet(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarra
     return u
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: int,
          bands: int, limit: int) -> np.ndarray:  # pragma: no cover - compiled
     """The ``limit`` members with the highest counts, in that order (earliest first
@@ -127,7 +127,7 @@ def _top(table_keys: np.ndarray, table_counts: np.ndarray, used: np.ndarray, u: 
     return keys[:limit] & np.uint64(0xFFFFFFFF)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, head: np.ndarray,
             below: np.ndarray, taken: np.ndarray, first_seq: int, limit: int,
@@ -152,7 +152,7 @@ def _choose(d: int, entry_bucket: np.ndarray, bands: int, member_starts: np.ndar
     return chosen, bits, table_keys, table_counts, used
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray,
           joined: np.ndarray) -> None:  # pragma: no cover - compiled
     """Entry ``e`` joins bucket ``k``: pushed on its chain of the batch's members."""
@@ -162,7 +162,10 @@ def _join(e: int, k: int, head: np.ndarray, below: np.ndarray, taken: np.ndarray
     joined[e] = True
 
 
-@njit(nogil=True, cache=True)
+@kernel(
+    "Tuple((int64[::1], uint64[::1], boolean[::1]))"
+    "(int64[::1], int64, int64[::1], int64[::1], uint64[::1], int64[::1], int64, "
+    "int64, boolean, int64[::1], int64[::1], int64[::1])")
 def _candidates(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                 member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
                 first_seq: int, max_candidates: int, windowed: bool, member_until: np.ndarray,

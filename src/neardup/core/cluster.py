@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 from neardup.core.overlap import sample_counts
 from neardup.core.unionfind import find, peek_root, union
@@ -71,7 +71,7 @@ class Clustering(NamedTuple):
     related: np.ndarray
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.ndarray,
           measure: int) -> tuple[float, float]:  # pragma: no cover - compiled
     """Jaccard of sets a (the later) and b (the earlier), and their containment: of b in
@@ -89,7 +89,7 @@ def _pair(a: int, b: int, sizes: np.ndarray, values: np.ndarray, offsets: np.nda
     return jaccard, of_a
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _pairs(left: np.ndarray, right: np.ndarray, sizes: np.ndarray, values: np.ndarray,
            offsets: np.ndarray, measure: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     jaccard = np.empty(len(left))
@@ -130,7 +130,7 @@ def pair_similarities(sets: Sets, left: np.ndarray, right: np.ndarray,
     return _pairs(left, right, sets.sizes, sets.values, sets.offsets, measure)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.ndarray,
                  canonical: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
                  threshold: float, policy: int, measure: int, sizes: np.ndarray,
@@ -195,7 +195,7 @@ def _cluster_one(i: int, x: int, lo: int, hi: int, parent: np.ndarray, size: np.
     cluster_size[i] = size[root]
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _outputs(n: int, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """The ``Clustering`` arrays of ``n`` documents from local id ``first``, before any
     decision: no match, alone in their own cluster."""
@@ -204,7 +204,7 @@ def _outputs(n: int, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
             np.full(n, -1, dtype=np.int64))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _cluster(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, first: int,
              bounds: np.ndarray, candidates: np.ndarray, similarity: np.ndarray,
              threshold: float, policy: int, measure: int, sizes: np.ndarray,

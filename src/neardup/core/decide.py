@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 from neardup.core.candidates import Window, _choose, _join, _table, _weights, checked_members, window_arrays
 from neardup.core.cluster import JACCARD, Clustering, Sets, _cluster_one, _outputs, _pair
@@ -82,7 +82,7 @@ class CopyBuckets(NamedTuple):
     loaded: np.ndarray
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _holds(k: int, c: int, member_starts: np.ndarray, member_counts: np.ndarray,
            member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
            first_seq: int) -> bool:  # pragma: no cover - compiled
@@ -99,7 +99,7 @@ def _holds(k: int, c: int, member_starts: np.ndarray, member_counts: np.ndarray,
     return False
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _covered(k: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
              threshold: float, member_starts: np.ndarray, member_counts: np.ndarray,
              member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
@@ -112,7 +112,7 @@ def _covered(k: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
     return False
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _by_seq(lo: int, hi: int, seqs: np.ndarray, local: np.ndarray, jaccard: np.ndarray,
             containment: np.ndarray) -> None:  # pragma: no cover - compiled
     """Sort the pairs ``lo`` to ``hi`` by candidate seq, in place (insertion sort: a
@@ -127,7 +127,7 @@ def _by_seq(lo: int, hi: int, seqs: np.ndarray, local: np.ndarray, jaccard: np.n
         seqs[k + 1], local[k + 1], jaccard[k + 1], containment[k + 1] = s, y, j_, c_
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _has_room(k: int, d: int, bands: int, max_bucket_size: int, member_starts: np.ndarray,
               member_counts: np.ndarray, member_until: np.ndarray, head: np.ndarray,
               below: np.ndarray, batch_until: np.ndarray) -> bool:  # pragma: no cover - compiled
@@ -143,7 +143,7 @@ def _has_room(k: int, d: int, bands: int, max_bucket_size: int, member_starts: n
     return held < max_bucket_size
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _among(seqs: np.ndarray, lo: int, hi: int, c: np.uint64) -> bool:  # pragma: no cover - compiled
     """Whether seq ``c`` is among the pairs ``lo`` to ``hi`` already."""
     for j in range(lo, hi):
@@ -152,7 +152,7 @@ def _among(seqs: np.ndarray, lo: int, hi: int, c: np.uint64) -> bool:  # pragma:
     return False
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _copy_seqs(k: int, d: int, member_starts: np.ndarray, member_counts: np.ndarray,
                member_seqs: np.ndarray, head: np.ndarray, below: np.ndarray,
                copy_entry_doc: np.ndarray, nb: int, first_seq: int, windowed: bool,
@@ -180,7 +180,14 @@ def _copy_seqs(k: int, d: int, member_starts: np.ndarray, member_counts: np.ndar
     return out[:m]
 
 
-@njit(nogil=True, cache=True)
+@kernel(
+    "Tuple((int64[::1], uint64[::1], float64[::1], float64[::1], boolean[::1], int64[::1], "
+    "int64[::1], boolean[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1]))"
+    "(int64[::1], int64, int64[::1], int64[::1], uint64[::1], int64[::1], int64, "
+    "int64, int64, float64, uint64[::1], int64[::1], int64[::1], int64[::1], "
+    "float64, int64, int64, boolean, int64[::1], uint32[::1], int64[::1], boolean, "
+    "int64[::1], int64[::1], int64[::1], int64, int64[::1], boolean[::1], "
+    "int64[::1])")
 def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             member_counts: np.ndarray, member_seqs: np.ndarray, room: np.ndarray,
             first_seq: int, max_candidates: int, extra_candidates: int, near: float,
@@ -297,7 +304,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
             cluster, cluster_size, related)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _local_id(c: np.uint64, first_seq: int, first: int, stored_local: np.ndarray) -> int:  # pragma: no cover - compiled
     """The local id of seq ``c``: a stored one's place in ``stored_local``, or ``first`` on
     for the batch's documents."""
@@ -307,7 +314,7 @@ def _local_id(c: np.uint64, first_seq: int, first: int, stored_local: np.ndarray
     return first + ci - first_seq
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _join_copies(d: int, lo: int, hi: int, local: np.ndarray, seqs: np.ndarray,
                  jaccard: np.ndarray, threshold: float, copy_bucket: np.ndarray,
                  entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 from neardup.core.hashing import mix64
 from neardup.core.shingle import ShingleBatch
@@ -30,7 +30,7 @@ EMPTY = np.uint64(np.iinfo(np.uint64).max)
 MAX_PROBES = 4096
 
 
-@njit(nogil=True, cache=True)
+@kernel("uint64[:, ::1](uint64[::1], int64[::1], int64[::1], int64)")
 def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) -> np.ndarray:  # pragma: no cover - compiled
     """uint64, shape (n_docs, k): the least ``h`` of each document in each bin
     (``EMPTY`` where none), documents being the ranges of ``offsets``."""
@@ -43,7 +43,7 @@ def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) ->
     return raw
 
 
-@njit(nogil=True, cache=True)
+@kernel("uint64[:, ::1](uint64[:, ::1], boolean[::1], int64[:, ::1])")
 def _densify(raw: np.ndarray, nonempty: np.ndarray, probes: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """Fill each empty bin j of a non-empty document from bin ``probes[j, t]`` for the
     first t that was reached, else from the document's first reached bin."""

@@ -20,10 +20,10 @@ kept whole, and two such sets compare exactly.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
     """|set a ∩ set b| of flat sets (``values[offsets[a]:offsets[a + 1]]`` is set a)."""
     i, i_end = offsets[a], offsets[a + 1]
@@ -42,7 +42,7 @@ def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
     return n
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def sample_counts(values: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
                   a: int, b: int) -> tuple[int, int, int]:  # pragma: no cover - compiled
     """(|A ∩ B|, |A|, |B|) counted over the fingerprints of sets a and b at most the
@@ -85,7 +85,7 @@ def sample_counts(values: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
     return n, in_a, in_b
 
 
-@njit(nogil=True, cache=True)
+@kernel("Tuple((uint32[::1], int64[::1]))(uint64[::1], int64[::1], int64[::1])")
 def _distinct_low32(hashes: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     values = np.empty(offsets[-1], dtype=np.uint32)
     out = np.zeros(len(docs) + 1, dtype=np.int64)

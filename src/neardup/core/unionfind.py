@@ -15,14 +15,14 @@ are numba-compiled: they run at C speed inside other compiled loops
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 from neardup.core.types import Node
 
 __all__ = ["Node", "find", "peek_root", "union"]
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def find(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     """The root of ``x``'s set; points every element of the path from ``x`` at it."""
     root = x
@@ -35,7 +35,7 @@ def find(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     return root
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def peek_root(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     """The root of ``x``'s set, without writing (no path compression)."""
     while parent[x] != x:
@@ -43,7 +43,7 @@ def peek_root(parent: np.ndarray, x: int) -> int:  # pragma: no cover - compiled
     return x
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def union(parent: np.ndarray, size: np.ndarray, canonical: np.ndarray, x: int, y: int) -> int:  # pragma: no cover - compiled
     """Merge the sets of ``x`` and ``y``; return the new root.
 

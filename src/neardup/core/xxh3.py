@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import xxhash
-from numba import njit
+from neardup.core.aot import kernel
 
 #: The compiled paths cover spans up to this many bytes.
 MAX_SHORT = 128
@@ -54,7 +54,7 @@ _MX2 = np.uint64(0x9FB21C651E98DF25)
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _read(data: np.ndarray, p: int, width: int) -> np.uint64:  # pragma: no cover - compiled
     """The ``width``-byte little-endian integer at ``data[p]``."""
     v = np.uint64(0)
@@ -63,23 +63,23 @@ def _read(data: np.ndarray, p: int, width: int) -> np.uint64:  # pragma: no cove
     return v
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _swap32(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return (((x & np.uint64(0xFF)) << np.uint64(24)) | ((x & np.uint64(0xFF00)) << np.uint64(8))
             | ((x >> np.uint64(8)) & np.uint64(0xFF00)) | ((x >> np.uint64(24)) & np.uint64(0xFF)))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _swap64(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return (_swap32(x & _M32) << np.uint64(32)) | _swap32(x >> np.uint64(32))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _rotl(x: np.uint64, r: int) -> np.uint64:  # pragma: no cover - compiled
     return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     a_lo, a_hi = a & _M32, a >> np.uint64(32)
     b_lo, b_hi = b & _M32, b >> np.uint64(32)
@@ -93,7 +93,7 @@ def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover
     return lower ^ upper
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _xxh64_avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     h ^= h >> np.uint64(33)
     h *= _P64_2
@@ -103,7 +103,7 @@ def _xxh64_avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return h
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     h ^= h >> np.uint64(37)
     h *= _MX1
@@ -111,13 +111,13 @@ def _avalanche(h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return h
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _mix16(data: np.ndarray, p: int, k0: np.uint64, k1: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     """XXH3_mix16B with the secret's two words at its offset, ``k0`` and ``k1``."""
     return _mul128_fold64(_read(data, p, 8) ^ k0, _read(data, p + 8, 8) ^ k1)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _xxh3_short(data: np.ndarray, p: int, n: int) -> np.uint64:  # pragma: no cover - compiled
     length = np.uint64(n)
     if n == 0:
@@ -157,7 +157,7 @@ def _xxh3_short(data: np.ndarray, p: int, n: int) -> np.uint64:  # pragma: no co
     return _avalanche(acc)
 
 
-@njit(nogil=True, cache=True)
+@kernel("uint64[::1](Array(uint8, 1, 'C', readonly=True), int64[::1], int64[::1])")
 def _hash_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.zeros(len(starts), dtype=np.uint64)
     for i in range(len(starts)):

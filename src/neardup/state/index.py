@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 from neardup.state.errors import StateError
 
@@ -74,7 +74,7 @@ def _run(buckets: np.ndarray, seqs: np.ndarray) -> _Run:
     return _Run(buckets, seqs, _directory(buckets, shift, 1 << k), shift)
 
 
-@njit(nogil=True, cache=True)
+@kernel("uint32[::1](uint64[::1], uint64, int64)")
 def _directory(buckets: np.ndarray, shift: np.uint64, size: int) -> np.ndarray:  # pragma: no cover - compiled
     """uint32, shape (size + 1,): entry d is the first position whose bucket id has top
     bits d or more (one pass over the sorted run, no temporary of its length)."""
@@ -172,7 +172,7 @@ class BucketIndex:
         return BucketMembers(counts, owner, seqs)
 
 
-@njit(nogil=True, cache=True)
+@kernel("UniTuple(int64[::1], 2)(uint64[::1], uint32[::1], uint64, uint64[::1])")
 def _ranges(run: np.ndarray, directory: np.ndarray, shift: np.uint64,
             needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """Start and count of each needle's members in a run, through its directory."""
@@ -192,7 +192,7 @@ def _ranges(run: np.ndarray, directory: np.ndarray, shift: np.uint64,
     return starts, counts
 
 
-@njit(nogil=True, cache=True)
+@kernel("void(uint32[::1], int64[::1], int64[::1], uint64[::1], int64[::1])")
 def _gather(run_seqs: np.ndarray, starts: np.ndarray, counts: np.ndarray, out: np.ndarray,
             fill: np.ndarray) -> None:  # pragma: no cover - compiled
     """Append each bucket's members of one run at ``fill`` (advanced)."""
@@ -203,7 +203,7 @@ def _gather(run_seqs: np.ndarray, starts: np.ndarray, counts: np.ndarray, out: n
         fill[k] = at + counts[k]
 
 
-@njit(nogil=True, cache=True)
+@kernel("Tuple((uint64[::1], uint32[::1]))(uint64[::1], uint32[::1], uint64[::1], uint32[::1])")
 def _merge_runs(a_buckets: np.ndarray, a_seqs: np.ndarray, b_buckets: np.ndarray,
                 b_seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     n = len(a_buckets) + len(b_buckets)

@@ -21,10 +21,10 @@ set starts in the ring and its length).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from neardup.core.aot import kernel
 
 
-@njit(nogil=True, cache=True)
+@kernel("void(uint32[::1], int64[::1], int64[::1], uint32[::1])")
 def _copy_out(ring: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
               out: np.ndarray) -> None:  # pragma: no cover - compiled
     capacity = len(ring)
@@ -39,7 +39,7 @@ def _copy_out(ring: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                 position = 0
 
 
-@njit(nogil=True, cache=True)
+@kernel("void(uint32[::1], int64, uint32[::1])")
 def _copy_in(ring: np.ndarray, written: int, values: np.ndarray) -> None:  # pragma: no cover - compiled
     capacity = len(ring)
     position = written % capacity
