@@ -32,10 +32,34 @@ extensions = kernel_extensions()
 from setuptools.command.build_ext import build_ext  # noqa: E402
 
 
+def _built_from_these_sources(path: str) -> bool:
+    """Whether the extension at ``path`` was built from the kernel sources here and for the
+    same CPU (its ``source_digest()`` and ``target_digest()``): a rebuild is then skipped."""
+    import importlib.util
+    import os
+
+    from neardup.build_kernels import target_digest
+    from neardup.core.aot import source_digest
+
+    try:
+        spec = importlib.util.spec_from_file_location("neardup._kernels", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return (int(module.source_digest()) == source_digest()
+                and int(module.target_digest()) == target_digest(os.environ.get("NUMBA_CPU_NAME") or "host"))
+    except Exception:  # noqa: BLE001 - missing, or not loadable: build it
+        return False
+
+
 class BuildKernels(build_ext):
-    """``build_ext`` whose failure is a warning: the kernels then compile at run."""
+    """``build_ext`` that keeps an extension built from the same kernel sources, and whose
+    failure is a warning: the kernels then compile at run."""
 
     def build_extension(self, ext) -> None:
+        target = self.get_ext_fullpath(ext.name)
+        if _built_from_these_sources(target):
+            print(f"neardup: kernels up to date in {target}", file=sys.stderr)
+            return
         try:
             super().build_extension(ext)
         except Exception as error:  # noqa: BLE001

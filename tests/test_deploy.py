@@ -379,9 +379,15 @@ def test_dockerfile():
     build_parser().parse_args(cmd)
     assert STATE_DIR in json.loads(_instructions(parser, "VOLUME")[-1])
     assert str(DEFAULT_METRICS_PORT) in _instructions(parser, "EXPOSE")[-1].split()
-    assert any(re.search(r"\bpip install \.(\s|$)", run) for run in _instructions(parser, "RUN"))
+    runs = _instructions(parser, "RUN")
+    # the first stage builds the wheel from the source (kernels compiled ahead of time), the
+    # image installs it
+    assert any(re.search(r"\bpip wheel .*--wheel-dir /tmp/wheels \.(\s|$)", run) for run in runs)
+    assert any(re.search(r"\bpip install /tmp/wheels/neardup-\*\.whl", run) for run in runs)
     assert f"NEARDUP_STATE_DIR={STATE_DIR}" in " ".join(_instructions(parser, "ENV"))
     for copy in _instructions(parser, "COPY"):
+        if copy.startswith("--from="):  # from the first stage, not the build context
+            continue
         *sources, _ = copy.split()
         for source in sources:
             assert (ROOT / source).exists(), f"COPY {source}"
@@ -389,7 +395,7 @@ def test_dockerfile():
         line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    for needed in ("pyproject.toml", "README.md", "src"):
+    for needed in ("pyproject.toml", "setup.py", "README.md", "src"):
         assert needed not in ignored
 
 

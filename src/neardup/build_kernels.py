@@ -89,8 +89,9 @@ def warm() -> None:
 
 def aot_compiler() -> Any:
     """numba's ahead-of-time compiler (``numba.pycc.CC``) set up with every kernel that
-    Python calls (``neardup.core.aot.EXPORTS``, each with its one signature) and the kernel
-    sources' digest (``source_digest()`` in the module), for ``CC.distutils_extension()``
+    Python calls (``neardup.core.aot.EXPORTS``, each with its one signature), the kernel
+    sources' digest (``source_digest()`` in the module) and the target's
+    (``target_digest()``), for ``CC.distutils_extension()``
     or ``CC.compile()``. The kernels are compiled for ``NUMBA_CPU_NAME`` when it is set,
     else for the CPU of this machine (``host``), and release the GIL as their JIT builds do
     (``nogil=True``: the pipelined mode prepares a batch in a thread meanwhile).
@@ -133,7 +134,18 @@ def aot_compiler() -> Any:
         compiler.export(export.symbol, export.signature)(export.function)
     digest = aot.source_digest()
     compiler.export("source_digest", "int64()")(lambda: digest)
+    target = target_digest(compiler.target_cpu)
+    compiler.export("target_digest", "int64()")(lambda: target)
     return compiler
+
+
+def target_digest(cpu: str) -> int:
+    """A 63-bit digest of the CPU name the kernels are compiled for (``host`` or a
+    ``NUMBA_CPU_NAME``), stored in the extension so that ``setup.py`` rebuilds one built
+    for another target."""
+    import hashlib  # noqa: PLC0415 - only here
+
+    return int.from_bytes(hashlib.sha256(cpu.encode()).digest()[:8], "little") >> 1
 
 
 if __name__ == "__main__":
