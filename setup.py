@@ -7,12 +7,15 @@ numba that cannot compile for this Python), it says so and neardup compiles them
 numba's just-in-time compiler at its first run instead, as a source checkout does.
 """
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
 from setuptools import setup
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))
+SRC = Path(__file__).resolve().parent / "src"
+sys.path.insert(0, str(SRC))
 
 
 def kernel_extensions() -> list:
@@ -36,7 +39,6 @@ def _built_from_these_sources(path: str) -> bool:
     """Whether the extension at ``path`` was built from the kernel sources here and for the
     same CPU (its ``source_digest()`` and ``target_digest()``): a rebuild is then skipped."""
     import importlib.util
-    import os
 
     from neardup.build_kernels import target_digest
     from neardup.core.aot import source_digest
@@ -57,9 +59,14 @@ class BuildKernels(build_ext):
 
     def build_extension(self, ext) -> None:
         target = self.get_ext_fullpath(ext.name)
-        if _built_from_these_sources(target):
-            print(f"neardup: kernels up to date in {target}", file=sys.stderr)
-            return
+        # the build folder's copy, or the source tree's that an editable install made
+        for built in (target, str(SRC / "neardup" / os.path.basename(target))):
+            if _built_from_these_sources(built):
+                print(f"neardup: kernels up to date in {built}", file=sys.stderr)
+                if built != target:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copyfile(built, target)
+                return
         try:
             super().build_extension(ext)
         except Exception as error:  # noqa: BLE001
