@@ -1,5 +1,9 @@
 """Where numba keeps neardup's compiled kernels, chosen before the first kernel is defined.
 
+This is for processes that compile the kernels at run, with numba's just-in-time compiler:
+those of an install that has no ahead-of-time build of them (``neardup.core.aot``), or
+that ask for it (``NEARDUP_KERNELS=jit``).
+
 numba caches a compiled function (``cache=True``) beside its source, in ``__pycache__``,
 else in the user's cache directory (``$XDG_CACHE_HOME/numba``, ``~/.cache/numba``), and
 raises ``RuntimeError: cannot cache function ...: no locator available`` when the module
