@@ -18,14 +18,19 @@ SRC = Path(__file__).resolve().parent / "src"
 sys.path.insert(0, str(SRC))
 
 
+def _not_built(error: Exception) -> None:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(f"neardup: kernels not compiled ahead of time ({reason}); they compile at the first run instead",
+          file=sys.stderr)
+
+
 def kernel_extensions() -> list:
     try:
         from neardup.build_kernels import aot_compiler
 
         return [aot_compiler().distutils_extension()]
     except Exception as error:  # noqa: BLE001 - any failure leaves the JIT path
-        print(f"neardup: kernels not compiled ahead of time ({error}); "
-              "they compile at the first run instead", file=sys.stderr)
+        _not_built(error)
         return []
 
 
@@ -70,8 +75,7 @@ class BuildKernels(build_ext):
         try:
             super().build_extension(ext)
         except Exception as error:  # noqa: BLE001
-            print(f"neardup: kernels not compiled ahead of time ({error}); "
-                  "they compile at the first run instead", file=sys.stderr)
+            _not_built(error)
 
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels})
