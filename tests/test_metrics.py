@@ -382,3 +382,35 @@ def test_one_label_name_for_a_verdict():
     assert _value(samples, "neardup_stage_documents_total", stage="decide", verdict="duplicate") == 3
     assert _value(samples, "neardup_stage_dead_letter_total", stage="decide") == 1
     assert _value(samples, "neardup_stage_transactions_total", stage="decide", outcome="committed") == 1
+
+
+def test_observe_many_counts_as_observe_does_one_amount_at_a_time() -> None:
+    """Amounts on the bounds, between them, below the first, above the last (+Inf), and
+    none: the exposition of ``observe_many`` is the loop's, its sum to the last bits."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from neardup.metrics import observe_many
+
+    rng = np.random.default_rng(7)
+    bounds = (0.0, 0.5, 1.0, 2.0, 10.0)
+    amounts = np.concatenate([rng.uniform(-1, 12, 500), np.array(bounds), [-5.0, 1e9, 0.5, 0.5]])
+    exposed = []
+    for many in (False, True):
+        registry = CollectorRegistry()
+        h = Histogram("h", "a histogram", registry=registry, buckets=bounds)
+        if many:
+            observe_many(h, amounts)
+            observe_many(h, [])
+        else:
+            for a in amounts.tolist():
+                h.observe(a)
+        families = {s.name + str(sorted(s.labels.items())): s.value
+                    for f in text_string_to_metric_families(generate_latest(registry).decode())
+                    for s in f.samples if not s.name.endswith("_created")}
+        exposed.append(families)
+    loop, many = exposed
+    assert many.keys() == loop.keys() and len(loop) == len(bounds) + 3  # buckets, +Inf, count, sum
+    for name, value in loop.items():
+        assert many[name] == pytest.approx(value, rel=1e-12), name
+    assert many["h_count[]"] == len(amounts)
