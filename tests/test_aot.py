@@ -99,3 +99,20 @@ def test_neardup_kernels_jit_chooses_numba_whatever_is_installed() -> None:
                   "print(aot.ahead_of_time(), type(xxh3._hash_spans).__name__, 'numba' in sys.modules)",
                   NEARDUP_KERNELS="jit")
     assert out.split() == ["False", "CPUDispatcher", "True"]
+
+
+def test_a_call_of_other_types_than_built_for_is_run_by_numba_and_right() -> None:
+    """The built function reads what it is given as the declared types, unchecked: a
+    strided view gave wrong hashes, int32 offsets crashed the process. Such a call goes to
+    numba's JIT instead, with the right values, and is counted."""
+    out = _python(
+        "import numpy as np, xxhash\n"
+        "from neardup.core import xxh3\n"
+        "data = np.frombuffer(bytes(range(40)), dtype=np.uint8)\n"
+        "edges = np.arange(0, 40, 5, dtype=np.int64)\n"
+        "want = [xxhash.xxh3_64_intdigest(bytes(data[a:b])) for a, b in zip(edges[0::2], edges[1::2])]\n"
+        "strided = xxh3._hash_spans(data, edges[0::2], edges[1::2]).tolist()\n"
+        "narrow = xxh3._hash_spans(data, edges[0::2].astype(np.int32), edges[1::2].astype(np.int32)).tolist()\n"
+        "print(strided == want, narrow == want, xxh3._hash_spans.fallbacks)\n"
+        "print(xxh3._hash_spans.built(data, edges[0::2].copy(), edges[1::2].copy()).tolist() == want)")
+    assert out.split() == ["True", "True", "2", "True"], out

@@ -21,9 +21,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -140,9 +143,97 @@ def _declare(function: Callable[..., Any], signature: str | None) -> Any:
         export = Export(function.__module__, function.__name__, signature, function)
         EXPORTS.append(export)
         if _BUILT is not None:
-            return getattr(_BUILT, export.symbol)
+            return _Built(getattr(_BUILT, export.symbol), function, signature)
     if _BUILT is not None:
         return _Lazy(function)
     from numba import njit  # noqa: PLC0415 - numba only where the kernels are not built
 
     return njit(nogil=True, cache=True)(function)
+
+
+class _Built:
+    """A kernel that Python calls, in a process that runs the built extension: its built
+    function for a call of the declared types, numba's JIT for any other.
+
+    The built function does not check what it is given: an array of another dtype,
+    dimension or layout (a strided view) would be read as the declared one (wrong values,
+    or a crash past its end). So every call's arrays are checked first (dtype, ndim,
+    C-contiguous, writeable as declared) and its scalars' kinds; a call that does not fit
+    is compiled and run by numba for its own types, as without the build, and logged once.
+    ``fallbacks`` counts those calls.
+    """
+
+    def __init__(self, built: Callable[..., Any], function: Callable[..., Any], signature: str) -> None:
+        self.built = built
+        self.py_func = function
+        self.__name__ = function.__name__
+        self.__doc__ = function.__doc__
+        self._args = _argument_checks(signature)
+        self._jit: Callable[..., Any] | None = None
+        self.fallbacks = 0
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) == len(self._args) and all(fits(a) for fits, a in zip(self._args, args)):
+            return self.built(*args)
+        return self._fallback(args)
+
+    def _fallback(self, args: tuple[Any, ...]) -> Any:
+        if self._jit is None:
+            import logging  # noqa: PLC0415
+
+            from numba import njit  # noqa: PLC0415 - only for a call the build does not take
+
+            logging.getLogger(__name__).warning(
+                "kernel %s.%s called with other types than it was built for (%s): compiled by numba",
+                self.py_func.__module__, self.__name__,
+                ", ".join(f"{a.dtype}[{a.ndim}d]" if isinstance(a, np.ndarray) else type(a).__name__ for a in args))
+            _compile_helpers()
+            self._jit = njit(nogil=True, cache=True)(self.py_func)
+        self.fallbacks += 1
+        return self._jit(*args)
+
+
+#: numba's names of the scalar types in the signatures, and what Python passes for them.
+_SCALARS: dict[str, tuple[type, ...]] = {
+    "int64": (int, np.integer), "uint64": (int, np.integer), "float64": (float, int, np.floating, np.integer),
+    "boolean": (bool, np.bool_),
+}
+
+
+def _argument_checks(signature: str) -> list[Callable[[Any], bool]]:
+    """One test per argument of a numba signature string ``"ret(arg, ...)"`` as the kernels
+    here write them: ``dtype[::1]``, ``dtype[:, ::1]``, ``Array(dtype, ndim, 'C',
+    readonly=True)`` and the scalars of ``_SCALARS``.
+
+    Raises:
+        ValueError: a type not of those forms.
+    """
+    depth, start = 0, len(signature) - 1
+    for start in range(len(signature) - 1, -1, -1):  # the last top-level "(...)": the arguments
+        depth += {")": 1, "(": -1}.get(signature[start], 0)
+        if depth == 0:
+            break
+    parts, depth, begin = [], 0, start + 1
+    for i, c in enumerate(signature[start + 1:-1], start + 1):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            parts.append(signature[begin:i].strip())
+            begin = i + 1
+    parts.append(signature[begin:-1].strip())
+    checks: list[Callable[[Any], bool]] = []
+    for part in parts:
+        array = re.fullmatch(r"(\w+)\[([:, 1]+)\]", part)
+        declared = re.fullmatch(r"Array\((\w+), (\d), 'C', readonly=True\)", part)
+        if array or declared:
+            name = (array or declared).group(1)  # type: ignore[union-attr]
+            dtype = np.dtype("bool" if name == "boolean" else name)
+            ndim = array.group(2).count(",") + 1 if array else int(declared.group(2))  # type: ignore[union-attr]
+            writeable = declared is None
+            checks.append(lambda a, dtype=dtype, ndim=ndim, writeable=writeable: (
+                isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim and a.flags.c_contiguous
+                and a.flags.writeable == writeable))
+        elif part in _SCALARS:
+            checks.append(lambda a, kinds=_SCALARS[part]: isinstance(a, kinds))
+        else:
+            raise ValueError(f"a kernel argument type not handled here: {part!r} in {signature!r}")
+    return checks
