@@ -143,9 +143,9 @@ def target_digest(cpu: str) -> int:
     """A 63-bit digest of the CPU name the kernels are compiled for (``host`` or a
     ``NUMBA_CPU_NAME``), stored in the extension so that ``setup.py`` rebuilds one built
     for another target."""
-    import hashlib  # noqa: PLC0415 - only here
+    from neardup.core.aot import digest63  # noqa: PLC0415
 
-    return int.from_bytes(hashlib.sha256(cpu.encode()).digest()[:8], "little") >> 1
+    return digest63(cpu.encode())
 
 
 if __name__ == "__main__":

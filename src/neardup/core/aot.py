@@ -67,9 +67,16 @@ def source_digest(package: Path = _PACKAGE) -> int:
     Raises:
         OSError: a kernel module's file cannot be read.
     """
-    digest = hashlib.sha256(str(_FORMAT).encode())
-    for name in KERNEL_MODULES:
-        digest.update((package / Path(*name.split(".")[1:])).with_suffix(".py").read_bytes())
+    return digest63(str(_FORMAT).encode(), *((package / Path(*name.split(".")[1:])).with_suffix(".py").read_bytes()
+                                             for name in KERNEL_MODULES))
+
+
+def digest63(*parts: bytes) -> int:
+    """The first 63 bits of the sha256 of ``parts`` one after the other (a positive int64,
+    what a built kernel returns)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 

@@ -89,8 +89,10 @@ import heapq
 import logging
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
@@ -125,6 +127,7 @@ from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import ShardStore, member_parts, member_value, members_of, members_parts, members_value
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed offset
 #: The largest findings record produced, bytes (a batch's findings for one decide
@@ -139,6 +142,22 @@ Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: records, the transaction) is spread over many.
 BATCH_DOCUMENTS_PER_SIZE = 10
 
+
+
+def _split(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, cut into runs of at most ``limit`` bytes (``size`` of each), an
+    item larger than that alone in its run: the parts of one record each."""
+    runs: list[list[T]] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if runs and total + n <= limit:
+            runs[-1].append(item)
+            total += n
+        else:
+            runs.append([item])
+            total = n
+    return runs
 
 @dataclass
 class _Shard:
@@ -536,14 +555,7 @@ class ShardProcessor(StageHooks):
             stats.held += len(shard.held)
             held[p] = (shard, *shard.changes())
         for q in sorted(set(found) | set(empty)):  # one findings record per decide partition (split if large)
-            chunks: list[list[bytes]] = [[]]
-            size = 0
-            for part in found.get(q, ()):
-                if chunks[-1] and size + len(part) > FINDINGS_RECORD_BYTES:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append(part)
-                size += len(part)
+            chunks = _split(found.get(q, []), len, FINDINGS_RECORD_BYTES) or [[]]
             orders, shards = empty.get(q, ([], []))
             per = FINDINGS_RECORD_BYTES // EMPTY_FINDING_BYTES
             for i in range(max(len(chunks), -(-len(orders) // per))):
@@ -623,17 +635,10 @@ class ShardProcessor(StageHooks):
     def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
         """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
         joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
-        at = 0
-        while at < len(members):
-            end, size = at + 1, len(members[at][1])
-            while end < len(members) and size + len(members[end][1]) <= MEMBERS_RECORD_BYTES:
-                size += len(members[end][1])
-                end += 1
-            chunk = members[at:end]
+        for chunk in _split(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
             key = max(order for order, _ in chunk)
             out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
             shard.batches.add(key)
-            at = end
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:
         """Produce the batch's findings and changelog records into the open transaction.
