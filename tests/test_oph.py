@@ -84,10 +84,11 @@ def _reference_signatures(hasher: OnePermutationHasher, batch: ShingleBatch) -> 
     np.minimum.at(raw, docs * k + bins, h)
     raw = raw.reshape(len(batch), k)
     out = raw.copy()
+    table = hasher.probe_table()
     for d in np.flatnonzero(batch.counts > 0):
         reached = np.flatnonzero(raw[d] != EMPTY)
         for j in np.flatnonzero(raw[d] == EMPTY):
-            probes = hasher._probes[j]
+            probes = table[j]
             hit = probes[raw[d, probes] != EMPTY]
             out[d, j] = raw[d, hit[0] if len(hit) else reached[0]]
     return out

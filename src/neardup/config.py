@@ -28,10 +28,12 @@ restated with another value.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -294,9 +296,22 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
                          + " (the variables are listed at the end of --help)")
 
 
-def _sourced(environment: bool, table: dict[str, Any] | None = None) -> type[Settings]:
+#: The TOML table the next ``_sourced`` instance reads below its other sources.
+_TABLE: ContextVar[dict[str, Any] | None] = ContextVar("neardup_settings_table", default=None)
+
+
+class _TableSource(InitSettingsSource):
+    """``_TABLE``'s values, as keyword arguments of the lowest priority."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls, init_kwargs=_TABLE.get() or {})
+
+
+@functools.cache
+def _sources(environment: bool) -> type[Settings]:
     """``Settings`` read from the keyword arguments, then (``environment``) the
-    ``NEARDUP_*`` variables, then ``table`` (a TOML file's), in that order of priority."""
+    ``NEARDUP_*`` variables, then ``_TABLE``. Built once per process: pydantic builds
+    a model's validator when its class is made, about 10 ms."""
 
     class _Sourced(Settings):
         @classmethod
@@ -308,13 +323,24 @@ def _sourced(environment: bool, table: dict[str, Any] | None = None) -> type[Set
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: tuple[PydanticBaseSettingsSource, ...] = (
-                (init_settings, env_settings) if environment else (init_settings,))
-            if table is not None:
-                sources += (InitSettingsSource(settings_cls, init_kwargs=table),)
-            return sources
+            sources = (init_settings, env_settings) if environment else (init_settings,)
+            return (*sources, _TableSource(settings_cls))
 
     return _Sourced
+
+
+def _sourced(given: dict[str, Any], environment: bool, table: dict[str, Any] | None = None) -> Settings:
+    """``Settings`` from ``given`` (keyword arguments), then (``environment``) the
+    ``NEARDUP_*`` variables, then ``table`` (a TOML file's), in that order of priority.
+
+    Raises:
+        pydantic.ValidationError: a value is invalid.
+    """
+    token = _TABLE.set(table)
+    try:
+        return _sources(environment)(**given)
+    finally:
+        _TABLE.reset(token)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -337,7 +363,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: " + "; ".join(
             f"unknown key {key!r}{_did_you_mean(key.replace('-', '_').lower(), names, repr)}" for key in unknown))
     try:
-        _sourced(environment=False)(**table)
+        _sourced(table, environment=False)
     except ValidationError as exc:
         parts = []
         for error in exc.errors():
@@ -363,7 +389,7 @@ def library_settings(options: Mapping[str, Any], toml_file: Path | None = None) 
     if toml_file is not None and not Path(toml_file).is_file():
         raise FileNotFoundError(f"config file not found: {toml_file}")
     table = read_toml(Path(toml_file)) if toml_file is not None else None
-    return _sourced(environment=False, table=table)(**{k: v for k, v in options.items() if v is not None})
+    return _sourced({k: v for k, v in options.items() if v is not None}, environment=False, table=table)
 
 
 def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> Settings:
@@ -383,7 +409,7 @@ def load_settings(overrides: dict[str, Any], toml_file: Path | None = None) -> S
     table = read_toml(Path(toml_file)) if toml_file is not None else None
     given = {k: v for k, v in overrides.items() if v is not None}
     kafka = given.pop("kafka", None)
-    settings = _sourced(environment=True, table=table)(**given)
+    settings = _sourced(given, environment=True, table=table)
     # librdkafka overrides add to the [kafka] table (and NEARDUP_KAFKA), key by key; then
     # ``@PATH`` values are read from their files (neardup.kafka.kafka_config).
     merged = {**settings.kafka, **Settings._stringify(dict(kafka or {}))}

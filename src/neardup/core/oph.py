@@ -24,7 +24,7 @@ from neardup.core.shingle import ShingleBatch
 
 #: A slot no shingle reached; the 63-bit hash values never take it.
 EMPTY = np.uint64(np.iinfo(np.uint64).max)
-#: Probes precomputed per bin; a bin still empty after them (a document of one or two
+#: Probes tried per empty bin; a bin still empty after them (a document of one or two
 #: shingles, with probability about (1 - 1/num_perm)^MAX_PROBES) takes the value of the
 #: document's first reached bin.
 MAX_PROBES = 4096
@@ -43,10 +43,29 @@ def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) ->
     return raw
 
 
-@kernel("uint64[:, ::1](uint64[:, ::1], boolean[::1], int64[:, ::1])")
-def _densify(raw: np.ndarray, nonempty: np.ndarray, probes: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """Fill each empty bin j of a non-empty document from bin ``probes[j, t]`` for the
-    first t that was reached, else from the document's first reached bin."""
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@kernel
+def _probe(j: int, t: int, salt: np.uint64, k: int) -> int:  # pragma: no cover - compiled
+    """The bin that empty bin ``j`` reads at its ``t``-th probe (t = 1, 2, ...):
+    SplitMix64's finaliser of ``(j << 32 | t) ^ salt``, modulo ``k``; the scalar form of
+    ``hashing.mix64`` (``OnePermutationHasher.probe_table`` is the same in numpy)."""
+    x = ((np.uint64(j) << np.uint64(32)) | np.uint64(t)) ^ salt
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x % np.uint64(k))
+
+
+@kernel("uint64[:, ::1](uint64[:, ::1], boolean[::1], uint64)")
+def _densify(raw: np.ndarray, nonempty: np.ndarray, salt: np.uint64) -> np.ndarray:  # pragma: no cover - compiled
+    """Fill each empty bin j of a non-empty document from bin ``_probe(j, t)`` for the
+    first t up to ``MAX_PROBES`` that was reached, else from the document's first reached
+    bin."""
     out = raw.copy()
     n_docs, k = raw.shape
     for d in range(n_docs):
@@ -61,8 +80,8 @@ def _densify(raw: np.ndarray, nonempty: np.ndarray, probes: np.ndarray) -> np.nd
             if raw[d, j] != EMPTY:
                 continue
             out[d, j] = raw[d, first]
-            for t in range(probes.shape[1]):
-                src = probes[j, t]
+            for t in range(1, MAX_PROBES + 1):
+                src = _probe(j, t, salt, k)
                 if raw[d, src] != EMPTY:
                     out[d, j] = raw[d, src]
                     break
@@ -81,19 +100,22 @@ class OnePermutationHasher:
     num_perm: int = 128
     seed: int = 1
     _salt: np.uint64 = field(init=False, repr=False, compare=False)
-    _probes: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_perm < 1:
             raise ValueError(f"num_perm must be at least 1, not {self.num_perm}")
         rng = np.random.Generator(np.random.PCG64(self.seed))
         salt = rng.integers(0, np.iinfo(np.uint64).max, dtype=np.uint64, endpoint=True)
+        object.__setattr__(self, "_salt", salt)
+
+    def probe_table(self) -> np.ndarray:
+        """The densification probes as one table: int64, shape (num_perm, MAX_PROBES),
+        row j the bins empty bin j reads in turn (8 * num_perm * MAX_PROBES bytes: the
+        kernel computes each probe when it needs it instead)."""
         keys = (np.arange(self.num_perm, dtype=np.uint64)[:, None] << np.uint64(32)) | np.arange(
             1, MAX_PROBES + 1, dtype=np.uint64
         )[None, :]
-        probes = (mix64(keys ^ salt) % np.uint64(self.num_perm)).astype(np.int64)
-        object.__setattr__(self, "_salt", salt)
-        object.__setattr__(self, "_probes", probes)
+        return (mix64(keys ^ self._salt) % np.uint64(self.num_perm)).astype(np.int64)
 
     def signatures(self, batch: ShingleBatch) -> np.ndarray:
         """Signatures of every document of ``batch``.
@@ -109,7 +131,7 @@ class OnePermutationHasher:
         return self._densify(raw, batch.counts > 0)
 
     def _densify(self, raw: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
-        return _densify(raw, nonempty, self._probes)
+        return _densify(raw, nonempty, self._salt)
 
     def signature(self, shingle_hashes: np.ndarray) -> np.ndarray:
         """The signature (uint64, shape (num_perm,)) of one set of shingle hashes."""
