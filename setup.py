@@ -69,8 +69,12 @@ class BuildKernels(build_ext):
             if _built_from_these_sources(built):
                 print(f"neardup: kernels up to date in {built}", file=sys.stderr)
                 if built != target:
+                    # a new file renamed over the target: the target may be mapped in this
+                    # process (loaded above to read its digests), and a library rewritten in
+                    # place under its mapping crashes the process (SIGSEGV, seen)
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                    shutil.copyfile(built, target)
+                    shutil.copyfile(built, target + ".tmp")
+                    os.replace(target + ".tmp", target)
                 return
         try:
             super().build_extension(ext)
