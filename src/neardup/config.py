@@ -28,7 +28,6 @@ restated with another value.
 from __future__ import annotations
 
 import difflib
-import functools
 import os
 import re
 import tomllib
@@ -64,6 +63,22 @@ class Settings(BaseSettings):
     """Every setting of the ``neardup`` commands, with its default."""
 
     model_config = SettingsConfigDict(env_prefix="NEARDUP_", extra="forbid")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The keyword arguments, then the ``NEARDUP_*`` variables, then a TOML file's
+        table, as ``_sourced`` sets them (``_SOURCES``); a subclass per call instead would
+        have pydantic build a validator at each, about 10 ms."""
+        environment, table = _SOURCES.get()
+        sources = (init_settings, env_settings) if environment else (init_settings,)
+        return sources if table is None else (*sources, InitSettingsSource(settings_cls, init_kwargs=table))
 
     # engine
     shingle: str = "word:5"
@@ -296,37 +311,10 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
                          + " (the variables are listed at the end of --help)")
 
 
-#: The TOML table the next ``_sourced`` instance reads below its other sources.
-_TABLE: ContextVar[dict[str, Any] | None] = ContextVar("neardup_settings_table", default=None)
-
-
-class _TableSource(InitSettingsSource):
-    """``_TABLE``'s values, as keyword arguments of the lowest priority."""
-
-    def __init__(self, settings_cls: type[BaseSettings]) -> None:
-        super().__init__(settings_cls, init_kwargs=_TABLE.get() or {})
-
-
-@functools.cache
-def _sources(environment: bool) -> type[Settings]:
-    """``Settings`` read from the keyword arguments, then (``environment``) the
-    ``NEARDUP_*`` variables, then ``_TABLE``. Built once per process: pydantic builds
-    a model's validator when its class is made, about 10 ms."""
-
-    class _Sourced(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources = (init_settings, env_settings) if environment else (init_settings,)
-            return (*sources, _TableSource(settings_cls))
-
-    return _Sourced
+#: What ``Settings`` reads besides its keyword arguments: the ``NEARDUP_*`` variables
+#: (True) or not, and a TOML file's table (lowest priority) or None. Set by ``_sourced``.
+_SOURCES: ContextVar[tuple[bool, dict[str, Any] | None]] = ContextVar("neardup_settings_sources",
+                                                                     default=(True, None))
 
 
 def _sourced(given: dict[str, Any], environment: bool, table: dict[str, Any] | None = None) -> Settings:
@@ -336,11 +324,11 @@ def _sourced(given: dict[str, Any], environment: bool, table: dict[str, Any] | N
     Raises:
         pydantic.ValidationError: a value is invalid.
     """
-    token = _TABLE.set(table)
+    token = _SOURCES.set((environment, table))
     try:
-        return _sources(environment)(**given)
+        return Settings(**given)
     finally:
-        _TABLE.reset(token)
+        _SOURCES.reset(token)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
