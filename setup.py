@@ -45,7 +45,7 @@ def _built_from_these_sources(path: str) -> bool:
     same CPU (its ``source_digest()`` and ``target_digest()``): a rebuild is then skipped."""
     import importlib.util
 
-    from neardup.build_kernels import target_digest
+    from neardup.build_kernels import target_cpu, target_digest
     from neardup.core.aot import source_digest
 
     try:
@@ -53,7 +53,7 @@ def _built_from_these_sources(path: str) -> bool:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return (int(module.source_digest()) == source_digest()
-                and int(module.target_digest()) == target_digest(os.environ.get("NUMBA_CPU_NAME") or "host"))
+                and int(module.target_digest()) == target_digest(target_cpu()))
     except Exception:  # noqa: BLE001 - missing, or not loadable: build it
         return False
 

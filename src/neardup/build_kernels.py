@@ -128,7 +128,7 @@ def aot_compiler() -> Any:
     for module in aot.KERNEL_MODULES:
         importlib.import_module(module)
     compiler = CC("_kernels", source_module="neardup.build_kernels")  # neardup._kernels
-    compiler.target_cpu = os.environ.get("NUMBA_CPU_NAME") or "host"
+    compiler.target_cpu = target_cpu()
     compiler.verbose = False
     for export in aot.EXPORTS:
         compiler.export(export.symbol, export.signature)(export.function)
@@ -137,6 +137,12 @@ def aot_compiler() -> Any:
     target = target_digest(compiler.target_cpu)
     compiler.export("target_digest", "int64()")(lambda: target)
     return compiler
+
+
+def target_cpu() -> str:
+    """The CPU the kernels are compiled for: ``NUMBA_CPU_NAME`` when it is set, else
+    ``host`` (this machine's)."""
+    return os.environ.get("NUMBA_CPU_NAME") or "host"
 
 
 def target_digest(cpu: str) -> int:

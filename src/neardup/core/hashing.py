@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+#: SplitMix64's finaliser multipliers (also the scalar kernel ``neardup.core.oph._probe``).
+M1 = np.uint64(0xBF58476D1CE4E5B9)
+M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -21,9 +22,9 @@ _K = np.uint64(0x9E3779B97F4A7C15)
 def mix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64 finaliser of ``x`` (uint64, any shape); returns a new uint64 array."""
     x = x ^ (x >> _S30)
-    x *= _M1
+    x *= M1
     x ^= x >> _S27
-    x *= _M2
+    x *= M2
     x ^= x >> _S31
     return x
 

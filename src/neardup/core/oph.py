@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from neardup.core.aot import kernel
 
-from neardup.core.hashing import mix64
+from neardup.core.hashing import M1, M2, mix64
 from neardup.core.shingle import ShingleBatch
 
 #: A slot no shingle reached; the 63-bit hash values never take it.
@@ -43,10 +43,6 @@ def _bin_minima(h: np.ndarray, bins: np.ndarray, offsets: np.ndarray, k: int) ->
     return raw
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
 @kernel
 def _probe(j: int, t: int, salt: np.uint64, k: int) -> int:  # pragma: no cover - compiled
     """The bin that empty bin ``j`` reads at its ``t``-th probe (t = 1, 2, ...):
@@ -54,9 +50,9 @@ def _probe(j: int, t: int, salt: np.uint64, k: int) -> int:  # pragma: no cover 
     ``hashing.mix64`` (``OnePermutationHasher.probe_table`` is the same in numpy)."""
     x = ((np.uint64(j) << np.uint64(32)) | np.uint64(t)) ^ salt
     x = x ^ (x >> np.uint64(30))
-    x = x * _M1
+    x = x * M1
     x = x ^ (x >> np.uint64(27))
-    x = x * _M2
+    x = x * M2
     x = x ^ (x >> np.uint64(31))
     return np.int64(x % np.uint64(k))
 

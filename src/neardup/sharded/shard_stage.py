@@ -143,7 +143,6 @@ Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 BATCH_DOCUMENTS_PER_SIZE = 10
 
 
-
 def _split(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
     """``items`` in order, cut into runs of at most ``limit`` bytes (``size`` of each), an
     item larger than that alone in its run: the parts of one record each."""
@@ -158,6 +157,7 @@ def _split(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]
             runs.append([item])
             total = n
     return runs
+
 
 @dataclass
 class _Shard:
