@@ -1037,6 +1037,72 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
     assert sorted(o.key for o in out) == sorted(str(r["id"]).encode() for r in stories), log[-3000:]
 
 
+def test_decide_batches_aborted_while_documents_wait_give_every_verdict_once(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    # On an abort decide goes back to the documents waiting as of the last commit (and
+    # the consumed offsets and logged documents then), and the runtime reads the failed
+    # batches again. Here a batch fails midway, after it decided documents (a broker error
+    # in its computation: creating an input's output topics, say), then decide's producer
+    # is fenced at the next three batches it writes, which decide documents and may follow
+    # a batch still committing: every message must come out once, with the sharded
+    # verdicts. Decide runs in this process and joins its group whenever it starts: it
+    # reads the findings topic from its start all the same.
+    import threading
+
+    from confluent_kafka import KafkaError, KafkaException, Producer
+
+    from neardup.sharded.decide_stage import DecideProcessor, DecideStage
+
+    topic = kafka_topic_factory("sharded-decide-aborts", partitions=2)
+    messages = _stories_and_copies(150)
+    produce(kafka_bootstrap, topic, messages)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=2)
+    stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"{topology.app}.decide",
+                        batch_size=50, kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
+    stage = DecideStage(settings, topology, "a")
+    processor = stage.processor
+    assert isinstance(processor, DecideProcessor)
+    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
+    write, aborted, attempt = processor.write, processor.aborted, processor._try
+    failed, fenced, undone, waited = [], [], [], []
+
+    def trying(q, order, w, out, stats):
+        state = attempt(q, order, w, out, stats)
+        if state == "decided" and stats.unique + stats.duplicate == 20 and not failed:
+            failed.append(sum(len(w) for w in processor.partitions.values()))
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "the broker did not answer (test)"))
+        return state
+
+    def writing(work, producer):
+        written = write(work, producer)
+        if failed and len(fenced) < 3:
+            fenced.append(written.unique + written.duplicate)
+            Producer({"bootstrap.servers": kafka_bootstrap,
+                      "transactional.id": stage.transactional_id}).init_transactions(30)
+        return written
+
+    def aborting():
+        undone.append(len(processor._uncommitted))
+        aborted()
+        waited.append(sum(len(w) for w in processor.partitions.values()))
+
+    processor.write, processor.aborted, processor._try = writing, aborting, trying
+    try:
+        stages.start("prepare")
+        stages.start("shard")
+        runner.start()
+        out = _outputs(kafka_bootstrap, topic, len(messages), 240, lambda: stages.alive() and runner.is_alive())
+    finally:
+        stage.stop()
+        runner.join(60)
+        stages.stop()
+    log = (tmp_path / "stages.log").read_text()
+    assert len(failed) == 1 and len(fenced) == 3 and len(undone) >= 4, (failed, fenced, undone)
+    assert any(fenced) and max(undone) >= 1 and any(waited), (fenced, undone, waited)  # decisions taken back
+    _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), log=log)
+
+
 def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_previous_commits(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     # A stage's computation may ask the broker (decide creates an input topic's outputs at

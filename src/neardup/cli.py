@@ -547,8 +547,6 @@ def cmd_stage(role: str, settings: Settings) -> int:
     topology = Topology(app, settings.shards, settings.decide_partitions, tuple(settings.input_topics))
     instance = settings.instance or socket.gethostname()
     stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
-    if role != "prepare":
-        stage_settings = stage_settings.model_copy(update={"from_beginning": True})
     from neardup.metrics import StageMetrics
     from neardup.kafka.progress import Progress
     from neardup.server import MetricsServer, Readiness

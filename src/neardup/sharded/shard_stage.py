@@ -683,6 +683,9 @@ class ShardStage(StageRuntime):
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0",
                  state_dir: Path | None = None, retention_ms: int | None = None, **callbacks: object) -> None:
+        # an internal topic is read from its start by a new group (whatever the input's
+        # ``from_beginning``): a process that joins after records were written takes them
         settings = settings.model_copy(update={
-            "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.bands]})
+            "transactional_id": f"neardup-{settings.group_id}-{instance}", "input_topics": [topology.bands],
+            "from_beginning": True})
         super().__init__(settings, ShardProcessor(settings, topology, state_dir, retention_ms), **callbacks)
