@@ -14,7 +14,14 @@ from neardup.detector import Preparer
 from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
-from neardup.state.shard_store import ShardStore, member_parts, member_value, members_parts, members_value
+from neardup.state.shard_store import (
+    ShardStore,
+    joined_member_value,
+    member_parts,
+    member_value,
+    members_parts,
+    members_value,
+)
 from test_quality import _excerpt
 from test_sharded import _republished
 
@@ -159,3 +166,18 @@ def test_a_members_record_applies_as_its_members_one_by_one(tmp_path: Path) -> N
     finally:
         one_by_one.close()
         batched.close()
+
+
+@pytest.mark.parametrize("copies", [0, 1, 3])
+def test_a_joined_member_is_encoded_as_the_member_value_of_its_band_value(copies: int) -> None:
+    """What the shard logs per member (``joined_member_value``, one join) is byte for byte
+    ``member_value`` of the ``BandRecord`` value, and reads back as the same member."""
+    order, copy_keys = order_key(7, 1, 9), [order_key(5, 0, i) for i in range(copies)]
+    for buckets, fp in [(np.array([3, 2**64 - 1], dtype=np.uint64), np.array([1, 7, 2**32 - 1], dtype=np.uint32)),
+                        (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32))]:
+        got = joined_member_value(copy_keys, "doc-é", buckets, fp)
+        assert got == member_value(copy_keys, BandRecord(order, "doc-é", buckets, fp).value())
+        keys, band = member_parts(got)
+        rec = BandRecord.parse(order, band)
+        assert (keys, rec.id, rec.buckets.tolist(), rec.fingerprints.tolist()) == (
+            copy_keys, "doc-é", buckets.tolist(), fp.tolist())

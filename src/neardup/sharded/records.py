@@ -69,7 +69,9 @@ import numpy as np
 import xxhash
 
 ORDER = struct.Struct(">qiq")
-_BAND = struct.Struct(">HHI")
+#: A document's entry lengths in a member record's band value: bucket count, id bytes, set size.
+BAND = struct.Struct(">HHI")
+_BAND = BAND
 ORDER_HEADER = "neardup-sharded-order"
 SHARDS_HEADER = "neardup-sharded-shards"
 ID_HEADER = "neardup-sharded-id"

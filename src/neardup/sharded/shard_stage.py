@@ -124,7 +124,14 @@ from neardup.sharded.records import (
     seq_order,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
-from neardup.state.shard_store import ShardStore, member_parts, member_value, members_of, members_parts, members_value
+from neardup.state.shard_store import (
+    ShardStore,
+    joined_member_value,
+    member_parts,
+    members_of,
+    members_parts,
+    members_value,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -626,8 +633,8 @@ class ShardProcessor(StageHooks):
                 columns[0].append(order)
                 columns[1].append(p)
             if not joins.empty:
-                member = BandRecord(order, rec.id, joins.buckets, rec.fingerprints).value()
-                members.append((order, member_value([seq_order(c) for c in joins.copies], member)))
+                copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
+                members.append((order, joined_member_value(copies, rec.id, joins.buckets, rec.fingerprints)))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)

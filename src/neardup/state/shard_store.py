@@ -44,16 +44,19 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
 from rocksdict import WriteBatch
 
-from neardup.sharded.records import ORDER
+from neardup.sharded.records import BAND, ORDER
 from neardup.state.view import TopicView
 
 _U64 = struct.Struct(">Q")
 _N = struct.Struct(">I")
+_LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
 ORDER_BYTES = ORDER.size
 
 Record = tuple[bytes, "bytes | None"]
@@ -63,6 +66,23 @@ def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
     """An ``M`` record's value: ``">I"`` n, the n order keys of the copy buckets joined,
     then the band record value (its id, the buckets it joined, its set)."""
     return _N.pack(len(copies)) + b"".join(copies) + band
+
+
+def joined_member_value(copies: Sequence[bytes], doc_id: str, buckets: np.ndarray, fingerprints: np.ndarray) -> bytes:
+    """``member_value(copies, BandRecord(order, doc_id, buckets, fingerprints).value())``
+    in one join: what a shard logs for each document that joins its buckets, so made
+    without the intermediate band value.
+
+    Args:
+        copies: the order keys of the copy buckets joined (20 bytes each).
+        doc_id: the document's id.
+        buckets: uint64 (native byte order), shape (k,): the buckets it joined.
+        fingerprints: uint32 (native byte order), sorted distinct: its shingle set.
+    """
+    raw_id = doc_id.encode("utf-8")
+    return b"".join((_N.pack(len(copies)), *copies, BAND.pack(len(buckets), len(raw_id), len(fingerprints)), raw_id,
+                     (buckets if _LITTLE_ENDIAN else buckets.astype("<u8")).tobytes(),
+                     (fingerprints if _LITTLE_ENDIAN else fingerprints.astype("<u4")).tobytes()))
 
 
 def member_parts(value: bytes) -> tuple[list[bytes], bytes]:
