@@ -91,6 +91,16 @@ def test_run_checks_its_settings_before_serving_metrics(capsys, tmp_path) -> Non
     assert line == "neardup: error: --bootstrap-servers is required"
 
 
+def test_a_metrics_port_in_use_is_one_line(capsys, stories, tmp_path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = _error(capsys, ["dedup", stories, "--out-dir", tmp_path / "out", "--metrics-host", "127.0.0.1",
+                               "--metrics-port", port, "--no-progress"])
+    assert line.startswith("neardup: error: cannot serve") and f"127.0.0.1:{port}" in line, line
+
+
 def test_another_threshold_on_a_state_names_the_threshold(capsys, stories, tmp_path) -> None:
     state = tmp_path / "state"
     assert main(["dedup", str(stories), "--state-dir", str(state), "--out-dir", str(tmp_path / "a"),

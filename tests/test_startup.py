@@ -17,6 +17,16 @@ def test_the_command_line_loads_no_metrics_code() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_the_command_line_loads_no_http_server_code() -> None:
+    """The HTTP server (neardup.server, wsgiref, http.server) loads only when something
+    is served."""
+    code = ("import sys, neardup.cli, neardup.errors, neardup.embedded; "
+            "print(sorted(m for m in ('neardup.server', 'wsgiref', 'http.server') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_dedup_run_loads_no_scipy_linear_algebra(tmp_path: Path) -> None:
     """numba's first compiled call would import SciPy's BLAS (installed with the test
     extras) for linear algebra no kernel uses; ``neardup`` keeps it out, and SciPy

@@ -9,6 +9,7 @@ keys) never appear in the line.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +18,18 @@ from pydantic import ValidationError
 from neardup.config import default
 from neardup.core.lsh import optimal_params
 from neardup.kafka.kafka_config import redact
-from neardup.server import ServerError
 from neardup.state.base import SettingsMismatchError, StateError
 
 if TYPE_CHECKING:
     from neardup.config import Settings
+
+
+def _server_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``neardup.server.ServerError``: only a command that imported the
+    server can raise one, so it is looked up there instead of imported (its HTTP modules
+    would add to every command's start-up)."""
+    server = sys.modules.get("neardup.server")
+    return server is not None and isinstance(exc, server.ServerError)
 
 
 class DuplicateIdError(ValueError):
@@ -128,7 +136,7 @@ def user_error(exc: BaseException, settings: Settings | None = None,
         line = _validation(exc)
     elif isinstance(exc, SettingsMismatchError):
         line = _mismatch(exc, settings)
-    elif isinstance(exc, (ValueError, StateError, ServerError)):
+    elif isinstance(exc, (ValueError, StateError)) or _server_error(exc):
         line = str(exc)
     elif _refused_setting(exc):
         line = f"-X: {exc.args[0].str()}"
