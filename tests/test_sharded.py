@@ -20,10 +20,12 @@ from neardup.sharded.records import (
     band_values,
     bands_value,
     batch_bands,
+    decisions_value,
     findings_value,
     found_value,
     order_key,
     parse_bands,
+    parse_decisions,
     parse_findings,
     parse_findings_columns,
 )
@@ -238,6 +240,18 @@ def test_the_prepare_stage_refuses_a_state_dir(capsys, tmp_path):
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "neardup: error: --state-dir is for the shard and decide stages; the prepare stage keeps no state"
     assert not (tmp_path / "s").exists()
+
+
+def test_decisions_records_read_back_as_written():
+    keys = [order_key(1_700_000_000_000 + i, i % 3, i) for i in range(5)]
+    decisions = [(keys[1], keys[0], "a", ()), (keys[2], keys[2], "c-é", ()),
+                 (keys[4], keys[0], "", [keys[2], keys[3]])]
+    value = decisions_value(decisions)
+    assert parse_decisions(value) == [(o, c, i, list(m) if m else ()) for o, c, i, m in decisions]
+    assert parse_decisions(decisions_value([])) == []
+    for cut in (value[:-1], value + b"x", value[:30]):
+        with pytest.raises((ValueError, struct.error)):
+            parse_decisions(cut)
 
 
 @pytest.mark.parametrize("shards", [1, 4, 16, 64])

@@ -750,7 +750,7 @@ def test_state_on_disk_reads_only_the_newer_records_after_a_stop_or_a_kill(
     state = ("--state-dir", str(tmp_path / "shard-state"))
     decide_state = ("--state-dir", str(tmp_path / "decide-state"))
     opened = re.compile(r"shard (\d) opened at .*?: (restored in full|from changelog offset \d+), (\d+) changelog records read")
-    table = re.compile(r"decisions table opened at \S+: (read in full|from offset \d+), (\d+) records read")
+    table = re.compile(r"decisions table opened at \S+: (read in full|from offset \d+), \d+ records read \((\d+) decisions\)")
     try:
         produce(kafka_bootstrap, topic, parts[0])
         stages.start("prepare")
@@ -1162,6 +1162,35 @@ def test_a_decisions_table_ahead_of_its_topic_is_read_again_in_full(kafka_bootst
         assert stale not in processor.clusters  # the old entry is gone
         assert processor.clusters.position() is None  # nothing read from the new, empty topic
         assert "is beyond the end of" in caplog.text and "read in full" in caplog.text, caplog.text
+    finally:
+        processor.close()
+
+
+def test_the_decisions_table_reads_batched_decisions_and_the_earlier_one_record_per_document(kafka_bootstrap):
+    """The decisions topic as written now (one binary record per batch) and as written
+    before (one JSON record per document, keyed by it), read into one table."""
+    import orjson
+
+    from neardup.sharded.decide_stage import DecideProcessor
+    from neardup.sharded.records import DECISIONS_KEY, decisions_value, order_key, order_seq
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    k = [order_key(1_700_000_000_000 + i, 0, i) for i in range(4)]
+    batch = [(k[2], k[0], "a", ()), (k[3], k[3], "d-é", ())]
+    produce(kafka_bootstrap, topology.decisions, [
+        (k[0], orjson.dumps({"cluster": [1_700_000_000_000, 0, 0], "cluster_id": "a"})),  # before
+        (k[1], orjson.dumps({"cluster": [1_700_000_000_001, 0, 1], "cluster_id": "b"})),
+        (DECISIONS_KEY + k[2], decisions_value(batch)),  # now
+    ])
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-table"], group_id=topology.app)
+    processor = DecideProcessor(settings, topology, None)
+    try:
+        processor.start(None)
+        seqs = [order_seq(key) for key in k]
+        assert [processor.clusters[s] for s in seqs] == [seqs[0], seqs[1], seqs[0], seqs[3]]
+        assert [processor.clusters.name(s) for s in (seqs[0], seqs[1], seqs[3])] == ["a", "b", "d-é"]
+        assert processor._table_decisions == 4
     finally:
         processor.close()
 

@@ -6,8 +6,9 @@ shards) meet on its decide partition. Once all have come, and the cluster of eve
 candidate it accepted is known, the document is decided (``neardup.sharded.decide``): its
 record is produced to ``<input>.unique`` or ``<input>.duplicates`` with today's headers
 (or, for a message that was no document, to ``<input>.dlq`` with its error), and its
-cluster to the compacted decisions topic, which every decide process reads in full (the
-decisions table: the clusters of earlier documents decided anywhere). A candidate is
+cluster to the compacted decisions topic (one record per batch, its documents' decisions
+as columns), which every decide process reads in full (the decisions table: the clusters
+of earlier documents decided anywhere). A candidate is
 always earlier than the document and its own decision needs only earlier documents, so
 the earliest undecided document can always be decided: no deadlock. The table is in memory,
 read from the topic's start at every start, or with ``state_dir`` in a RocksDB store
@@ -69,6 +70,9 @@ from neardup.sharded.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
     ChangelogLayoutError,
+    DECISIONS_KEY,
+    DECISIONS_RECORD_BYTES,
+    DecisionEntry,
     ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
@@ -82,10 +86,14 @@ from neardup.sharded.records import (
     WATERMARK_KIND,
     Watermarks,
     check_engine,
+    decisions_entry_bytes,
+    decisions_value,
     engine_digest,
     order_seq,
+    parse_decisions,
     parse_findings_columns,
     seq_order,
+    split_runs,
 )
 from neardup.sharded.shard import Checked, Finding, window_time
 from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
@@ -193,6 +201,8 @@ class DecideProcessor(StageHooks):
         # tenth of the stage's CPU
         self._uncommitted: list[_Undo] = []
         self._table_new = False  # decisions came to the table since the last batch
+        self._decided: list[DecisionEntry] = []  # the batch's decisions not yet in a decisions record
+        self._table_decisions = 0  # decisions read from the table's topic (logged at start)
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
         self._ensured = False
         # components: watermarks per owned partition; per decide partition, the first seq
@@ -216,6 +226,7 @@ class DecideProcessor(StageHooks):
             self.clusters = StoredDecisionsTable(self.state_dir / "decisions", self.policy == "components")
         self._ensure()
         started = time.perf_counter()
+        self._table_decisions = 0
         start, read = with_retries("reading the decisions table", lambda: catch_up(
             self.settings, self.topology.decisions, 0, self.clusters.position(), self._apply_decisions,
             self.clusters.wipe, self.clusters.position_age_ms()))
@@ -227,9 +238,10 @@ class DecideProcessor(StageHooks):
             "auto.offset.reset": "earliest"})
         table.assign([TopicPartition(self.topology.decisions, 0, OFFSET_BEGINNING if position is None else position)])
         self._table = table
-        log.info("decisions table %s: %s, %d records read, in %.1f s",
+        log.info("decisions table %s: %s, %d records read (%d decisions), in %.1f s",
                  f"opened at {self.clusters.path}" if isinstance(self.clusters, StoredDecisionsTable) else "in memory",
-                 "read in full" if start is None else f"from offset {start}", read, time.perf_counter() - started)
+                 "read in full" if start is None else f"from offset {start}", read, self._table_decisions,
+                 time.perf_counter() - started)
 
     def close(self) -> None:
         if self._table is not None:
@@ -343,16 +355,23 @@ class DecideProcessor(StageHooks):
         for m in messages:
             if m.error() is not None or m.value() is None:
                 continue
-            if len(m.key() or b"") != ORDER.size:  # a decide partition's progress (components)
-                self._progress[_PARTITION.unpack(m.key()[1:])[0]] = int.from_bytes(m.value(), "big")
+            key = m.key() or b""
+            if key[:1] == DECISIONS_KEY and len(key) == 1 + ORDER.size:  # a batch's decisions
+                decisions += [(order_seq(order), order_seq(cluster), cluster_id,
+                               tuple(order_seq(root) for root in merged))
+                              for order, cluster, cluster_id, merged in parse_decisions(m.value())]
+                continue
+            if len(key) != ORDER.size:  # a decide partition's progress (components)
+                self._progress[_PARTITION.unpack(key[1:])[0]] = int.from_bytes(m.value(), "big")
                 progress += 1
                 continue
-            d = orjson.loads(m.value())
+            d = orjson.loads(m.value())  # one document's decision (written by an earlier version)
             merged = tuple(order_seq(ORDER.pack(*k)) for k in d.get("merged", ()))
             decisions.append((order_seq(m.key()), order_seq(ORDER.pack(*d["cluster"])), d["cluster_id"], merged))
         offsets = [m.offset() for m in messages if m.error() is None]
         if offsets:
             self.clusters.apply(decisions, offsets[-1] + 1)
+        self._table_decisions += len(decisions)
         return len(decisions) + progress
 
     def _poll_table(self) -> int:
@@ -384,6 +403,7 @@ class DecideProcessor(StageHooks):
         # ``_changing``); kept from the start: a batch failing midway is taken back too
         undo = _Undo()
         self._uncommitted.append(undo)
+        self._decided = []
         settled: dict[int, set[bytes]] = {}  # per partition, the documents decided in this batch
         for m in batch.messages:
             q = m.partition()
@@ -473,6 +493,7 @@ class DecideProcessor(StageHooks):
             touched, new_decisions = {}, decided > 0
             if not decided:
                 break
+        self._decisions_records(out)
         self._expire()
         end = {tp.partition: tp.offset for tp in ends}
         for q in sorted(changed):
@@ -499,6 +520,13 @@ class DecideProcessor(StageHooks):
                 tp.offset = min(tp.offset, earliest)
         stats.waiting = sum(len(waiting) for waiting in self.partitions.values())
         return out, stats
+
+    def _decisions_records(self, out: list[Record]) -> None:
+        """The decisions taken since the last call as decisions records (one, split if
+        large; ``neardup.sharded.records``) to ``out``."""
+        for chunk in split_runs(self._decided, decisions_entry_bytes, DECISIONS_RECORD_BYTES):
+            out.append((self.topology.decisions, 0, DECISIONS_KEY + chunk[0][0], decisions_value(chunk), []))
+        self._decided = []
 
     def _first(self, q: int, order: bytes, w: _Waiting, offset: int) -> None:
         """``w.first`` lowered to ``offset`` if that is earlier (noted in ``_firsts``)."""
@@ -562,6 +590,7 @@ class DecideProcessor(StageHooks):
             del self.partitions[q][order]
             settled.setdefault(q, set()).add(order)
             changed.add(q)
+        self._decisions_records(out)  # before the progress they cover, in the topic's order
         for q, waiting in self.partitions.items():
             mark = self._marks[q].limit() if q in self._marks else None
             if mark is None:
@@ -642,10 +671,8 @@ class DecideProcessor(StageHooks):
             cluster_id = names.get(cluster) or self.clusters.name(cluster)
             self.clusters.take(seq, cluster, cluster_id, merged)
             outcome = Outcome.of_verdict(verdict)
-            decision = {"cluster": list(ORDER.unpack(seq_order(cluster))), "cluster_id": cluster_id}
-            if merged:  # components: the roots of the clusters joined to this one
-                decision["merged"] = [list(ORDER.unpack(seq_order(r))) for r in merged]
-            out.append((self.topology.decisions, 0, order, orjson.dumps(decision), []))
+            # merged (components): the roots of the clusters joined to this one
+            self._decided.append((order, seq_order(cluster), cluster_id, [seq_order(r) for r in merged]))
         self._create_outputs(topic)
         # a record too large for its topic goes to the dead-letter topic, with less of the
         # message if need be (as in ``neardup run``: ``neardup.kafka.messages.fit``)

@@ -50,6 +50,22 @@ in one batch, for the documents of one decide partition, in release order:
     ">I" count e, the e documents' order keys (20 bytes each), e × ">i" the shard
     partitions. (A record of an earlier version ends after the n findings: e = 0.)
 
+Decisions record (decide -> ``<app>.decisions``, compacted, one partition; key
+``DECISIONS_KEY`` + the first document's order key): the documents one decide batch
+decided on one decide partition, as columns (one record per batch and partition, split
+above ``DECISIONS_RECORD_BYTES``, instead of one JSON record per document: every decide
+process reads the whole topic, so each record is read as many times as there are decide
+processes):
+
+    ">I" count n; the n documents' order keys (20 bytes each); their clusters'
+    canonicals' order keys (20 bytes each); n × ">H" the canonicals' id lengths, then
+    the ids (UTF-8); n × ">H" the counts of clusters a decision merged (the components
+    policy; 0 otherwise), then the merged clusters' roots' order keys (20 bytes each).
+
+(A topic written by an earlier version holds one record per document instead: key its
+order key, value JSON ``{"cluster": [ms, partition, offset], "cluster_id", "merged"}``;
+``neardup.sharded.decide_stage`` reads both.)
+
 Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
 the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
 (the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
@@ -62,8 +78,9 @@ its value, its size in ``VALUE_BYTES_HEADER``.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -288,6 +305,81 @@ def check_engine(headers: list[tuple[str, bytes]] | None, digest: bytes, where: 
 def decide_partition(key: bytes, partitions: int) -> int:
     """The decide partition of a document (xxh64 of its order key, modulo)."""
     return xxhash.xxh64_intdigest(key) % partitions
+
+
+T = TypeVar("T")
+
+
+def split_runs(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, cut into runs of at most ``limit`` bytes (``size`` of each), an
+    item larger than that alone in its run: the parts of one record each."""
+    runs: list[list[T]] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if runs and total + n <= limit:
+            runs[-1].append(item)
+            total += n
+        else:
+            runs.append([item])
+            total = n
+    return runs
+
+
+#: The first byte of a decisions record's key (then the first document's order key).
+DECISIONS_KEY = b"D"
+#: The largest decisions record produced, bytes (a batch's decisions are split above it).
+DECISIONS_RECORD_BYTES = 512 << 10
+_DECISIONS = struct.Struct(">I")
+#: A decision as a decisions record carries it: the document's order key, its cluster's
+#: canonical's order key and id, and the roots of the clusters it merged (order keys).
+DecisionEntry = tuple[bytes, bytes, str, Sequence[bytes]]
+
+
+def decisions_value(decisions: Sequence[DecisionEntry]) -> bytes:
+    """A decisions record's value (the layout above) of n decisions, in order."""
+    ids = [cluster_id.encode("utf-8") for _, _, cluster_id, _ in decisions]
+    n = len(decisions)
+    return b"".join((_DECISIONS.pack(n), *(order for order, _, _, _ in decisions),
+                     *(cluster for _, cluster, _, _ in decisions),
+                     struct.pack(f">{n}H", *map(len, ids)), *ids,
+                     struct.pack(f">{n}H", *(len(merged) for _, _, _, merged in decisions)),
+                     *(root for _, _, _, merged in decisions for root in merged)))
+
+
+def decisions_entry_bytes(entry: DecisionEntry) -> int:
+    """What one decision adds to a decisions record, bytes (to cut records at a size)."""
+    return 2 * ORDER.size + 4 + len(entry[2].encode("utf-8")) + ORDER.size * len(entry[3])
+
+
+def parse_decisions(value: bytes) -> list[DecisionEntry]:
+    """``decisions_value``'s inverse.
+
+    Raises:
+        ValueError (struct.error, UnicodeDecodeError): a value of another layout.
+    """
+    (n,) = _DECISIONS.unpack_from(value)
+    o = ORDER.size
+    at = _DECISIONS.size
+    orders = [value[at + o * i:at + o * (i + 1)] for i in range(n)]
+    at += o * n
+    clusters = [value[at + o * i:at + o * (i + 1)] for i in range(n)]
+    at += o * n
+    id_lengths = struct.unpack_from(f">{n}H", value, at)
+    at += 2 * n
+    ids = []
+    for length in id_lengths:
+        ids.append(value[at:at + length].decode("utf-8"))
+        at += length
+    merged_counts = struct.unpack_from(f">{n}H", value, at)
+    at += 2 * n
+    merged = []
+    for count in merged_counts:
+        merged.append([value[at + o * i:at + o * (i + 1)] for i in range(count)] if count else ())
+        at += o * count
+    if at != len(value) or (n and len(clusters[-1]) != o):
+        raise ValueError("decisions record of the wrong length")
+    return list(zip(orders, clusters, ids, merged))
 
 
 @dataclass(slots=True)  # not frozen: made per document, and a frozen one takes 3.6 times as long

@@ -89,10 +89,8 @@ import heapq
 import logging
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
@@ -122,6 +120,7 @@ from neardup.sharded.records import (
     order_time,
     parse_bands,
     seq_order,
+    split_runs,
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
@@ -134,8 +133,6 @@ from neardup.state.shard_store import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
 _PROGRESS = struct.Struct(">qq")  # a ``P`` record: watermark (ms), consumed offset
 #: The largest findings record produced, bytes (a batch's findings for one decide
 #: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
@@ -148,22 +145,6 @@ Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: what a batch costs apart from its documents (a ``P`` record per partition, the findings
 #: records, the transaction) is spread over many.
 BATCH_DOCUMENTS_PER_SIZE = 10
-
-
-def _split(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
-    """``items`` in order, cut into runs of at most ``limit`` bytes (``size`` of each), an
-    item larger than that alone in its run: the parts of one record each."""
-    runs: list[list[T]] = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if runs and total + n <= limit:
-            runs[-1].append(item)
-            total += n
-        else:
-            runs.append([item])
-            total = n
-    return runs
 
 
 @dataclass
@@ -562,7 +543,7 @@ class ShardProcessor(StageHooks):
             stats.held += len(shard.held)
             held[p] = (shard, *shard.changes())
         for q in sorted(set(found) | set(empty)):  # one findings record per decide partition (split if large)
-            chunks = _split(found.get(q, []), len, FINDINGS_RECORD_BYTES) or [[]]
+            chunks = split_runs(found.get(q, []), len, FINDINGS_RECORD_BYTES) or [[]]
             orders, shards = empty.get(q, ([], []))
             per = FINDINGS_RECORD_BYTES // EMPTY_FINDING_BYTES
             for i in range(max(len(chunks), -(-len(orders) // per))):
@@ -642,7 +623,7 @@ class ShardProcessor(StageHooks):
     def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
         """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
         joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
-        for chunk in _split(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
+        for chunk in split_runs(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
             key = max(order for order, _ in chunk)
             out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
             shard.batches.add(key)

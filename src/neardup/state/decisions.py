@@ -23,9 +23,9 @@ forest (Tarjan 1975): a document's entry is its parent, a decision may merge clu
 ``seq``'s cluster, its earliest document. A merge read from the topic is applied as a
 union (the later root points at the earlier one), not as an overwrite, so every process
 that reads the topic ends with the same clusters whatever the order in which merges
-were decided; each decision has a key of its own, so compaction keeps every merge. The
-merges of decisions taken here and not yet read back are kept beside the forest
-(``_pending``) until they are.
+were decided; each record of decisions (a batch's) has a key of its own, so compaction
+keeps every merge. The merges of decisions taken here and not yet read back are kept
+beside the forest (``_pending``) until they are.
 
 With a retention window (``expire_before``; canonical policy only: a forest's root may
 be older than the window), the decisions of documents stamped before a
