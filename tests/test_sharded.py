@@ -244,7 +244,7 @@ def test_the_prepare_stage_refuses_a_state_dir(capsys, tmp_path):
 
 def test_decisions_records_read_back_as_written():
     keys = [order_key(1_700_000_000_000 + i, i % 3, i) for i in range(5)]
-    decisions = [(keys[1], keys[0], "a", ()), (keys[2], keys[2], "c-é", ()),
+    decisions = [(keys[1], keys[0], "a", ()), (keys[2], keys[2], "c-é" * 40_000, ()),  # an id above 64 kB
                  (keys[4], keys[0], "", [keys[2], keys[3]])]
     value = decisions_value(decisions)
     assert parse_decisions(value) == [(o, c, i, list(m) if m else ()) for o, c, i, m in decisions]

@@ -52,14 +52,13 @@ in one batch, for the documents of one decide partition, in release order:
 
 Decisions record (decide -> ``<app>.decisions``, compacted, one partition; key
 ``DECISIONS_KEY`` + the first document's order key): the documents one decide batch
-decided on one decide partition, as columns (one record per batch and partition, split
-above ``DECISIONS_RECORD_BYTES``, instead of one JSON record per document: every decide
-process reads the whole topic, so each record is read as many times as there are decide
-processes):
+decided, as columns (one record per batch, split above ``DECISIONS_RECORD_BYTES``,
+instead of one JSON record per document: every decide process reads the whole topic, so
+each record is read as many times as there are decide processes):
 
     ">I" count n; the n documents' order keys (20 bytes each); their clusters'
-    canonicals' order keys (20 bytes each); n × ">H" the canonicals' id lengths, then
-    the ids (UTF-8); n × ">H" the counts of clusters a decision merged (the components
+    canonicals' order keys (20 bytes each); n × ">I" the canonicals' id lengths, then
+    the ids (UTF-8); n × ">I" the counts of clusters a decision merged (the components
     policy; 0 otherwise), then the merged clusters' roots' order keys (20 bytes each).
 
 (A topic written by an earlier version holds one record per document instead: key its
@@ -88,7 +87,6 @@ import xxhash
 ORDER = struct.Struct(">qiq")
 #: A document's entry lengths in a member record's band value: bucket count, id bytes, set size.
 BAND = struct.Struct(">HHI")
-_BAND = BAND
 ORDER_HEADER = "neardup-sharded-order"
 SHARDS_HEADER = "neardup-sharded-shards"
 ID_HEADER = "neardup-sharded-id"
@@ -342,14 +340,14 @@ def decisions_value(decisions: Sequence[DecisionEntry]) -> bytes:
     n = len(decisions)
     return b"".join((_DECISIONS.pack(n), *(order for order, _, _, _ in decisions),
                      *(cluster for _, cluster, _, _ in decisions),
-                     struct.pack(f">{n}H", *map(len, ids)), *ids,
-                     struct.pack(f">{n}H", *(len(merged) for _, _, _, merged in decisions)),
+                     struct.pack(f">{n}I", *map(len, ids)), *ids,
+                     struct.pack(f">{n}I", *(len(merged) for _, _, _, merged in decisions)),
                      *(root for _, _, _, merged in decisions for root in merged)))
 
 
 def decisions_entry_bytes(entry: DecisionEntry) -> int:
     """What one decision adds to a decisions record, bytes (to cut records at a size)."""
-    return 2 * ORDER.size + 4 + len(entry[2].encode("utf-8")) + ORDER.size * len(entry[3])
+    return 2 * ORDER.size + 8 + len(entry[2].encode("utf-8")) + ORDER.size * len(entry[3])
 
 
 def parse_decisions(value: bytes) -> list[DecisionEntry]:
@@ -365,14 +363,14 @@ def parse_decisions(value: bytes) -> list[DecisionEntry]:
     at += o * n
     clusters = [value[at + o * i:at + o * (i + 1)] for i in range(n)]
     at += o * n
-    id_lengths = struct.unpack_from(f">{n}H", value, at)
-    at += 2 * n
+    id_lengths = struct.unpack_from(f">{n}I", value, at)
+    at += 4 * n
     ids = []
     for length in id_lengths:
         ids.append(value[at:at + length].decode("utf-8"))
         at += length
-    merged_counts = struct.unpack_from(f">{n}H", value, at)
-    at += 2 * n
+    merged_counts = struct.unpack_from(f">{n}I", value, at)
+    at += 4 * n
     merged = []
     for count in merged_counts:
         merged.append([value[at + o * i:at + o * (i + 1)] for i in range(count)] if count else ())
@@ -407,8 +405,8 @@ class BandRecord:
         """Raises: ValueError (struct.error) on a record of another layout."""
         if len(key) != ORDER.size:
             raise ValueError(f"an order key has {ORDER.size} bytes, not {len(key)}")
-        k, n_id, f = _BAND.unpack_from(value)
-        at = _BAND.size
+        k, n_id, f = BAND.unpack_from(value)
+        at = BAND.size
         if len(value) != at + n_id + 8 * k + 4 * f:
             raise ValueError("band record of the wrong length")
         raw_id = value[at:at + n_id]
@@ -549,7 +547,7 @@ def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray
     raw_id = doc_id.encode("utf-8")
     fp = fingerprints.astype("<u4", copy=False).tobytes()
     f = len(fingerprints)
-    return [b"".join((_BAND.pack(len(b), len(raw_id), f), raw_id, b.astype("<u8", copy=False).tobytes(), fp))
+    return [b"".join((BAND.pack(len(b), len(raw_id), f), raw_id, b.astype("<u8", copy=False).tobytes(), fp))
             for b in buckets]
 
 
