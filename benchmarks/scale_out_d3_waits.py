@@ -17,6 +17,12 @@ set store). An entry (d', q) waits when one of its buckets on q is a bucket d me
 in, for a pending d. Printed per shard count and K: the band entries that wait, the
 documents with at least one waiting entry, and the documents pending on some partition.
 The buckets of the copy-bucket rule (a near miss's copies) are left out: they add waits.
+
+In the replayed stream a copy comes a whole round (21,578 documents) after its original.
+``--close GAP`` builds a stream where copies follow closely instead (a story republished
+within minutes, one site's pages crawled in turn): ``--docs`` / (1 + ``--copies``)
+stories, each followed by ``--copies`` light edits of it (the replay's later rounds), each
+a uniformly random 1 to GAP documents after it; every document is counted.
 """
 
 from __future__ import annotations
@@ -26,13 +32,42 @@ import os
 from collections import deque
 from pathlib import Path
 
+import random
+
 import benchlib
 from scale_out_bytes import load
 
 from neardup.core.settings import EngineSettings
-from neardup.sharded.records import order_seq
+from neardup.core.types import Document
+from neardup.detector import Preparer
+from neardup.sharded.records import order_key, order_seq
 from neardup.sharded.routing import group_by_shard
 from neardup.sharded.shard import ShardIndex
+
+
+def load_close(docs: int, gap: int, copies: int = 1, batch: int = 500, seed: int = 1) -> dict[str, object]:
+    """``load``'s shape for a stream of ``docs`` / (1 + ``copies``) stories, each followed
+    by ``copies`` light edits of it (the replay's rounds 1 to ``copies``), each 1 to
+    ``gap`` documents after it."""
+    n = docs // (1 + copies)
+    corpus = benchlib.load_corpus(benchlib.default_corpus())
+    size = len(corpus.texts)
+    stream = list(benchlib.replay_stream(corpus, copies * size + n))
+    rng = random.Random(seed)
+    placed = sorted([(float(i), stream[i]) for i in range(n)]
+                    + [(i + rng.randint(1, gap) - 0.5, stream[r * size + i]) for r in range(1, copies + 1)
+                       for i in range(n)],
+                    key=lambda x: x[0])
+    ordered = [item for _, item in placed]
+    orders = [order_key(1_700_000_000_000 + k, k % 4, k // 4) for k in range(len(ordered))]
+    prepare = Preparer(EngineSettings())
+    batches = []
+    for start in range(0, len(ordered), batch):
+        p = prepare([Document(i, t) for i, t in ordered[start:start + batch]])
+        idx = [start + j for j, reason in enumerate(p.rejected) if reason is None]
+        fps = [p.fingerprints[p.fingerprint_offsets[v]:p.fingerprint_offsets[v + 1]].copy() for v in range(len(idx))]
+        batches.append({"docs": idx, "buckets": p.buckets, "fps": fps, "counted": True})
+    return {"orders": orders, "ids": [i for i, _ in ordered], "batches": batches}
 
 
 def waits(data: dict, shards: int, windows: list[int], settings: EngineSettings) -> dict[str, object]:
@@ -91,13 +126,21 @@ def main() -> None:
     ap.add_argument("--shards", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--windows", type=int, nargs="+", default=[100, 1_000, 10_000],
                     help="K: later documents read before a verification comes back")
+    ap.add_argument("--close", type=int, default=0, metavar="GAP",
+                    help="copies 1 to GAP documents after their originals (see above); 0: the replayed stream")
+    ap.add_argument("--copies", type=int, default=1, help="with --close: copies per story")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     report: dict[str, object] = {"git": benchlib.git_state(), "environment": benchlib.environment(),
                                  "args": vars(args), "runs": []}
-    print(f"{benchlib.describe_git(report['git'])}; {args.docs:,} documents of the replayed stream, "
-          f"counted from {args.count_from:,}")
-    data = load(args.docs, 500, args.count_from)
+    if args.close:
+        print(f"{benchlib.describe_git(report['git'])}; {args.docs // (1 + args.copies):,} stories, each with "
+              f"{args.copies} copies 1 to {args.close:,} documents later")
+        data = load_close(args.docs, args.close, args.copies)
+    else:
+        print(f"{benchlib.describe_git(report['git'])}; {args.docs:,} documents of the replayed stream, "
+              f"counted from {args.count_from:,}")
+        data = load(args.docs, 500, args.count_from)
     for shards in args.shards:
         r = waits(data, shards, args.windows, EngineSettings())
         report["runs"].append(r)
