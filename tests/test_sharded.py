@@ -254,7 +254,7 @@ def test_decisions_records_read_back_as_written():
             parse_decisions(cut)
 
 
-@pytest.mark.parametrize("shards", [1, 4, 16, 64])
+@pytest.mark.parametrize("shards", [1, 4, 16, 64, 1024])
 def test_a_batch_s_band_records_built_as_columns_are_those_built_document_by_document(shards):
     """``batch_bands`` (what prepare sends) gives, per shard partition, the band records
     ``bands_value`` gives for the documents touching it in turn, byte for byte, cut after

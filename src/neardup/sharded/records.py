@@ -459,6 +459,11 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
     what ``bands_value`` gives for the documents touching it in turn (byte for byte),
     a record cut after the document that takes it above ``max_bytes``.
 
+    Every (document, shard partition) entry of the batch is gathered at once, ordered by
+    partition then document, so that each record is a run of those columns: the work per
+    partition is a few slices, not a pass over the batch (at 1,024 partitions that pass
+    cost prepare about 90 µs per document).
+
     Args:
         orders: n order keys (20 bytes each).
         ids: n ids, UTF-8.
@@ -469,31 +474,45 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
         include: bool, shape (n,): the documents to send (the others touch no shard).
     """
     n = len(orders)
+    shards = bounds.shape[1] - 1
     offsets = np.asarray(offsets, dtype=np.int64)
-    f_all = offsets[1:n + 1] - offsets[:n]
-    id_all = np.fromiter(map(len, ids), dtype=np.int64, count=n)
-    out: list[list[bytes]] = []
-    for q in range(bounds.shape[1] - 1):
-        k_all = bounds[:, q + 1] - bounds[:, q]
-        sel = np.flatnonzero((k_all > 0) & include)
-        values: list[bytes] = []
-        if len(sel):
-            k, f, n_id = k_all[sel], f_all[sel], id_all[sel]
-            cum = np.cumsum(BAND_ENTRY_BYTES + n_id + 8 * k + 4 * f)
-            start = 0
-            while start < len(sel):
-                base = int(cum[start - 1]) if start else 0
-                end = min(int(np.searchsorted(cum, base + max_bytes, side="right")) + 1, len(sel))
-                rows, kk, ff = sel[start:end], k[start:end], f[start:end]
-                entries = np.empty(len(rows), dtype=_ENTRY)
-                entries["k"], entries["n_id"], entries["f"] = kk, n_id[start:end], ff
-                buckets = grouped[np.repeat(rows, kk), _ranges(bounds[rows, q], kk)]
-                sets = fingerprints[_ranges(offsets[rows], ff)]
-                values.append(b"".join((_COUNT.pack(len(rows)), *(orders[i] for i in rows.tolist()), entries.tobytes(),
-                                        *(ids[i] for i in rows.tolist()), buckets.astype("<u8", copy=False).tobytes(),
-                                        sets.astype("<u4", copy=False).tobytes())))
-                start = end
-        out.append(values)
+    out: list[list[bytes]] = [[] for _ in range(shards)]
+    counts = (bounds[:, 1:] - bounds[:, :-1]) * np.asarray(include, dtype=bool)[:, None]
+    part, doc = np.nonzero(counts.T)  # every entry, by partition then document
+    if not len(doc):
+        return out
+    k = counts[doc, part]
+    f = (offsets[1:n + 1] - offsets[:n])[doc]  # set sizes
+    n_id = np.fromiter(map(len, ids), dtype=np.int64, count=n)[doc]
+    entries = np.empty(len(doc), dtype=_ENTRY)
+    entries["k"], entries["n_id"], entries["f"] = k, n_id, f
+    entry_bytes = entries.tobytes()
+    bucket_bytes = grouped[np.repeat(doc, k), _ranges(bounds[doc, part], k)].astype("<u8", copy=False).tobytes()
+    k_at = np.concatenate(([0], np.cumsum(8 * k))).tolist()
+    # each document's set as bytes once, joined into every record it goes to
+    raw = fingerprints[offsets[0]:offsets[n]].astype("<u4", copy=False).tobytes()
+    cuts = (4 * (offsets[:n + 1] - offsets[0])).tolist()
+    sets = [raw[cuts[i]:cuts[i + 1]] if include[i] else b"" for i in range(n)]
+    size = np.cumsum(BAND_ENTRY_BYTES + n_id + 8 * k + 4 * f)
+    docs = doc.tolist()
+    cut = np.flatnonzero(np.diff(part)) + 1  # where each partition's entries start and end
+    starts, ends = np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(doc)])).tolist()
+    at_size = size.tolist()
+    for first, last in zip(starts, ends):
+        q = int(part[first])
+        start = first
+        while start < last:  # records of at most max_bytes, each cut after the document taking it above
+            base = at_size[start - 1] if start else 0
+            if at_size[last - 1] - base <= max_bytes:
+                end = last
+            else:
+                end = min(int(np.searchsorted(size[start:last], base + max_bytes, side="right")) + 1 + start, last)
+            rows = docs[start:end]
+            out[q].append(b"".join((_COUNT.pack(end - start), *(orders[i] for i in rows),
+                                    entry_bytes[_ENTRY.itemsize * start:_ENTRY.itemsize * end],
+                                    *(ids[i] for i in rows), bucket_bytes[k_at[start]:k_at[end]],
+                                    *(sets[i] for i in rows))))
+            start = end
     return out
 
 

@@ -64,7 +64,11 @@ def shard_bounds(buckets: np.ndarray, shards: int) -> tuple[np.ndarray, np.ndarr
     owner = shard_of(buckets, shards)
     order = np.argsort(owner, axis=1, kind="stable")
     grouped = np.take_along_axis(np.asarray(buckets, dtype=np.uint64), order, axis=1)
-    counts = (owner[:, :, None] == np.arange(shards)).sum(axis=1)
-    bounds = np.zeros((len(owner), shards + 1), dtype=np.int64)
+    n = len(owner)
+    # per row, how many of its buckets each shard owns: one bincount over (row, owner)
+    # pairs (a comparison of every bucket with every shard took n × bands × shards)
+    rows = np.arange(n, dtype=np.int64)[:, None] * shards
+    counts = np.bincount((owner + rows).ravel(), minlength=n * shards).reshape(n, shards)
+    bounds = np.zeros((n, shards + 1), dtype=np.int64)
     np.cumsum(counts, axis=1, out=bounds[:, 1:])
     return grouped, bounds
