@@ -349,18 +349,24 @@ class _Stages:
         self.procs.clear()
 
 
-def _shard_in_process(bootstrap: str, topic: str, topology: Topology, state_dir: Path | None = None):
-    """A shard stage in this process (its processor's methods can be replaced), batches of
-    50, short sessions, and the thread that will run it (not started)."""
-    import threading
-
+def _in_process(role: str, bootstrap: str, topic: str, topology: Topology, state_dir: Path | None = None):
+    """A shard or decide stage in this process (its processor's methods can be replaced),
+    batches of 50, short sessions, and the thread that will run it (not started). The stage
+    reads its internal topic from the start itself."""
+    from neardup.sharded.decide_stage import DecideStage
     from neardup.sharded.shard_stage import ShardStage
 
-    settings = Settings(bootstrap_servers=bootstrap, input_topics=[topic], group_id=f"{topology.app}.shard",
-                        from_beginning=True, batch_size=50,
-                        kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
-    stage = ShardStage(settings, topology, "a", state_dir)
+    settings = Settings(bootstrap_servers=bootstrap, input_topics=[topic], group_id=f"{topology.app}.{role}",
+                        batch_size=50, kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
+    stage = {"shard": ShardStage, "decide": DecideStage}[role](settings, topology, "a", state_dir)
     return stage, threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
+
+
+def _stop(stage, runner, stages: _Stages) -> None:
+    """Stop a stage run in this process, its thread, and the stages' processes."""
+    stage.stop()
+    runner.join(60)
+    stages.stop()
 
 
 def _wait_for_records(bootstrap: str, topic: str, partitions: int, timeout_s: float, stages: _Stages) -> None:
@@ -977,7 +983,7 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
     topic = kafka_topic_factory("sharded-reassigned", partitions=2)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log", reorder_ms=20_000)
-    stage, runner = _shard_in_process(kafka_bootstrap, topic, topology,
+    stage, runner = _in_process("shard", kafka_bootstrap, topic, topology,
                                       tmp_path / "shard-state" if shard_state == "disk" else None)
     processor = stage.processor
     assert isinstance(processor, ShardProcessor)
@@ -1030,9 +1036,7 @@ def test_a_failed_batch_whose_partition_came_back_resumes_where_the_held_records
         assert fired.wait(30) and taken_up.wait(60), "no batch failed while its partition came back"
         out = _outputs(kafka_bootstrap, topic, len(stories), 120, lambda: stages.alive() and runner.is_alive())
     finally:
-        stage.stop()
-        runner.join(60)
-        stages.stop()
+        _stop(stage, runner, stages)
     log = (tmp_path / "stages.log").read_text()
     assert sorted(o.key for o in out) == sorted(str(r["id"]).encode() for r in stories), log[-3000:]
 
@@ -1047,23 +1051,18 @@ def test_decide_batches_aborted_while_documents_wait_give_every_verdict_once(
     # a batch still committing: every message must come out once, with the sharded
     # verdicts. Decide runs in this process and joins its group whenever it starts: it
     # reads the findings topic from its start all the same.
-    import threading
-
     from confluent_kafka import KafkaError, KafkaException, Producer
 
-    from neardup.sharded.decide_stage import DecideProcessor, DecideStage
+    from neardup.sharded.decide_stage import DecideProcessor
 
     topic = kafka_topic_factory("sharded-decide-aborts", partitions=2)
     messages = _stories_and_copies(150)
     produce(kafka_bootstrap, topic, messages)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=2)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
-    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=f"{topology.app}.decide",
-                        batch_size=50, kafka={"session.timeout.ms": "6000", "heartbeat.interval.ms": "500"})
-    stage = DecideStage(settings, topology, "a")
+    stage, runner = _in_process("decide", kafka_bootstrap, topic, topology)
     processor = stage.processor
     assert isinstance(processor, DecideProcessor)
-    runner = threading.Thread(target=stage.run, kwargs={"install_signal_handlers": False}, daemon=True)
     write, aborted, attempt = processor.write, processor.aborted, processor._try
     failed, fenced, undone, waited = [], [], [], []
 
@@ -1094,9 +1093,7 @@ def test_decide_batches_aborted_while_documents_wait_give_every_verdict_once(
         runner.start()
         out = _outputs(kafka_bootstrap, topic, len(messages), 240, lambda: stages.alive() and runner.is_alive())
     finally:
-        stage.stop()
-        runner.join(60)
-        stages.stop()
+        _stop(stage, runner, stages)
     log = (tmp_path / "stages.log").read_text()
     assert len(failed) == 1 and len(fenced) == 3 and len(undone) >= 4, (failed, fenced, undone)
     assert any(fenced) and max(undone) >= 1 and any(waited), (fenced, undone, waited)  # decisions taken back
@@ -1116,7 +1113,7 @@ def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_pre
     topic = kafka_topic_factory("sharded-compute-error", partitions=2)
     topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
-    stage, runner = _shard_in_process(kafka_bootstrap, topic, topology)
+    stage, runner = _in_process("shard", kafka_bootstrap, topic, topology)
     compute, failed = stage.processor.compute, threading.Event()
 
     def computing(batch):
@@ -1135,9 +1132,7 @@ def test_a_batch_whose_computation_meets_a_broker_error_is_retried_while_the_pre
         out = _outputs(kafka_bootstrap, topic, len(messages), 120, lambda: stages.alive() and runner.is_alive())
         assert failed.is_set(), "no batch met the error while the previous one was committing"
     finally:
-        stage.stop()
-        runner.join(60)
-        stages.stop()
+        _stop(stage, runner, stages)
     assert sorted(o.key for o in out) == sorted(k for k, _ in messages), (tmp_path / "stages.log").read_text()[-3000:]
 
 

@@ -9,7 +9,6 @@ keys) never appear in the line.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +23,9 @@ if TYPE_CHECKING:
     from neardup.config import Settings
 
 
-def _server_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a ``neardup.server.ServerError``: only a command that imported the
-    server can raise one, so it is looked up there instead of imported (its HTTP modules
-    would add to every command's start-up)."""
-    server = sys.modules.get("neardup.server")
-    return server is not None and isinstance(exc, server.ServerError)
+class ServerError(RuntimeError):
+    """A server (``neardup.server``) cannot listen on the address (port in use, unknown
+    host). Defined here, not there, so that telling the user needs no HTTP module loaded."""
 
 
 class DuplicateIdError(ValueError):
@@ -136,7 +132,7 @@ def user_error(exc: BaseException, settings: Settings | None = None,
         line = _validation(exc)
     elif isinstance(exc, SettingsMismatchError):
         line = _mismatch(exc, settings)
-    elif isinstance(exc, (ValueError, StateError)) or _server_error(exc):
+    elif isinstance(exc, (ValueError, StateError, ServerError)):
         line = str(exc)
     elif _refused_setting(exc):
         line = f"-X: {exc.args[0].str()}"

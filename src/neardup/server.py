@@ -26,6 +26,8 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from neardup.errors import ServerError  # raised here; re-exported as neardup.server.ServerError
+
 if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by every command
     from neardup.core.settings import EngineSettings
     from neardup.kafka.progress import Progress
@@ -35,10 +37,6 @@ if TYPE_CHECKING:  # prometheus_client is imported when a server starts, not by 
 log = logging.getLogger(__name__)
 
 ReadyCheck = Callable[[], tuple[bool, str]]
-
-
-class ServerError(RuntimeError):
-    """The server cannot listen on the address (port in use, unknown host)."""
 
 
 class Readiness:

@@ -442,8 +442,8 @@ def bands_value(orders: list[bytes], ids: list[bytes], buckets: list[np.ndarray]
     entries["n_id"] = [len(i) for i in ids]
     entries["f"] = [len(f) for f in fingerprints]
     return b"".join((_COUNT.pack(len(orders)), *orders, entries.tobytes(), *ids,
-                     np.concatenate(buckets).astype("<u8", copy=False).tobytes() if buckets else b"",
-                     np.concatenate(fingerprints).astype("<u4", copy=False).tobytes() if fingerprints else b""))
+                     le_bytes(np.concatenate(buckets), "<u8") if buckets else b"",
+                     le_bytes(np.concatenate(fingerprints), "<u4") if fingerprints else b""))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -487,10 +487,10 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
     entries = np.empty(len(doc), dtype=_ENTRY)
     entries["k"], entries["n_id"], entries["f"] = k, n_id, f
     entry_bytes = entries.tobytes()
-    bucket_bytes = grouped[np.repeat(doc, k), _ranges(bounds[doc, part], k)].astype("<u8", copy=False).tobytes()
+    bucket_bytes = le_bytes(grouped[np.repeat(doc, k), _ranges(bounds[doc, part], k)], "<u8")
     k_at = np.concatenate(([0], np.cumsum(8 * k))).tolist()
     # each document's set as bytes once, joined into every record it goes to
-    raw = fingerprints[offsets[0]:offsets[n]].astype("<u4", copy=False).tobytes()
+    raw = le_bytes(fingerprints[offsets[0]:offsets[n]], "<u4")
     cuts = (4 * (offsets[:n + 1] - offsets[0])).tolist()
     sets = [raw[cuts[i]:cuts[i + 1]] if include[i] else b"" for i in range(n)]
     size = np.cumsum(BAND_ENTRY_BYTES + n_id + 8 * k + 4 * f)
@@ -554,6 +554,12 @@ def parse_bands(value: bytes) -> list[BandRecord]:
                        fps[f_at[d]:f_at[d + 1]]) for d in range(n)]
 
 
+def le_bytes(values: np.ndarray, dtype: str) -> bytes:
+    """The bytes of ``values`` as ``dtype`` (``"<u8"`` or ``"<u4"``: little-endian): the
+    array's own when it has that type already (a native one on a little-endian machine)."""
+    return (values if values.dtype.str == dtype else values.astype(dtype)).tobytes()
+
+
 def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray) -> list[bytes]:
     """The band record values (the layout above) of one document for several shard
     partitions, its id and set encoded once.
@@ -564,10 +570,9 @@ def band_values(doc_id: str, buckets: list[np.ndarray], fingerprints: np.ndarray
         fingerprints: uint32, sorted distinct: its shingle set.
     """
     raw_id = doc_id.encode("utf-8")
-    fp = fingerprints.astype("<u4", copy=False).tobytes()
+    fp = le_bytes(fingerprints, "<u4")
     f = len(fingerprints)
-    return [b"".join((BAND.pack(len(b), len(raw_id), f), raw_id, b.astype("<u8", copy=False).tobytes(), fp))
-            for b in buckets]
+    return [b"".join((BAND.pack(len(b), len(raw_id), f), raw_id, le_bytes(b, "<u8"), fp)) for b in buckets]
 
 
 def seq_order(seq: int) -> bytes:

@@ -71,7 +71,9 @@ def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
 def joined_member_value(copies: Sequence[bytes], doc_id: str, buckets: np.ndarray, fingerprints: np.ndarray) -> bytes:
     """``member_value(copies, BandRecord(order, doc_id, buckets, fingerprints).value())``
     in one join: what a shard logs for each document that joins its buckets, so made
-    without the intermediate band value.
+    without the intermediate band value (the band value's parts written here rather than
+    through ``neardup.sharded.records``' encoders: per member, their calls doubled its
+    cost, 0.59 against 1.19 µs).
 
     Args:
         copies: the order keys of the copy buckets joined (20 bytes each).
