@@ -229,3 +229,34 @@ def test_a_restore_is_not_ready_but_not_a_stall_and_restarts_the_waiting_clock()
     assert 0 < time.time() - progress.waiting_since() < 1.0
     time.sleep(1.2)
     assert "stalled" in readiness.check()[1]
+
+
+def test_the_producer_log_keeps_the_refusal_that_failed_the_transaction(kafka_bootstrap):
+    """A record the broker refuses fails the transaction; the call that finds it may say
+    "Erroneous state" only. ``ProducerLog`` keeps librdkafka's transaction error, which
+    names the topic and the refusal, once the producer's queue is served (``poll``)."""
+    from confluent_kafka import KafkaException, Producer
+
+    from neardup.kafka.clients import producer_config
+    from neardup.kafka.rdkafka_log import ProducerLog
+
+    topic = create_topic(kafka_bootstrap, f"txnerr-{uuid.uuid4().hex[:12]}", {"max.message.bytes": "40"})
+    settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic]})
+    producer_log = ProducerLog()
+    producer = Producer(producer_config(settings, f"txnerr-{uuid.uuid4().hex[:8]}", producer_log))
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    reports = []
+    producer.produce(topic, value=b"x" * 100, on_delivery=lambda err, msg: reports.append(err))
+    _until(lambda: producer.poll(0.1) is not None and reports, timeout=30)
+    assert reports[0] is not None and reports[0].code() == 10  # MSG_SIZE_TOO_LARGE
+    producer.poll(0)
+    error = producer_log.transaction_error
+    assert error is not None and not error.startswith("[thrd:"), error
+    assert f"ProduceRequest for {topic} [0]" in error and "Message size too large" in error, error
+    try:
+        producer.commit_transaction(10)
+        raise AssertionError("the transaction committed")
+    except KafkaException as exc:
+        assert exc.args[0].txn_requires_abort(), exc
+    producer.abort_transaction(10)

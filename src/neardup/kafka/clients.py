@@ -51,16 +51,18 @@ def consumer_config(settings: Settings, instance_id: str,
     return config
 
 
-def producer_config(settings: Settings, transactional_id: str | None) -> dict[str, Any]:
+def producer_config(settings: Settings, transactional_id: str | None,
+                    logger: Any = None) -> dict[str, Any]:
     """A producer's librdkafka settings (the user's ``-X`` win, except the consumer-only
-    ``group.instance.id``); transactional unless ``transactional_id`` is None."""
+    ``group.instance.id``); transactional unless ``transactional_id`` is None. ``logger``:
+    where its log lines go (default ``rdkafka_logger()``; e.g. a ``ProducerLog``)."""
     s = settings
     config: dict[str, Any] = {} if transactional_id is None else {"transactional.id": transactional_id}
     config |= {
         "linger.ms": 5,
         "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
         "bootstrap.servers": s.bootstrap_servers,
-        "logger": rdkafka_logger(),
+        "logger": rdkafka_logger() if logger is None else logger,
         **s.kafka,
     }
     config.pop("group.instance.id", None)

@@ -6,7 +6,8 @@ lines a second for one consumer and its producer. Passing ``rdkafka_logger()`` a
 ``logger`` of a client's configuration sends its lines to the ``neardup.rdkafka`` logger
 (served by the client's ``poll``/``consume``), where ``RateLimit`` lets through the first
 line of each kind and then at most one every ``interval_s`` seconds, telling how many
-were left out.
+were left out. ``ProducerLog`` does the same for one producer and keeps its last
+transaction error.
 """
 
 from __future__ import annotations
@@ -62,3 +63,28 @@ def rdkafka_logger() -> logging.Logger:
     if not any(isinstance(f, RateLimit) for f in logger.filters):
         logger.addFilter(RateLimit())
     return logger
+
+
+_THREAD = re.compile(r"^\[thrd:[^\]]*\]: ")
+
+
+class ProducerLog:
+    """The ``logger`` of one producer's configuration: its lines go to ``rdkafka_logger()``,
+    and the last transaction error it logged (librdkafka's ``TXNERR`` line, e.g.
+    "Current transaction failed in state InTransaction: ProduceRequest for T [0] with 2
+    message(s) failed: Broker: Message size too large ...") is kept in
+    ``transaction_error``: a later call of the transaction may fail with "Local:
+    Erroneous state" only, which names neither the topic nor the broker's refusal.
+
+    librdkafka calls ``log(level, "%s [%s] %s", facility, client name, line)`` from the
+    thread that serves the producer's queue (``poll``, ``flush``).
+    """
+
+    def __init__(self) -> None:
+        self.logger = rdkafka_logger()
+        self.transaction_error: str | None = None
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        if len(args) == 3 and args[0] == "TXNERR":
+            self.transaction_error = _THREAD.sub("", str(args[2]))
+        self.logger.log(level, msg, *args)

@@ -137,6 +137,7 @@ from neardup.kafka.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, b
 from neardup.kafka.clients import consumer_config, init_transactions, producer_config, retriable
 from neardup.kafka.intake import OrderedIntake
 from neardup.kafka.progress import Progress
+from neardup.kafka.rdkafka_log import ProducerLog
 
 log = logging.getLogger(__name__)
 
@@ -490,6 +491,7 @@ class StageRuntime:
         self.assignment: list[TopicPartition] = []
         self.consumer: _Consumer | None = None
         self.producer: Producer | None = None
+        self._producer_log = ProducerLog()  # the current producer's, for its transaction error
         self.batches = 0  # committed
         self._revoked_while_reading: set[TP] | None = None
         self._unchecked: list[TP] = []  # assigned, not handed to ``Processor.check`` yet
@@ -647,7 +649,8 @@ class StageRuntime:
         """
         self._discard_producer()
         while True:
-            producer = Producer(producer_config(self.settings, self.transactional_id))
+            self._producer_log = ProducerLog()
+            producer = Producer(producer_config(self.settings, self.transactional_id, self._producer_log))
             try:
                 init_transactions(producer, self._stop)
             except ProducerWedged as exc:
@@ -1002,6 +1005,7 @@ class StageRuntime:
             raise
         assert self.producer is not None and self.consumer is not None
         self._finish_pending(more_in_hand=True)  # the previous batch's transaction, committed meanwhile
+        self._producer_log.transaction_error = None
         self._call("begin_transaction", self.producer.begin_transaction)
         written = self.processor.write(work, self.producer)
         # Step 5 in a thread: the broker's answers are waited for while this thread
@@ -1084,6 +1088,8 @@ class StageRuntime:
         self._input_failed = self._input_failed or bool(self._unsettled or messages)
         cause = getattr(self.processor, "cause", None)
         why = cause() if cause is not None else None
+        if why is None and not isinstance(exc, ProducerWedged) and self.producer is not None:
+            why = self._transaction_error(exc)
         level = logging.WARNING if self.progress.failed(f"{why} ({exc})" if why else exc) == 1 else logging.DEBUG
         if isinstance(exc, ProducerWedged) or self.producer is None:
             # librdkafka's own timeout did not hold (a broker restarted under a call):
@@ -1110,6 +1116,18 @@ class StageRuntime:
             self.on_abort(exc)
         self._stop.wait(self._backoff)
         self._backoff = min(self._backoff * 2, 30.0)
+
+    def _transaction_error(self, exc: KafkaException) -> str | None:
+        """The transaction error the producer logged (``ProducerLog``), when ``exc`` does
+        not say it already: a record the broker refused fails the transaction, and the
+        call that finds it failed may say "Erroneous state" only. The producer's queue is
+        served first (``poll(0)``): the line is queued before the state changes."""
+        assert self.producer is not None
+        self.producer.poll(0)
+        error = self._producer_log.transaction_error
+        if error is None or (isinstance(exc.args[0], KafkaError) and exc.args[0].str() in error):
+            return None
+        return error
 
     # --- transactional calls ------------------------------------------------------------
     def _commit_transaction(self, producer: Producer) -> None:
