@@ -550,8 +550,13 @@ def parse_bands(value: bytes) -> list[BandRecord]:
                                                                                             copy=False)
     raw_ids = value[at:id_end]
     i_at, k_at, f_at = ([0, *np.cumsum(c).tolist()] for c in (n_id, k, f))
-    return [BandRecord(orders[d], raw_ids[i_at[d]:i_at[d + 1]].decode("utf-8"), buckets[k_at[d]:k_at[d + 1]],
-                       fps[f_at[d]:f_at[d + 1]]) for d in range(n)]
+    if raw_ids.isascii():  # one decode: a character per byte, the byte offsets serve
+        text = raw_ids.decode("ascii")
+        ids = [text[a:b] for a, b in zip(i_at, i_at[1:])]
+    else:
+        ids = [raw_ids[a:b].decode("utf-8") for a, b in zip(i_at, i_at[1:])]
+    return [BandRecord(order, doc_id, buckets[ka:kb], fps[fa:fb])
+            for order, doc_id, ka, kb, fa, fb in zip(orders, ids, k_at, k_at[1:], f_at, f_at[1:])]
 
 
 def le_bytes(values: np.ndarray, dtype: str) -> bytes:

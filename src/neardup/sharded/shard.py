@@ -306,6 +306,34 @@ class ShardIndex:
             self.apply(seq, doc_id, joins, fingerprints)
         return Finding(seq, tuple(checked.values())), joins
 
+    def add_alone(self, seq: int, bucket_ids: list[int], fingerprints: np.ndarray, doc_id: str = "") -> bool:
+        """``add`` for a document that meets no one here (most do), without its objects:
+        when the shard keeps no retention window and holds a member in none of
+        ``bucket_ids`` (its bucket ids, distinct, at least one), the document joins every
+        one of them, as ``add`` would have it do, and True is returned (its ``Finding`` has
+        no candidate, its ``Joins`` are all its buckets and no copy bucket); otherwise
+        nothing changes and False is returned (``add`` takes it).
+
+        Args:
+            seq, fingerprints, doc_id: as ``add``'s.
+            bucket_ids: ``buckets.tolist()`` of ``add``.
+        """
+        if self.retention_ms is not None or self.settings.max_bucket_size <= 0 or not bucket_ids \
+                or not self._none_held(bucket_ids):
+            return False
+        joined = dict.fromkeys(bucket_ids, seq)
+        if len(joined) != len(bucket_ids):  # a bucket named twice: ``add`` lists the document twice
+            return False
+        t = seq >> 96  # ``advance`` without a window
+        if t > self.mark:
+            self.mark = t
+        if seq > self.last:
+            self.last = seq
+        self.buckets.update(joined)
+        self.sets[seq] = fingerprints
+        self.ids[seq] = doc_id
+        return True
+
     def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
         """Add what ``add`` added for a document (also to add it again: a restore, in the
         same order)."""

@@ -597,12 +597,22 @@ class ShardProcessor(StageHooks):
         they made to ``members`` (order key, ``member_value``)."""
         t = self.topology
         index = shard.index
-        add, id_of, parts = index.add, index.id_of, t.decide_partitions
+        add, alone, id_of, parts = index.add, index.add_alone, index.id_of, t.decide_partitions
         for rec in records:
             order = rec.order
             seq = order_seq(order)
-            finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
             q = decide_partition(order, parts)
+            if alone(seq, rec.buckets.tolist(), rec.fingerprints, rec.id):  # met no one, joined every bucket
+                columns = empty.get(q)
+                if columns is None:
+                    columns = empty[q] = ([], [])
+                columns[0].append(order)
+                columns[1].append(p)
+                members.append((order, joined_member_value((), rec.id, rec.buckets, rec.fingerprints)))
+                if order > shard.last:
+                    shard.last = order
+                continue
+            finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
             if finding.checked:
                 checked = [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
                            for c in finding.checked]
