@@ -1123,7 +1123,10 @@ class StageRuntime:
         call that finds it failed may say "Erroneous state" only. The producer's queue is
         served first (``poll(0)``): the line is queued before the state changes."""
         assert self.producer is not None
-        self.producer.poll(0)
+        try:
+            self.producer.poll(0)
+        except KafkaException:  # poll raises the producer's fatal error, which says why itself
+            return None
         error = self._producer_log.transaction_error
         if error is None or (isinstance(exc.args[0], KafkaError) and exc.args[0].str() in error):
             return None
