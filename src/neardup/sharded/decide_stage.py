@@ -73,6 +73,7 @@ from neardup.sharded.records import (
     DECISIONS_KEY,
     DECISIONS_RECORD_BYTES,
     DecisionEntry,
+    ENGINE_HEADER,
     ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
@@ -85,7 +86,7 @@ from neardup.sharded.records import (
     FINDINGS_KIND,
     WATERMARK_KIND,
     Watermarks,
-    check_engine,
+    check_engine_value,
     decisions_entry_bytes,
     decisions_value,
     engine_digest,
@@ -150,10 +151,6 @@ class DecideWritten:
     dead_letter: int = 0
     waiting: int = 0
     seconds: float = 0.0
-
-
-def _header(headers: list[tuple[str, bytes]], name: str) -> bytes | None:
-    return next((v for k, v in headers if k == name), None)
 
 
 class DecideProcessor(StageHooks):
@@ -410,19 +407,22 @@ class DecideProcessor(StageHooks):
             offset = m.offset()
             # read again after a restart: only the documents that were waiting are taken
             listed = self._listed.get(q) if offset < self._consumed.get(q, -1) else None
-            headers = list(m.headers() or [])
-            kind = _header(headers, KIND_HEADER)
+            headers = m.headers() or []  # a new list at each call
+            named = dict(reversed(headers))  # each name's first value (neardup's names come once)
+            kind = named.get(KIND_HEADER)
             if kind == WATERMARK_KIND:  # components: prepare's progress on this partition
                 self._watermark(m)
                 continue
             if kind == b"document":
-                check_engine(headers, self.digest, f"document record {m.topic()}[{q}]@{offset}")
-                order = _header(headers, ORDER_HEADER)
+                engine = named.get(ENGINE_HEADER)
+                if engine is not None and engine != self.digest:
+                    check_engine_value(engine, self.digest, f"document record {m.topic()}[{q}]@{offset}")
+                order = named.get(ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue
                 w = self._changing(q, self.partitions[q], order, undo)
                 w.record = (m.key(), m.value(), headers)
-                w.shards = int(_header(headers, SHARDS_HEADER) or b"0")
+                w.shards = int(named.get(SHARDS_HEADER) or b"0")
                 self._first(q, order, w, offset)
                 touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:

@@ -559,6 +559,7 @@ class PrepareProcessor(StageHooks):
         valid = iter(range(len(p.valid)))
         at = {id(m): i for i, m in enumerate(batch.messages)}
         keys = [self._order(m) for m in batch.messages]  # order keys, by message index
+        carried = [m.headers() or [] for m in batch.messages]  # read once: each call makes the list anew
         for doc, m, reason in zip(batch.documents, batch.decoded, p.rejected):
             i = at[id(m)]
             if reason is not None:
@@ -567,7 +568,7 @@ class PrepareProcessor(StageHooks):
             v = next(valid)
             orders.append(keys[i])
             ids.append(doc.id.encode("utf-8"))
-            size = record_size(m.key(), m.value(), m.headers() or [])
+            size = record_size(m.key(), m.value(), carried[i])
             if size > self._findings_limit():
                 batch.errors[i] = (f"too_large: a record of {size} bytes does not fit max.message.bytes "
                                    f"{self._findings_limit()} of topic {t.findings}")
@@ -579,7 +580,7 @@ class PrepareProcessor(StageHooks):
             tp = (m.topic(), m.partition())
             if key > self._sent.get(tp, b""):
                 self._sent[tp] = key
-            headers = carried_headers(m.headers()) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
+            headers = carried_headers(carried[i]) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
                                                       (TOPIC_HEADER, m.topic().encode("utf-8")),
                                                       (ENGINE_HEADER, self.digest)]
             if i in by_message:

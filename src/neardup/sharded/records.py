@@ -293,7 +293,15 @@ def engine_digest(settings: object) -> bytes:
 def check_engine(headers: list[tuple[str, bytes]] | None, digest: bytes, where: str) -> None:
     """Raises: EngineMismatchError: the record has an ``ENGINE_HEADER`` other than
     ``digest`` (a record without one was not written by prepare: not checked here)."""
-    got = next((v for k, v in headers or () if k == ENGINE_HEADER), None)
+    check_engine_value(next((v for k, v in headers or () if k == ENGINE_HEADER), None), digest, where)
+
+
+def check_engine_value(got: bytes | None, digest: bytes, where: str) -> None:
+    """``check_engine`` of a record whose ``ENGINE_HEADER`` value is ``got`` (None: none).
+
+    Raises:
+        EngineMismatchError: ``got`` is not None and not ``digest``.
+    """
     if got is not None and got != digest:
         raise EngineMismatchError(
             f"{where} was prepared with other engine settings (digest {got.decode()}, "
