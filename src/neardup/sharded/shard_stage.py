@@ -125,11 +125,11 @@ from neardup.sharded.records import (
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
     ShardStore,
-    joined_member_value,
+    joined_member_parts,
     member_parts,
     members_of,
     members_parts,
-    members_value,
+    members_value_of_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,19 @@ class _Shard:
     def limit(self) -> bytes | None:
         """The order key up to which every input partition has been sent (``Watermarks.limit``)."""
         return self.watermarks.limit()
+
+
+def _order_of(rec: BandRecord) -> bytes:
+    return rec.order
+
+
+#: A member joined in a batch: its order key, then ``joined_member_parts`` (its value's
+#: length and parts, joined into the batch's ``N`` record).
+_Member = tuple[bytes, int, tuple[object, ...]]
+
+
+def _member_size(member: _Member) -> int:
+    return member[1]
 
 
 @dataclass
@@ -472,9 +485,14 @@ class ShardProcessor(StageHooks):
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
         # decide partition -> its documents' findings without a candidate: order keys, shard partitions
         empty: dict[int, tuple[list[bytes], list[int]]] = {}
-        members: dict[int, list[tuple[bytes, bytes]]] = {}  # shard partition -> its members joined
+        members: dict[int, list[_Member]] = {}  # shard partition -> its members joined
         store_only: dict[int, list[tuple[bytes, None]]] = {}  # the members expired, for the stores
         touched: set[int] = set()
+        # shard partition -> the band records consumed in this batch, not late and not held
+        # before (order key -> (record, offset), in the order consumed): released at its end
+        # if the limit allows, held only if not (a record held and released in one batch
+        # need not be held: an abort consumes it again)
+        fresh: dict[int, dict[bytes, tuple[BandRecord, int]]] = {}
         behind = watermarks = 0
         prepared = [(ENGINE_HEADER, self.digest)]  # a band record's headers
         for m in batch.messages:
@@ -502,14 +520,16 @@ class ShardProcessor(StageHooks):
                 continue
             if records:
                 shard.watermark = max(shard.watermark, order_time(max(rec.order for rec in records)))
+            new = fresh.setdefault(p, {})
+            held = shard.held
             for rec in records:
                 if shard.last and rec.order <= shard.last:
                     stats.late += 1
                     stats.lateness_ms.append(order_time(shard.last) - order_time(rec.order))
                     behind = max(behind, stats.lateness_ms[-1])
                     self._release(p, shard, [rec], members.setdefault(p, []), found, empty, stats)
-                else:
-                    shard.hold(rec, offset)
+                elif rec.order not in held and rec.order not in new:  # as ``_Shard.hold``: once
+                    new[rec.order] = (rec, offset)
         bands = len(batch.messages) - watermarks
         if bands:  # up at once, down slowly: a backlog after a quiet spell is cut small soon
             seen = max(1.0, stats.documents / bands)
@@ -524,7 +544,18 @@ class ShardProcessor(StageHooks):
             shard = self.shards[p]
             limit = shard.limit()
             joined = members.setdefault(p, [])
-            self._release(p, shard, [] if limit is None else shard.ready(limit), joined, found, empty, stats)
+            ready = [] if limit is None else shard.ready(limit)
+            new = fresh.get(p)
+            if new:  # this batch's records: released with the held ones up to the limit, the rest held
+                go = []
+                for order, (rec, offset) in new.items():
+                    if limit is not None and order <= limit:
+                        go.append(rec)
+                    else:
+                        shard.hold(rec, offset)
+                if go:
+                    ready = sorted(ready + go, key=_order_of) if ready else sorted(go, key=_order_of)
+            self._release(p, shard, ready, joined, found, empty, stats)
             self._members_records(p, shard, joined, out)
             gone = shard.index.expired()
             if gone:  # out of the retention window: deleted from the index, the stores and the changelog
@@ -589,12 +620,12 @@ class ShardProcessor(StageHooks):
             found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
                 found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
-    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[tuple[bytes, bytes]],
+    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[_Member],
                  found: dict[int, list[bytes]], empty: dict[int, tuple[list[bytes], list[int]]],
                  stats: ShardWritten) -> None:
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
         decide partition; those without a candidate to ``empty``, as columns), the members
-        they made to ``members`` (order key, ``member_value``)."""
+        they made to ``members`` (order key, then ``joined_member_parts``)."""
         t = self.topology
         index = shard.index
         add, alone, id_of, parts = index.add, index.add_alone, index.id_of, t.decide_partitions
@@ -608,7 +639,7 @@ class ShardProcessor(StageHooks):
                     columns = empty[q] = ([], [])
                 columns[0].append(order)
                 columns[1].append(p)
-                members.append((order, joined_member_value((), rec.id, rec.buckets, rec.fingerprints)))
+                members.append((order, *joined_member_parts((), rec.id, rec.buckets, rec.fingerprints)))
                 if order > shard.last:
                     shard.last = order
                 continue
@@ -625,17 +656,17 @@ class ShardProcessor(StageHooks):
                 columns[1].append(p)
             if not joins.empty:
                 copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
-                members.append((order, joined_member_value(copies, rec.id, joins.buckets, rec.fingerprints)))
+                members.append((order, *joined_member_parts(copies, rec.id, joins.buckets, rec.fingerprints)))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)
 
-    def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
+    def _members_records(self, p: int, shard: _Shard, members: list[_Member], out: list[Record]) -> None:
         """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
         joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
-        for chunk in split_runs(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
-            key = max(order for order, _ in chunk)
-            out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
+        for chunk in split_runs(members, _member_size, MEMBERS_RECORD_BYTES):
+            key = max(member[0] for member in chunk)
+            out.append((self.topology.shard_changelog, p, b"N" + key, members_value_of_parts(chunk), []))
             shard.batches.add(key)
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:
