@@ -11,18 +11,16 @@ import pytest
 
 from neardup.core.settings import EngineSettings
 from neardup.detector import Preparer
-from neardup.sharded.records import BandRecord, bands_value, order_key, order_seq, parse_bands, seq_order
+from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
     ShardStore,
-    joined_member_parts,
     joined_member_value,
     member_parts,
     member_value,
     members_parts,
     members_value,
-    members_value_of_parts,
 )
 from test_quality import _excerpt
 from test_sharded import _republished
@@ -183,20 +181,3 @@ def test_a_joined_member_is_encoded_as_the_member_value_of_its_band_value(copies
         rec = BandRecord.parse(order, band)
         assert (keys, rec.id, rec.buckets.tolist(), rec.fingerprints.tolist()) == (
             copy_keys, "doc-é", buckets.tolist(), fp.tolist())
-        size, parts = joined_member_parts(copy_keys, "doc-é", buckets, fp)
-        assert size == len(got)
-
-
-def test_members_joined_from_their_parts_are_the_members_value() -> None:
-    """An ``N`` record made from its members' parts (``members_value_of_parts``, the sets
-    copied once, from views of a band record) is ``members_value`` of their values."""
-    value = bands_value([order_key(1, 0, i) for i in range(3)], [b"a", "é".encode(), b""],
-                        [np.array([5, 6], dtype=np.uint64), np.array([7], dtype=np.uint64), np.zeros(0, np.uint64)],
-                        [np.array([1, 2, 3], dtype=np.uint32), np.zeros(0, np.uint32), np.array([9], dtype=np.uint32)])
-    recs = parse_bands(value)
-    copies = [(), (order_key(0, 0, 1),), (order_key(0, 0, 1), order_key(0, 1, 2))]
-    members = [(r.order, *joined_member_parts(c, r.id, r.buckets, r.fingerprints)) for r, c in zip(recs, copies)]
-    expected = members_value([(r.order, joined_member_value(c, r.id, r.buckets, r.fingerprints))
-                              for r, c in zip(recs, copies)])
-    assert members_value_of_parts(members) == expected
-    assert members_value_of_parts([]) == members_value([])

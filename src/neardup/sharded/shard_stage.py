@@ -125,11 +125,11 @@ from neardup.sharded.records import (
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
     ShardStore,
-    joined_member_parts,
+    joined_member_value,
     member_parts,
     members_of,
     members_parts,
-    members_value_of_parts,
+    members_value,
 )
 
 log = logging.getLogger(__name__)
@@ -225,15 +225,6 @@ class _Shard:
 
 def _order_of(rec: BandRecord) -> bytes:
     return rec.order
-
-
-#: A member joined in a batch: its order key, then ``joined_member_parts`` (its value's
-#: length and parts, joined into the batch's ``N`` record).
-_Member = tuple[bytes, int, tuple[object, ...]]
-
-
-def _member_size(member: _Member) -> int:
-    return member[1]
 
 
 @dataclass
@@ -485,7 +476,7 @@ class ShardProcessor(StageHooks):
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
         # decide partition -> its documents' findings without a candidate: order keys, shard partitions
         empty: dict[int, tuple[list[bytes], list[int]]] = {}
-        members: dict[int, list[_Member]] = {}  # shard partition -> its members joined
+        members: dict[int, list[tuple[bytes, bytes]]] = {}  # shard partition -> its members joined
         store_only: dict[int, list[tuple[bytes, None]]] = {}  # the members expired, for the stores
         touched: set[int] = set()
         # shard partition -> the band records consumed in this batch, not late and not held
@@ -620,12 +611,12 @@ class ShardProcessor(StageHooks):
             found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
                 found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
-    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[_Member],
+    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[tuple[bytes, bytes]],
                  found: dict[int, list[bytes]], empty: dict[int, tuple[list[bytes], list[int]]],
                  stats: ShardWritten) -> None:
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
         decide partition; those without a candidate to ``empty``, as columns), the members
-        they made to ``members`` (order key, then ``joined_member_parts``)."""
+        they made to ``members`` (order key, ``member_value``)."""
         t = self.topology
         index = shard.index
         add, alone, id_of, parts = index.add, index.add_alone, index.id_of, t.decide_partitions
@@ -639,7 +630,7 @@ class ShardProcessor(StageHooks):
                     columns = empty[q] = ([], [])
                 columns[0].append(order)
                 columns[1].append(p)
-                members.append((order, *joined_member_parts((), rec.id, rec.buckets, rec.fingerprints)))
+                members.append((order, joined_member_value((), rec.id, rec.buckets, rec.fingerprints)))
                 if order > shard.last:
                     shard.last = order
                 continue
@@ -656,17 +647,17 @@ class ShardProcessor(StageHooks):
                 columns[1].append(p)
             if not joins.empty:
                 copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
-                members.append((order, *joined_member_parts(copies, rec.id, joins.buckets, rec.fingerprints)))
+                members.append((order, joined_member_value(copies, rec.id, joins.buckets, rec.fingerprints)))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)
 
-    def _members_records(self, p: int, shard: _Shard, members: list[_Member], out: list[Record]) -> None:
+    def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
         """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
         joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
-        for chunk in split_runs(members, _member_size, MEMBERS_RECORD_BYTES):
-            key = max(member[0] for member in chunk)
-            out.append((self.topology.shard_changelog, p, b"N" + key, members_value_of_parts(chunk), []))
+        for chunk in split_runs(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
+            key = max(order for order, _ in chunk)
+            out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
             shard.batches.add(key)
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:

@@ -58,7 +58,6 @@ _U64 = struct.Struct(">Q")
 _N = struct.Struct(">I")
 _LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
 ORDER_BYTES = ORDER.size
-_NO_COPIES = _N.pack(0)
 
 Record = tuple[bytes, "bytes | None"]
 
@@ -69,39 +68,23 @@ def member_value(copies: Sequence[bytes], band: bytes) -> bytes:
     return _N.pack(len(copies)) + b"".join(copies) + band
 
 
-#: A member's value as parts not yet joined: (its length in bytes, the parts: bytes, and
-#: arrays whose buffers are its bytes).
-MemberParts = tuple[int, tuple[object, ...]]
-
-
-def joined_member_parts(copies: Sequence[bytes], doc_id: str, buckets: np.ndarray,
-                        fingerprints: np.ndarray) -> MemberParts:
+def joined_member_value(copies: Sequence[bytes], doc_id: str, buckets: np.ndarray, fingerprints: np.ndarray) -> bytes:
     """``member_value(copies, BandRecord(order, doc_id, buckets, fingerprints).value())``
-    as parts, joined later by ``members_value_of_parts`` (or ``joined_member_value``):
-    what a shard logs for each document that joins its buckets. Its set is copied once,
-    into the ``N`` record (before, into a member value, then into the record: 1.67 against
-    0.71 µs per member of 150 shingles). The band value's parts are written here rather
-    than through ``neardup.sharded.records``' encoders (their calls doubled the cost).
+    in one join: what a shard logs for each document that joins its buckets, so made
+    without the intermediate band value (the band value's parts written here rather than
+    through ``neardup.sharded.records``' encoders: per member, their calls doubled its
+    cost, 0.59 against 1.19 µs).
 
     Args:
         copies: the order keys of the copy buckets joined (20 bytes each).
         doc_id: the document's id.
-        buckets: uint64 (native byte order), shape (k,), C-contiguous: the buckets it joined.
-        fingerprints: uint32 (native byte order), sorted distinct, C-contiguous: its shingle set.
+        buckets: uint64 (native byte order), shape (k,): the buckets it joined.
+        fingerprints: uint32 (native byte order), sorted distinct: its shingle set.
     """
     raw_id = doc_id.encode("utf-8")
-    if not _LITTLE_ENDIAN:
-        buckets, fingerprints = buckets.astype("<u8"), fingerprints.astype("<u4")
-    head = BAND.pack(len(buckets), len(raw_id), len(fingerprints))
-    size = _N.size + ORDER_BYTES * len(copies) + BAND.size + len(raw_id) + buckets.nbytes + fingerprints.nbytes
-    if copies:
-        return size, (_N.pack(len(copies)), *copies, head, raw_id, buckets, fingerprints)
-    return size, (_NO_COPIES, head, raw_id, buckets, fingerprints)
-
-
-def joined_member_value(copies: Sequence[bytes], doc_id: str, buckets: np.ndarray, fingerprints: np.ndarray) -> bytes:
-    """``joined_member_parts`` joined: the member value (``member_value``)."""
-    return b"".join(joined_member_parts(copies, doc_id, buckets, fingerprints)[1])  # type: ignore[arg-type]
+    return b"".join((_N.pack(len(copies)), *copies, BAND.pack(len(buckets), len(raw_id), len(fingerprints)), raw_id,
+                     (buckets if _LITTLE_ENDIAN else buckets.astype("<u8")).tobytes(),
+                     (fingerprints if _LITTLE_ENDIAN else fingerprints.astype("<u4")).tobytes()))
 
 
 def member_parts(value: bytes) -> tuple[list[bytes], bytes]:
@@ -120,16 +103,6 @@ def members_value(members: Sequence[tuple[bytes, bytes]]) -> bytes:
     for order, value in members:
         parts += [order, _N.pack(len(value)), value]
     return b"".join(parts)
-
-
-def members_value_of_parts(members: Sequence[tuple[bytes, int, tuple[object, ...]]]) -> bytes:
-    """``members_value`` of members given as (order key, ``joined_member_parts``): one
-    join, each set copied once."""
-    parts: list[object] = [_N.pack(len(members))]
-    pack = _N.pack
-    for order, size, member in members:
-        parts += (order, pack(size), *member)
-    return b"".join(parts)  # type: ignore[arg-type]
 
 
 def members_parts(value: bytes) -> list[tuple[bytes, bytes]]:
