@@ -402,6 +402,9 @@ class DecideProcessor(StageHooks):
         self._uncommitted.append(undo)
         self._decided = []
         settled: dict[int, set[bytes]] = {}  # per partition, the documents decided in this batch
+        # per partition, per document: [the offset of its first findings record without a
+        # candidate in this batch, then those records' shard partitions]
+        empty_of: dict[int, dict[bytes, list[int]]] = {}
         for m in batch.messages:
             q = m.partition()
             offset = m.offset()
@@ -442,24 +445,25 @@ class DecideProcessor(StageHooks):
                     if error is not None:
                         w.error = error
                     orders.add(order)
-                # the findings without a candidate (most), per document: one change each
-                shards_of: dict[bytes, list[int]] = {}
+                # the findings without a candidate (most), gathered per document over the
+                # batch's records (one per shard partition that answered): one change each
+                pending = empty_of.setdefault(q, {})
                 for order, shard in zip(empty_orders, empty_shards):
-                    got = shards_of.get(order)
-                    if got is None:
-                        shards_of[order] = [shard]
-                    else:
+                    got = pending.get(order)
+                    if got is not None:
                         got.append(shard)
-                for order, shards in shards_of.items():
-                    if listed is not None and order not in listed:
-                        continue
-                    w = self._changing(q, waiting, order, undo)
-                    w.findings.update(dict.fromkeys(shards, ()))
-                    self._first(q, order, w, offset)
-                    orders.add(order)
+                    elif listed is None or order in listed:
+                        pending[order] = [offset, shard]  # the offset of its earliest such record
             else:
                 log.error("findings topic %s[%d]@%d: neither a document nor a findings record; skipped",
                           m.topic(), q, m.offset())
+        for q, pending in empty_of.items():
+            waiting, orders = self.partitions[q], touched[q]
+            for order, got in pending.items():
+                w = self._changing(q, waiting, order, undo)
+                w.findings.update(dict.fromkeys(got[1:], ()))
+                self._first(q, order, w, got[0])
+                orders.add(order)
         changed = set(touched)  # the partitions whose waiting documents change
         arrived = touched  # per partition, the documents given a record or a finding here
         # Only what changed is tried: documents given a record or a finding in this batch,
