@@ -17,7 +17,7 @@ real encoders (``neardup.sharded.records.bands_value``, ``found_value``,
 ``findings_value``, ``neardup.state.shard_store.member_value``); the others are stated
 in ``LAYOUTS`` below. The decisions topic and decide's changelog do not change with the
 design: their bytes are taken as measured (``DECISIONS``, ``DECIDE_CHANGELOG``,
-``results/scale_out_banding32_16.json``).
+``results/scale_out_ab2/new_16_2.json``).
 
 Designs:
 
@@ -93,10 +93,11 @@ from neardup.sharded.routing import group_by_shard, shard_of
 from neardup.sharded.shard import ShardIndex
 from neardup.state.shard_store import member_value
 
-#: Measured at 16 shards (``results/scale_out_banding32_16.json``), the same at 4: the
+#: Measured at 16 shards (``results/scale_out_ab2/new_16_2.json``; decisions as one record
+#: per batch, 74.2 bytes with a JSON record per document before), the same at 4: the
 #: decisions topic and decide's changelog, bytes per document; they do not depend on
 #: how the shards get the sets.
-DECISIONS, DECIDE_CHANGELOG = 74.2, 42.1
+DECISIONS, DECIDE_CHANGELOG = 52.0, 42.1
 #: A ``P`` record of the shard changelog: key ``b"P"``, value ">qq" + the last order key.
 P_RECORD = 1 + 16 + ORDER.size
 #: The layouts of the records that do not exist yet (bytes, key + value).
