@@ -417,9 +417,7 @@ class DecideProcessor(StageHooks):
                 self._watermark(m)
                 continue
             if kind == b"document":
-                engine = named.get(ENGINE_HEADER)
-                if engine is not None and engine != self.digest:
-                    check_engine_value(engine, self.digest, f"document record {m.topic()}[{q}]@{offset}")
+                check_engine_value(named.get(ENGINE_HEADER), self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = named.get(ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue

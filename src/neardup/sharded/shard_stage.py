@@ -90,6 +90,7 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
@@ -221,10 +222,6 @@ class _Shard:
     def limit(self) -> bytes | None:
         """The order key up to which every input partition has been sent (``Watermarks.limit``)."""
         return self.watermarks.limit()
-
-
-def _order_of(rec: BandRecord) -> bytes:
-    return rec.order
 
 
 @dataclass
@@ -545,7 +542,7 @@ class ShardProcessor(StageHooks):
                     else:
                         shard.hold(rec, offset)
                 if go:
-                    ready = sorted(ready + go, key=_order_of) if ready else sorted(go, key=_order_of)
+                    ready = sorted(ready + go, key=attrgetter("order"))
             self._release(p, shard, ready, joined, found, empty, stats)
             self._members_records(p, shard, joined, out)
             gone = shard.index.expired()
