@@ -338,3 +338,38 @@ def test_a_rerun_over_stdin_of_an_interrupted_run_is_refused(tmp_path: Path) -> 
                             capture_output=True, env=env, timeout=600)
     assert second.returncode == 0, second.stderr.decode()[-2000:]
     assert sum(len(d.splitlines()) for d in _outputs(out2).values()) == 600
+
+
+def test_a_state_for_one_run_is_in_memory_for_small_files_and_gives_the_same_outputs(tmp_path: Path, monkeypatch) -> None:
+    """Without ``--state-dir``: files under ``MEMORY_STATE_BYTES`` together keep the state
+    in memory; larger inputs, stdin and a retention window keep it in a temporary RocksDB
+    directory; both give the same outputs byte for byte."""
+    import neardup.embedded as embedded
+    from neardup.core.settings import EngineSettings
+    from neardup.files import check_input
+    from neardup.state.memory import MemoryStateStore
+
+    lines = []
+    for k, story in enumerate(_stories(400)):
+        lines.append(story)
+        if k % 5 == 0:
+            record = json.loads(story)
+            lines.append(json.dumps({"id": f"copy-{k}", "text": "UPDATE 1 - " + record["text"]}))
+    stories = _write(tmp_path / "stories.jsonl", lines)
+    small = [check_input(str(stories))]
+    settings = EngineSettings()
+
+    def kind(sources, retention=None) -> type:
+        store = embedded._one_run_store(sources, settings, str(tmp_path / "scratch"), retention)
+        store.close()
+        return type(store)
+
+    assert kind(small) is MemoryStateStore
+    assert kind(small, {"documents": 100}) is RocksDBStateStore
+    assert kind([check_input("-")]) is RocksDBStateStore
+    assert _dedup(stories, "--out-dir", tmp_path / "memory") == 0
+    monkeypatch.setattr(embedded, "MEMORY_STATE_BYTES", stories.stat().st_size)
+    assert kind(small) is RocksDBStateStore
+    assert _dedup(stories, "--out-dir", tmp_path / "rocksdb") == 0
+    assert _outputs(tmp_path / "memory") == _outputs(tmp_path / "rocksdb")
+    assert _count(tmp_path / "memory")["duplicates"] >= 80

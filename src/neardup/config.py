@@ -54,9 +54,19 @@ from neardup.core.shingle import Shingling
 from neardup.kafka.kafka_config import read_value_files
 
 DEFAULT_METRICS_PORT = 9464  # ``run``; ``dedup`` serves no metrics unless given a port
-DEFAULT_STATE_DIR = Path("neardup-state")  # ``run``; ``dedup`` uses a temporary directory
+DEFAULT_STATE_DIR = Path("neardup-state")  # ``run``; ``dedup``: a state for the run only (below)
 FILE_TEXT_FIELD = "text"  # JSONL files (dedup, eval): the field holding the text
 FILE_ID_FIELD = "id"  # JSONL files (dedup, eval, produce): the field holding the id
+
+#: ``dedup``: a state for one run only (no ``--state-dir``) is kept in memory when the
+#: inputs are files of fewer bytes than this on disk together (gzipped ones count as
+#: stored) and no retention window is given; otherwise in a temporary RocksDB directory.
+#: RocksDB's open and its flush of every column family at close cost 30-35 ms on any
+#: input. On the 2-core machine, against the temporary directory: 5 documents 0.27 s
+#: against 0.32 s (medians of 15); Reuters-21578 (8 MB gzipped) 1.33 s against 1.47 s
+#: (medians of 5), peak RSS 175 MB against 200 MB; 100,000 wire stories (31 MB
+#: gzipped) 4.9 s against 5.3 s, peak RSS 251 MB against 256 MB; outputs identical.
+MEMORY_STATE_BYTES = 32 << 20
 
 
 class Settings(BaseSettings):

@@ -1,4 +1,5 @@
-"""The embedded mode: deduplicate JSONL files without Kafka, with the state on disk.
+"""The embedded mode: deduplicate JSONL files without Kafka, with the state on disk
+(``--state-dir``), or for one run only.
 
 A rerun never destroys earlier output: each batch's state commit records, with the
 inputs' positions, the outputs' lengths in bytes, and a rerun cuts the outputs back to
@@ -22,7 +23,7 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from neardup.config import default
+from neardup.config import MEMORY_STATE_BYTES, default
 from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
@@ -40,6 +41,8 @@ from neardup.files import (
 )
 from neardup.pipeline import WORKER_AFTER_BATCHES, ParseLines, prepared_ahead
 from neardup.state.base import StateError, StateUpdate
+from neardup.state.kv import KeyValueStateStore
+from neardup.state.memory import MemoryStateStore
 from neardup.state.rocksdb import RocksDBStateStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,16 @@ STDIN_KEY = b"dedup:stdin\0"
 #: (170 MB) took 7.5-7.6 s so against 8.1-8.3 s, Reuters-21578 (43 MB, 8 MB gzipped)
 #: 1.8-1.9 s against 1.7-1.8 s.
 WORKER_AT_ONCE_BYTES = 64 << 20
+
+
+def _one_run_store(sources: list[Input], settings: EngineSettings, scratch: str,
+                   retention: Retention | dict[str, Any] | None) -> KeyValueStateStore:
+    """The state of a run without ``--state-dir`` (``MEMORY_STATE_BYTES``): written without
+    a write-ahead log when in RocksDB, nothing being recovered from it."""
+    if retention is None and all(source.size is not None for source in sources) \
+            and sum(source.size or 0 for source in sources) < MEMORY_STATE_BYTES:
+        return MemoryStateStore(settings.state_shape())
+    return RocksDBStateStore(scratch, settings.state_shape(), wal=False, retention=retention)
 
 
 @dataclass
@@ -128,7 +141,7 @@ class DistinctIds:
 
     warnings = 5  # the first renames are logged one by one, the rest counted
 
-    def __init__(self, store: RocksDBStateStore, chunk: int = 1 << 16) -> None:
+    def __init__(self, store: KeyValueStateStore, chunk: int = 1 << 16) -> None:
         self._seen: set[int] = set()
         n = store.next_seq()
         for first in range(0, n, chunk):
@@ -159,7 +172,7 @@ def _path_key(source: Input) -> bytes:
     return PATH_KEY + str(Path(source.path).resolve()).encode("utf-8", "surrogateescape")
 
 
-def _start_line(store: RocksDBStateStore, source: Input) -> int:
+def _start_line(store: KeyValueStateStore, source: Input) -> int:
     """The line after which ``source`` resumes (0: from the start); logs what is resumed."""
     if not source.resumable:
         return 0
@@ -174,7 +187,7 @@ def _start_line(store: RocksDBStateStore, source: Input) -> int:
     return start
 
 
-def _check_stdin(store: RocksDBStateStore, sources: list[Input], state_dir: Path | None) -> None:
+def _check_stdin(store: KeyValueStateStore, sources: list[Input], state_dir: Path | None) -> None:
     """A run over stdin cannot be resumed: stdin has no identity, so nothing tells the
     lines read before from others. Say so (one line), and refuse a rerun over stdin of
     a state whose run over stdin was interrupted: it would read again the lines already
@@ -195,7 +208,7 @@ def _check_stdin(store: RocksDBStateStore, sources: list[Input], state_dir: Path
              "stdin with --state-dir %s is refused", state_dir)
 
 
-def _commit_stdin_read(store: RocksDBStateStore, settings: EngineSettings) -> None:
+def _commit_stdin_read(store: KeyValueStateStore, settings: EngineSettings) -> None:
     """stdin was read to its end: the next run may read stdin again."""
     store.commit(StateUpdate(first_seq=store.next_seq(), ids=[],
                              signatures=np.empty((0, settings.num_perm), np.uint64),
@@ -209,7 +222,7 @@ def _numbered(source: Input, stream: Iterable[bytes], start: int) -> Iterator[tu
         raise InputError(f"cannot read input {source.path}: {exc}") from None
 
 
-def _commit_outputs(store: RocksDBStateStore, settings: EngineSettings, key: bytes,
+def _commit_outputs(store: KeyValueStateStore, settings: EngineSettings, key: bytes,
                     lengths: dict[str, int]) -> None:
     """Record the outputs' lengths before the first batch: a run killed before its first
     commit is then continued like any other."""
@@ -218,7 +231,7 @@ def _commit_outputs(store: RocksDBStateStore, settings: EngineSettings, key: byt
                              verdicts={key: json.dumps(lengths).encode()}))
 
 
-def _close(bar: tqdm, outputs: OutputFiles | None, store: RocksDBStateStore, failing: bool = False) -> None:
+def _close(bar: tqdm, outputs: OutputFiles | None, store: KeyValueStateStore, failing: bool = False) -> None:
     """Close everything; when ``failing``, a store that fails to close (after a full
     disk, say) does not hide the error that stopped the run."""
     bar.close()
@@ -253,9 +266,9 @@ def dedup_files(
     With ``state_dir`` the state persists: a later run finds duplicates of earlier runs'
     documents, an input already read (known by its content, ``neardup.files.Input``)
     is resumed after its last committed line, and outputs the state recorded are
-    continued (``neardup.files.OutputFiles``). Without it the state lives in a
-    temporary directory removed at the end. Every input is checked before any output is
-    touched.
+    continued (``neardup.files.OutputFiles``). Without it the state lives for the run
+    only: in memory for small inputs, else in a temporary directory removed at the end
+    (``MEMORY_STATE_BYTES``). Every input is checked before any output is touched.
 
     Args:
         batch_size: documents per batch (the ``Settings`` default, as ``neardup dedup``).
@@ -283,9 +296,8 @@ def dedup_files(
     summary = Summary()
     clusters: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="neardup-state-") as scratch:
-        # a temporary state is written without a write-ahead log: nothing is to be recovered
-        store = RocksDBStateStore(state_dir or scratch, settings.state_shape(), retention=retention,
-                                  wal=state_dir is not None)
+        store = (RocksDBStateStore(state_dir, settings.state_shape(), retention=retention) if state_dir
+                 else _one_run_store(sources, settings, scratch, retention))
         outputs: OutputFiles | None = None
         bar = tqdm(unit=" docs", disable=None if progress is None else not progress)
         try:
