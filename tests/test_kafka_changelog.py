@@ -193,3 +193,43 @@ def test_a_state_from_before_the_changelog_is_written_to_it(kafka_bootstrap, kaf
     out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "third.log", len(records))
     assert "restored 1200 documents" in out, out[-3000:]
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def _read_all(bootstrap: str, topic: str, count: int) -> list[tuple[bytes | None, bytes | None]]:
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "in-order", "enable.auto.commit": False,
+                       "auto.offset.reset": "earliest"})
+    try:
+        reader.assign([TopicPartition(topic, 0, 0)])
+        out: list[tuple[bytes | None, bytes | None]] = []
+        deadline = time.monotonic() + 60
+        while len(out) < count and time.monotonic() < deadline:
+            out += [(m.key(), m.value()) for m in reader.consume(1000, timeout=1) if m.error() is None]
+        return out
+    finally:
+        reader.close()
+
+
+def test_records_produced_in_one_call_keep_their_order_through_a_full_queue(kafka_bootstrap, kafka_topic_factory) -> None:
+    """``produce_in_order`` on a producer whose queue holds 10 records, given 35: the
+    queue fills part way (the broker takes nothing before ``linger.ms``), the rest are
+    produced once it drains, all in their order, tombstones too; the last record's
+    delivery report comes with its offset. A record the producer refuses raises."""
+    import pytest
+    from confluent_kafka import KafkaException, Producer
+
+    from neardup.kafka.clients import produce_in_order
+
+    topic = kafka_topic_factory("in-order")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "queue.buffering.max.messages": 10,
+                         "linger.ms": 200, "message.max.bytes": 4000})
+    records = [(b"k%02d" % i, None if i % 7 == 3 else b"v%02d" % i) for i in range(35)]
+    reports: list[int] = []
+    produce_in_order(producer, topic, 0, records, lambda err, msg: reports.append(msg.offset()))
+    assert producer.flush(30) == 0
+    assert reports == [34]
+    assert _read_all(kafka_bootstrap, topic, 35) == records
+    with pytest.raises(KafkaException) as refused:
+        produce_in_order(producer, topic, 0, [(b"a", b"x"), (b"b", b"y" * 5000), (b"c", b"z")])
+    assert refused.value.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
+    producer.purge()
+    producer.flush(30)

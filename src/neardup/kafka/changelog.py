@@ -53,7 +53,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from neardup.config import Settings
 from neardup.kafka.bounded import CALL_TIMEOUT_S, bounded, discard
-from neardup.kafka.clients import admin_config
+from neardup.kafka.clients import admin_config, produce_in_order
 from neardup.kafka.limits import TopicLimits, input_limits, internal_max_bytes
 from neardup.kafka.rdkafka_log import rdkafka_logger
 from neardup.kafka.topics import create_missing, new_topic
@@ -135,17 +135,9 @@ class ChangelogWriter:
             # transaction awaited now commits.
             self._skip_confirm = self._skip_confirm or (self._awaiting and bool(records))
             return
-        produce, topic, count = producer.produce, self.topic, len(records)
-        for n, (key, value) in enumerate(records, 1):
-            # A delivery report for the last record only (records of one partition are
-            # delivered in order): the end offset. A failed record fails the commit.
-            report = self._delivered if n == count else None
-            while True:
-                try:
-                    produce(topic, value=value, key=key, partition=0, on_delivery=report)
-                    break
-                except BufferError:  # the queue is full: serve delivery reports
-                    producer.poll(0.05)
+        # A delivery report for the last record only (records of one partition are
+        # delivered in order): the end offset. A failed record fails the commit.
+        produce_in_order(producer, self.topic, 0, records, self._delivered)
 
     def _delivered(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:  # a failed record fails the transaction's commit

@@ -105,3 +105,34 @@ def init_transactions(producer: Producer, stop: threading.Event) -> None:
                 raise InterruptedError("stopped before the broker answered")
             bounded("init_transactions", producer.init_transactions, INIT_TIMEOUT_S,
                     wait_s=INIT_TIMEOUT_S + CALL_WAIT_S - CALL_TIMEOUT_S)
+
+
+def produce_in_order(producer: Producer, topic: str, partition: int,
+                     records: list[tuple[bytes | None, bytes | None]],
+                     on_last_delivery: Callable[[KafkaError | None, Any], None] | None = None) -> None:
+    """Produce ``records`` (key, value; no headers) to one partition, in their order, with
+    ``Producer.produce_batch``: one call for all instead of one ``produce`` each (on the
+    2-core machine about 0.6 µs a record against 1.0-1.4 µs, on the calling thread).
+    ``on_last_delivery`` gets the last record's delivery report (a transaction's records
+    of one partition are delivered in order). When the producer's queue fills part way,
+    delivery reports are served and the rest produced.
+
+    Raises:
+        KafkaException: a record was refused; or the queue refused a record while a
+            later one was queued, so that their order would be lost (the transaction
+            must abort; it is rare, the queue drains only as the broker takes records).
+    """
+    messages: list[dict[str, Any]] = [{"key": key, "value": value} for key, value in records]
+    if on_last_delivery is not None and messages:
+        messages[-1]["callback"] = on_last_delivery
+    while messages:
+        if producer.produce_batch(topic, messages, partition=partition) == len(messages):
+            return
+        failed = [i for i, message in enumerate(messages) if "_error" in message]
+        err: KafkaError = messages[failed[0]]["_error"]
+        if err.code() != KafkaError._QUEUE_FULL or len(failed) != len(messages) - failed[0]:
+            raise KafkaException(err)
+        messages = messages[failed[0]:]
+        for message in messages:
+            del message["_error"]
+        producer.poll(0.05)

@@ -134,7 +134,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 
 from neardup.config import Settings
 from neardup.kafka.bounded import CALL_TIMEOUT_S, CALL_WAIT_S, ProducerWedged, bounded, discard
-from neardup.kafka.clients import consumer_config, init_transactions, producer_config, retriable
+from neardup.kafka.clients import consumer_config, init_transactions, produce_in_order, producer_config, retriable
 from neardup.kafka.intake import OrderedIntake
 from neardup.kafka.progress import Progress
 from neardup.kafka.rdkafka_log import ProducerLog
@@ -339,6 +339,36 @@ def produce(producer: Producer, topic: str, key: bytes | None, value: bytes | No
             return
         except BufferError:
             producer.poll(0.05)
+
+
+#: A record a stage produces: topic, partition (None: the partitioner's), key, value,
+#: headers.
+ProducedRecord = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
+
+
+def produce_all(producer: Producer, records: list[ProducedRecord],
+                on_last_delivery: Callable[[str, int | None], Callable[[KafkaError | None, Message], None] | None]
+                | None = None) -> None:
+    """Produce a batch's records into the open transaction, the order of each partition's
+    records kept: the records of one topic partition that carry no header in one
+    ``produce_batch`` call (``neardup.kafka.clients.produce_in_order``), the others one
+    ``produce`` each. The last record of each topic partition has the delivery report
+    ``on_last_delivery(topic, partition)`` (None: none).
+
+    Raises:
+        KafkaException: a record refused (the transaction is aborted and retried).
+    """
+    groups: dict[tuple[str, int | None], list[ProducedRecord]] = {}
+    for record in records:
+        groups.setdefault((record[0], record[1]), []).append(record)
+    for (topic, partition), group in groups.items():
+        delivered = on_last_delivery(topic, partition) if on_last_delivery is not None else None
+        if partition is None or any(record[4] for record in group):
+            last = len(group) - 1
+            for i, (_, _, key, value, headers) in enumerate(group):
+                produce(producer, topic, key, value, headers, partition, delivered if i == last else None)
+        else:
+            produce_in_order(producer, topic, partition, [(key, value) for _, _, key, value, _ in group], delivered)
 
 
 def _consumer_fatal(err: KafkaError | None) -> bool:

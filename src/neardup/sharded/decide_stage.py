@@ -64,7 +64,7 @@ from neardup.kafka.limits import TopicLimits
 from neardup.kafka.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
 from neardup.kafka.rdkafka_log import rdkafka_logger
-from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.kafka.topics import create_missing, new_topic, sized_outputs
 from neardup.sharded.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
@@ -749,8 +749,7 @@ class DecideProcessor(StageHooks):
             KafkaException: a produce error (the transaction is aborted and retried).
         """
         records, stats = work
-        for topic, partition, key, value, headers in records:
-            produce(producer, topic, key, value, headers, partition)
+        produce_all(producer, records)
         return stats
 
 

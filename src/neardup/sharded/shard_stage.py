@@ -98,7 +98,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
 from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
-from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce
+from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     EMPTY_FINDING_BYTES,
@@ -673,11 +673,9 @@ class ShardProcessor(StageHooks):
         changelog = self.topology.shard_changelog
         # the stores take the offset after a partition's last record: one delivery report
         # each is enough (a transaction's records of one partition are delivered in order)
-        last = {} if self.state_dir is None else {
-            partition: i for i, (topic, partition, *_) in enumerate(records) if topic == changelog}
-        for i, (topic, partition, key, value, headers) in enumerate(records):
-            produce(producer, topic, key, value, headers, partition,
-                    delivered if topic == changelog and last.get(partition) == i else None)
+        produce_all(producer, records, None if self.state_dir is None else
+                    lambda topic, partition: delivered if topic == changelog else None)
+        for topic, _, key, value, _ in records:
             size = len(key or b"") + len(value or b"")
             if topic == self.topology.findings:
                 stats.finding_bytes += size
