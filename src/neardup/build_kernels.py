@@ -59,7 +59,8 @@ def build(target: Path) -> None:
 def warm() -> None:
     """Compile every kernel into the cache in use (numba's own choice, or
     ``NUMBA_CACHE_DIR``) by running ``neardup dedup`` in this process over a few stories
-    and their edited copies, once per variant of :data:`WARM_VARIANTS`; kernels already
+    and their edited copies, once per variant of :data:`WARM_VARIANTS`, then the sharded
+    mode's pair check (``neardup.sharded.shard.similarities``); kernels already
     cached are loaded, not compiled. The test suite runs it once before its parallel
     workers start, so that a cold cache is compiled once, not once per worker.
 
@@ -85,6 +86,14 @@ def warm() -> None:
                              "--no-pipeline", "--no-progress", "--batch-size", "2", "--log-level", "WARNING", *argv])
             if code != 0:
                 raise RuntimeError(f"kernel warm-up {' '.join(variant) or '(defaults)'} exited {code}")
+    # the sharded mode's pair check, which dedup does not make: two sets as parsed from
+    # band records (read-only)
+    import numpy as np  # noqa: PLC0415
+
+    from neardup.sharded.shard import similarities  # noqa: PLC0415
+
+    sets = [np.frombuffer(np.array(fps, dtype=np.uint32).tobytes(), dtype=np.uint32) for fps in ([1, 5, 9], [5, 9, 12])]
+    similarities(sets[0], sets[1], "jaccard", "new-in-earlier")
 
 
 def aot_compiler() -> Any:

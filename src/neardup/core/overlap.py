@@ -42,6 +42,26 @@ def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:
     return n
 
 
+@kernel("int64(Array(uint32, 1, 'C', readonly=True), Array(uint32, 1, 'C', readonly=True))")
+def intersection_size(a: np.ndarray, b: np.ndarray) -> int:  # pragma: no cover - compiled
+    """|a ∩ b| of two sets of sorted distinct fingerprints (uint32, shapes (n,) and (m,),
+    read-only): the merge of two sorted lists, as ``merge_count``. The sharded mode's
+    pairs, one call each: on the 2-core machine 1.5 µs for two sets of 130 fingerprints
+    against 3.6 µs for ``np.intersect1d``, 4.1 against 54 µs for two of 2,000."""
+    i, j, n = 0, 0, 0
+    while i < len(a) and j < len(b):
+        x, y = a[i], b[j]
+        if x == y:
+            n += 1
+            i += 1
+            j += 1
+        elif x < y:
+            i += 1
+        else:
+            j += 1
+    return n
+
+
 @kernel
 def sample_counts(values: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
                   a: int, b: int) -> tuple[int, int, int]:  # pragma: no cover - compiled
