@@ -24,42 +24,36 @@ from neardup.core.aot import kernel
 
 
 @kernel
-def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
-    """|set a ∩ set b| of flat sets (``values[offsets[a]:offsets[a + 1]]`` is set a)."""
-    i, i_end = offsets[a], offsets[a + 1]
-    j, j_end = offsets[b], offsets[b + 1]
+def _merge(x: np.ndarray, i: int, i_end: int, y: np.ndarray, j: int, j_end: int) -> int:  # pragma: no cover - compiled
+    """|x[i:i_end] ∩ y[j:j_end]| of two sorted distinct runs: one step per element of
+    either."""
     n = 0
     while i < i_end and j < j_end:
-        x, y = values[i], values[j]
-        if x == y:
+        u, v = x[i], y[j]
+        if u == v:
             n += 1
             i += 1
             j += 1
-        elif x < y:
+        elif u < v:
             i += 1
         else:
             j += 1
     return n
+
+
+@kernel
+def merge_count(values: np.ndarray, offsets: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
+    """|set a ∩ set b| of flat sets (``values[offsets[a]:offsets[a + 1]]`` is set a)."""
+    return _merge(values, offsets[a], offsets[a + 1], values, offsets[b], offsets[b + 1])
 
 
 @kernel("int64(Array(uint32, 1, 'C', readonly=True), Array(uint32, 1, 'C', readonly=True))")
 def intersection_size(a: np.ndarray, b: np.ndarray) -> int:  # pragma: no cover - compiled
     """|a ∩ b| of two sets of sorted distinct fingerprints (uint32, shapes (n,) and (m,),
-    read-only): the merge of two sorted lists, as ``merge_count``. The sharded mode's
-    pairs, one call each: on the 2-core machine 1.5 µs for two sets of 130 fingerprints
-    against 3.6 µs for ``np.intersect1d``, 4.1 against 54 µs for two of 2,000."""
-    i, j, n = 0, 0, 0
-    while i < len(a) and j < len(b):
-        x, y = a[i], b[j]
-        if x == y:
-            n += 1
-            i += 1
-            j += 1
-        elif x < y:
-            i += 1
-        else:
-            j += 1
-    return n
+    read-only), as ``merge_count``. The sharded mode's pairs, one call each: on the
+    2-core machine 1.5 µs for two sets of 130 fingerprints against 3.6 µs for
+    ``np.intersect1d``, 4.1 against 54 µs for two of 2,000."""
+    return _merge(a, 0, len(a), b, 0, len(b))
 
 
 @kernel
