@@ -18,3 +18,14 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(out[1:], out[:-1], out=keep[1:])
     return out[keep]
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` if it is read-only, else a read-only view of it: what a kernel declared for
+    read-only arrays takes (``neardup.core.aot``), so that one compiled variant serves
+    every caller, the built one too."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 from neardup.core.aot import kernel
+from neardup.core.arrays import read_only
 
 #: The compiled paths cover spans up to this many bytes.
 MAX_SHORT = 128
@@ -182,8 +183,7 @@ def xxh3_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
     """
     # One layout whatever the caller passes (a strided or a one-element view, a writable or a
     # read-only buffer), so that one compiled kernel serves every call, the prebuilt one too.
-    data = np.ascontiguousarray(data, dtype=np.uint8).view()
-    data.flags.writeable = False
+    data = read_only(np.ascontiguousarray(data, dtype=np.uint8))
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     ends = np.ascontiguousarray(ends, dtype=np.int64)
     if len(starts) != len(ends):

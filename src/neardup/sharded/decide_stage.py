@@ -64,7 +64,7 @@ from neardup.kafka.limits import TopicLimits
 from neardup.kafka.messages import HEADER_VALUE_BYTES, Outcome, fit
 from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
 from neardup.kafka.rdkafka_log import rdkafka_logger
-from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
+from neardup.kafka.stage import MessageBatch, ProducedRecord, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.kafka.topics import create_missing, new_topic, sized_outputs
 from neardup.sharded.topology import Topology
 from neardup.sharded.decide import decide, waiting_for
@@ -104,7 +104,7 @@ log = logging.getLogger(__name__)
 _CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset (an earlier layout: then the waiting order keys)
 _WAITING = b"W"  # the key of a waiting document's changelog record: this, then its order key
 _PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progress record (components)
-Record = tuple[str, int | None, bytes | None, bytes | None, list[tuple[str, bytes]]]
+Record = ProducedRecord
 
 
 @dataclass

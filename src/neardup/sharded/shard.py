@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from neardup.core.arrays import read_only
 from neardup.core.overlap import intersection_size
 from neardup.core.settings import EngineSettings
 from neardup.core.retention import NO_TIME
@@ -90,16 +91,6 @@ class Joins:
         return not len(self.buckets) and not self.copies
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """``a``, or a read-only view of it (as ``intersection_size`` takes its arrays: the
-    sets parsed from records are read-only already)."""
-    if not a.flags.writeable:
-        return a
-    view = a.view()
-    view.flags.writeable = False
-    return view
-
-
 def similarities(a: np.ndarray, b: np.ndarray, measure: str, direction: str) -> tuple[float, float, float]:
     """(Jaccard, containment of ``a`` in ``b``, the measure's similarity) of two sets.
 
@@ -109,7 +100,7 @@ def similarities(a: np.ndarray, b: np.ndarray, measure: str, direction: str) -> 
         measure: ``"jaccard"`` or ``"containment"``.
         direction: the containment direction (``EngineSettings.containment_direction``).
     """
-    inter = intersection_size(_read_only(a), _read_only(b))
+    inter = intersection_size(read_only(a), read_only(b))
     union = len(a) + len(b) - inter
     jaccard = inter / union if union else 0.0
     containment = inter / len(a) if len(a) else 0.0

@@ -622,29 +622,23 @@ class ShardProcessor(StageHooks):
             seq = order_seq(order)
             q = decide_partition(order, parts)
             if alone(seq, rec.buckets.tolist(), rec.fingerprints, rec.id):  # met no one, joined every bucket
-                columns = empty.get(q)
-                if columns is None:
-                    columns = empty[q] = ([], [])
-                columns[0].append(order)
-                columns[1].append(p)
-                members.append((order, joined_member_value((), rec.id, rec.buckets, rec.fingerprints)))
-                if order > shard.last:
-                    shard.last = order
-                continue
-            finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
-            if finding.checked:
-                checked = [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
-                           for c in finding.checked]
-                found.setdefault(q, []).append(found_value(order, p, checked))
+                checked, joined, copies = (), rec.buckets, ()
+            else:
+                finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
+                checked, joined = finding.checked, None if joins.empty else joins.buckets
+                copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
+            if checked:
+                found.setdefault(q, []).append(found_value(
+                    order, p, [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
+                               for c in checked]))
             else:
                 columns = empty.get(q)
                 if columns is None:
                     columns = empty[q] = ([], [])
                 columns[0].append(order)
                 columns[1].append(p)
-            if not joins.empty:
-                copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
-                members.append((order, joined_member_value(copies, rec.id, joins.buckets, rec.fingerprints)))
+            if joined is not None:
+                members.append((order, joined_member_value(copies, rec.id, joined, rec.fingerprints)))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)
