@@ -351,7 +351,7 @@ def test_prepared_batch_survives_pickling() -> None:
     copy = pickle.loads(pickle.dumps(prepared))
     assert copy.rejected == prepared.rejected == [None, EMPTY_TEXT, None, None]
     assert copy.fingerprints.dtype == np.uint32 and len(copy.fingerprint_offsets) == 4
-    for name in ("valid", "signatures", "fingerprints", "fingerprint_offsets", "sizes", "bucket_keys",
+    for name in ("valid", "fingerprints", "fingerprint_offsets", "sizes", "bucket_keys",
                  "bucket_entries", "buckets"):
         assert np.array_equal(getattr(copy, name), getattr(prepared, name))
     sets = np.split(copy.fingerprints, copy.fingerprint_offsets[1:-1])

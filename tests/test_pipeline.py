@@ -15,7 +15,7 @@ import numpy as np
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
-from neardup.files import Line, numbered_lines, read_lines
+from neardup.files import numbered_lines, read_lines
 from neardup.pipeline import ParseLines, PrepareTexts, PrepareWorker, prepared_ahead
 
 SETTINGS = EngineSettings()
@@ -44,7 +44,7 @@ def test_worker_batches_equal_inline_ones() -> None:
     assert started, "a worker is started for an input longer than worker_after batches"
     assert [b for b, _ in piped] == batches
     for a, (_, b) in zip(inline, piped):
-        assert np.array_equal(a.signatures, b.signatures)
+        assert np.array_equal(a.buckets, b.buckets) and np.array_equal(a.fingerprints, b.fingerprints)
 
 
 #: Lines of every kind the file mode reads: documents (an object, one holding a
@@ -68,29 +68,31 @@ MIXED_LINES = [
 ]
 
 
-def _fields(line: Line) -> tuple[object, ...]:
-    return (line.number, line.document, line.error, line.raw, line.data, line.spliceable)
-
-
 def test_lines_parsed_in_the_worker_are_the_lines_read_here() -> None:
     """The file mode's job (``ParseLines``): run in a worker process or here, it gives the
-    lines ``read_lines`` gives (less the parsed record, which the outputs do not use) and
-    the batch's position, and its documents are prepared as ``Preparer`` prepares them."""
+    lines ``read_lines`` gives (less the parsed record, which the outputs do not use) as
+    columns, the batch's position and the records' text bytes, and its documents are
+    prepared as ``Preparer`` prepares them."""
     job = ParseLines(("text",), "id", None)
     batch = list(numbered_lines(MIXED_LINES))
     expected = list(read_lines(MIXED_LINES, ["text"], "id"))
-    assert len(expected) == 11 and sum(line.document is not None for line in expected) == 5
+    records = [line for line in expected if line.document is not None]
+    assert len(expected) == 11 and len(records) == 5
     inline_made, inline_prepared = job.run(job.payload(batch), Preparer(SETTINGS))
     with PrepareWorker(SETTINGS, job) as worker:
         worker.submit(batch)
         made, prepared = worker.outcome()
-    for lines, last in (job.finish(batch, inline_made), job.finish(batch, made)):
-        assert [_fields(line) for line in lines] == [_fields(line) for line in expected]
-        assert last == len(MIXED_LINES)
-    assert [line.spliceable for line in expected if line.document] == [True, True, True, False, True]
-    reference = Preparer(SETTINGS)([line.document for line in expected if line.document])
+    for parsed in (job.finish(batch, inline_made), job.finish(batch, made)):
+        assert parsed.rejects == [(line.number, line.error, line.raw) for line in expected if line.document is None]
+        assert parsed.numbers == [line.number for line in records]
+        assert parsed.documents == [line.document for line in records]
+        assert parsed.data == [line.data for line in records]
+        assert parsed.spliceable == [line.spliceable for line in records] == [True, True, True, False, True]
+        assert parsed.text_bytes == sum(len(line.document.text.encode()) for line in records)
+        assert parsed.last == len(MIXED_LINES) and len(parsed) == 11
+    reference = Preparer(SETTINGS)([line.document for line in records])
     for p in (inline_prepared, prepared):
-        assert np.array_equal(p.signatures, reference.signatures)
+        assert np.array_equal(p.buckets, reference.buckets)
         assert np.array_equal(p.fingerprints, reference.fingerprints)
 
 
@@ -119,5 +121,5 @@ def test_a_killed_worker_is_replaced_by_preparing_here(caplog) -> None:
     assert killed
     assert [b for b, _ in out] == batches
     for a, (_, b) in zip(inline, out):
-        assert np.array_equal(a.signatures, b.signatures)
+        assert np.array_equal(a.buckets, b.buckets) and np.array_equal(a.fingerprints, b.fingerprints)
     assert "worker process died" in caplog.text

@@ -132,31 +132,86 @@ def _at_match(values: np.ndarray, best: np.ndarray, empty: float) -> np.ndarray:
     return out
 
 
+@dataclass(slots=True)
+class VerdictColumns:
+    """The verdicts of a batch's valid documents as columns, one entry per document in
+    arrival order (``Verdict``'s fields; the similarities not rounded): what a caller
+    writing many verdicts reads without making a ``Verdict`` each.
+
+    Attributes:
+        ids: the documents' external ids.
+        first_seq: the first document's seq; the others follow one by one.
+        duplicate: whether each is a duplicate.
+        cluster, match, related, nearest: external ids (``match``, ``related`` and
+            ``nearest`` None where ``Verdict``'s are).
+        similarity, jaccard, containment: as ``Verdict``'s.
+        candidates, rejected, cluster_size: as ``Verdict``'s.
+    """
+
+    ids: list[str]
+    first_seq: int
+    duplicate: list[bool]
+    cluster: list[str]
+    match: list[str | None]
+    similarity: list[float]
+    jaccard: list[float]
+    containment: list[float]
+    candidates: list[int]
+    rejected: list[int]
+    cluster_size: list[int]
+    related: list[str | None]
+    nearest: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def verdicts(self) -> list[Verdict]:
+        """One ``Verdict`` per document."""
+        return [
+            Verdict(doc_id, seq, "duplicate" if dup else "unique", c, m, sim, k, r, size, j, con, rel, near)
+            for doc_id, seq, dup, c, m, sim, k, r, size, j, con, rel, near in zip(
+                self.ids, range(self.first_seq, self.first_seq + len(self.ids)), self.duplicate,
+                self.cluster, self.match, self.similarity, self.candidates, self.rejected,
+                self.cluster_size, self.jaccard, self.containment, self.related, self.nearest)
+        ]
+
+
 @dataclass
 class BatchResult:
     """The verdicts of a batch and the state update that records them.
 
     Attributes:
-        results: one Verdict or Rejected per input document, in input order.
+        columns: the valid documents' verdicts (``VerdictColumns``).
+        reasons: per input document, in input order, why it was rejected (the reason of
+            its ``Rejected``), or None for a valid one (whose verdict is the next of
+            ``columns``).
         update: the state changes; the caller commits it.
-        signatures: uint64, shape (n_valid, num_perm).
         accepted: every accepted pair as three arrays of one length: earlier seq and
             later seq (uint64), similarity (float64); see ``links``.
         future_times: documents whose time lay beyond now plus the future tolerance,
             taken as now (``document_times``).
     """
 
-    results: list[Verdict | Rejected]
+    columns: VerdictColumns
+    reasons: list[str | None]
+    rejected_ids: list[str]  # the ids of the rejected documents, in input order
     update: StateUpdate
-    signatures: np.ndarray = field(repr=False)
     accepted: tuple[np.ndarray, np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.empty(0, np.uint64), np.empty(0, np.uint64), np.empty(0)),
         repr=False)
     future_times: int = 0
 
     @property
+    def results(self) -> list[Verdict | Rejected]:
+        """One ``Verdict`` or ``Rejected`` per input document, in input order (made at
+        each call)."""
+        named = iter(self.columns.verdicts())
+        rejected = iter(self.rejected_ids)
+        return [next(named) if reason is None else Rejected(next(rejected), reason) for reason in self.reasons]
+
+    @property
     def verdicts(self) -> list[Verdict]:
-        return [r for r in self.results if isinstance(r, Verdict)]
+        return self.columns.verdicts()
 
     @property
     def links(self) -> list[tuple[int, int, float]]:
@@ -172,20 +227,19 @@ class PreparedBatch:
     Attributes:
         rejected: reason per input document, None for a valid one.
         valid: int64, shape (n_valid,): indices of the valid documents.
-        signatures: uint64, shape (n_valid, num_perm).
         fingerprints, fingerprint_offsets: the valid documents' sorted shingle
             fingerprints as one array (``fingerprint_sets``); with ``verify="estimate"``
             only the ``SAMPLE_PER_PERM * num_perm`` smallest of each (a bottom-k sample).
         sizes: int64, shape (n_valid,): shingle-set sizes (of the whole sets).
         bucket_keys: uint64, shape (n_buckets,): the distinct bucket ids of the batch
-            (``neardup.core.lsh.bucket_ids``), ascending.
+            (``neardup.core.lsh.bucket_ids`` of the MinHash signatures, which are not
+            kept: nothing reads them after the banding), ascending.
         bucket_entries: int64, shape (n_valid, bands): each document's bucket in each
             band, as an index into ``bucket_keys``.
     """
 
     rejected: list[str | None]
     valid: np.ndarray
-    signatures: np.ndarray
     fingerprints: np.ndarray
     fingerprint_offsets: np.ndarray
     sizes: np.ndarray
@@ -223,7 +277,7 @@ class Preparer:
         shingles = shingle_batch(texts, s.shingling)
         counts = shingles.counts
         valid = np.flatnonzero(counts > 0)
-        signatures = self.hasher.signatures(shingles)[valid]
+        signatures = self.hasher.signatures(shingles)[valid]  # banded here, not kept
         fingerprints, offsets = fingerprint_sets(shingles, valid)
         sizes = np.diff(offsets)
         if s.verify == "estimate":  # a bottom-k sample of each set (neardup.core.overlap)
@@ -237,7 +291,6 @@ class Preparer:
         return PreparedBatch(
             rejected=rejected,
             valid=valid,
-            signatures=signatures,
             fingerprints=fingerprints,
             fingerprint_offsets=offsets,
             sizes=sizes,
@@ -388,16 +441,11 @@ class Detector:
         links = (candidates[accepted], local[doc_local[accepted]], similarity[accepted])
 
         ids = [documents[i].id for i in p.valid]
-        named = iter(self._name(decided, bounds, candidates, local, similarity, jaccard,
-                                containment, ids, first_seq))
-        results: list[Verdict | Rejected] = [
-            next(named) if reason is None else Rejected(doc.id, reason)
-            for doc, reason in zip(documents, p.rejected)
-        ]
+        columns = self._name(decided, bounds, candidates, local, similarity, jaccard, containment, ids, first_seq)
+        rejected_ids = [doc.id for doc, reason in zip(documents, p.rejected) if reason is not None]
         update = StateUpdate(
             first_seq=first_seq,
-            signatures=p.signatures,
-            store_signatures=False,
+            signatures=None,
             ids=ids,
             times=times,
             sizes=p.sizes,
@@ -408,8 +456,8 @@ class Detector:
             largest_bucket=joined.largest_bucket,
             nodes=nodes,
         )
-        return BatchResult(results=results, update=update, signatures=p.signatures, accepted=links,
-                           future_times=future)
+        return BatchResult(columns=columns, reasons=p.rejected, rejected_ids=rejected_ids, update=update,
+                           accepted=links, future_times=future)
 
     def _sets(self, p: PreparedBatch, local: np.ndarray, first: int, needed: np.ndarray) -> Sets:
         """The sets (or bottom-k samples) of the batch's documents (local ids ``first``
@@ -431,10 +479,9 @@ class Detector:
 
     def _name(self, decided: Clustering, bounds: np.ndarray, candidates: np.ndarray,
               local: np.ndarray, similarity: np.ndarray, jaccard: np.ndarray,
-              containment: np.ndarray, ids: list[str], first_seq: int) -> list[Verdict]:
-        """The verdicts, with the external ids of each document, match, cluster, related."""
-        n = len(ids)
-        duplicate = decided.match >= 0
+              containment: np.ndarray, ids: list[str], first_seq: int) -> VerdictColumns:
+        """The verdicts as columns, with the external ids of each document, match,
+        cluster, related and nearest."""
         match = _at_match(candidates.astype(np.int64), decided.match, -1)
         # the most similar candidate, accepted or not: the match itself for a duplicate
         # (accepted candidates are the most similar, the first among equals in both)
@@ -445,19 +492,20 @@ class Detector:
         wanted = sorted_unique(np.concatenate([match, nearest, cluster, related]))
         wanted = wanted[(wanted >= 0) & (wanted < first_seq)].tolist()
         known: dict[int, str | None] = dict(zip(wanted, self.store.get_ids(wanted)))
-        known.update((first_seq + i, doc_id) for i, doc_id in enumerate(ids))
+        known.update(zip(range(first_seq, first_seq + len(ids)), ids))
         known[-1] = None
+        name = known.__getitem__
         counts = np.diff(bounds)
-        return [
-            Verdict(doc_id, seq, "duplicate" if dup else "unique", known[c], known[m], sim,
-                    k, k - a, size, j, con, known[r], known[near])
-            for doc_id, seq, dup, c, m, sim, k, a, size, j, con, r, near in zip(
-                ids, range(first_seq, first_seq + n), duplicate.tolist(), cluster.tolist(),
-                match.tolist(), _at_match(similarity, best, 0.0).tolist(), counts.tolist(),
-                decided.accepted.tolist(), decided.cluster_size.tolist(),
-                _at_match(jaccard, best, 0.0).tolist(), _at_match(containment, best, 0.0).tolist(),
-                related.tolist(), nearest.tolist())
-        ]
+        return VerdictColumns(
+            ids=ids, first_seq=first_seq, duplicate=(decided.match >= 0).tolist(),
+            cluster=list(map(name, cluster.tolist())),  # type: ignore[arg-type]
+            match=list(map(name, match.tolist())),
+            similarity=_at_match(similarity, best, 0.0).tolist(),
+            jaccard=_at_match(jaccard, best, 0.0).tolist(),
+            containment=_at_match(containment, best, 0.0).tolist(),
+            candidates=counts.tolist(), rejected=(counts - decided.accepted).tolist(),
+            cluster_size=decided.cluster_size.tolist(),
+            related=list(map(name, related.tolist())), nearest=list(map(name, nearest.tolist())))
 
     def process(
         self, documents: Sequence[Document], positions: dict[str, int] | None = None

@@ -14,7 +14,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,18 +28,17 @@ from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document, Rejected, Verdict
 from neardup.extract import require_extractor
-from neardup.detector import Detector
+from neardup.detector import BatchResult, Detector
 from neardup.files import (
     READ_ERRORS,
     Input,
     InputError,
-    Line,
     OutputFiles,
     check_input,
     numbered_lines,
     open_binary,
 )
-from neardup.pipeline import WORKER_AFTER_BATCHES, ParseLines, prepared_ahead
+from neardup.pipeline import WORKER_AFTER_BATCHES, ParsedLines, ParseLines, prepared_ahead
 from neardup.state.base import StateError, StateUpdate
 from neardup.state.kv import KeyValueStateStore
 from neardup.state.memory import MemoryStateStore
@@ -148,24 +147,55 @@ class DistinctIds:
             self._seen.update(_hash64(i) for i in store.stored_ids(range(first, min(n, first + chunk))))
         self.renamed = 0
 
-    def __call__(self, line: Line, source: str) -> Line:
-        """``line`` with its document's id made distinct (``source``: the file's name)."""
-        doc = line.document
-        if doc is None:
-            return line
-        if (h := _hash64(doc.id)) not in self._seen:
-            self._seen.add(h)
-            return line
-        base = name = f"{doc.id}@{source}:{line.number}"
-        k = 1
-        while (h := _hash64(name)) in self._seen:
-            k += 1
-            name = f"{base}#{k}"
-        self._seen.add(h)
-        self.renamed += 1
-        if self.renamed <= self.warnings:
-            log.warning("%s:%d: id %r seen before; named %r in the outputs", source, line.number, doc.id, name)
-        return replace(line, document=Document(name, doc.text, doc.time))
+    def __call__(self, documents: list[Document], numbers: list[int], source: str) -> None:
+        """Make the ids of ``documents`` distinct, in order, replacing a renamed one in
+        the list (``numbers``: their line numbers; ``source``: the file's name)."""
+        seen, add = self._seen, self._seen.add
+        for i, doc in enumerate(documents):
+            h = _hash64(doc.id)
+            if h not in seen:
+                add(h)
+                continue
+            base = name = f"{doc.id}@{source}:{numbers[i]}"
+            k = 1
+            while (h := _hash64(name)) in seen:
+                k += 1
+                name = f"{base}#{k}"
+            add(h)
+            self.renamed += 1
+            if self.renamed <= self.warnings:
+                log.warning("%s:%d: id %r seen before; named %r in the outputs", source, numbers[i], doc.id, name)
+            documents[i] = Document(name, doc.text, doc.time)
+
+
+def _write_batch(outputs: OutputFiles, parsed: ParsedLines, result: BatchResult, summary: Summary,
+                 clusters: set[str]) -> None:
+    """Queue a batch's outputs: its lines that are no records, then its records, each
+    a reject (``result.reasons``) or a verdict; count them in ``summary``, and the
+    clusters of its duplicates in ``clusters``."""
+    for number, error, raw in parsed.rejects:
+        outputs.write_reject(number, error, raw=raw)
+        summary.first_reject = summary.first_reject or f"line {number}: {error}"
+        summary.rejects += 1
+    summary.input_bytes += parsed.text_bytes
+    data, spliceable = parsed.data, parsed.spliceable
+    if len(result.columns) < len(parsed.documents):  # rejected by the engine (an empty text)
+        for number, reason, doc in zip(parsed.numbers, result.reasons, parsed.documents):
+            if reason is not None:
+                outputs.write_reject(number, reason, doc.id)
+                summary.first_reject = summary.first_reject or f"line {number}: {reason}"
+                summary.rejects += 1
+        valid = [i for i, reason in enumerate(result.reasons) if reason is None]
+        data, spliceable = [data[i] for i in valid], [spliceable[i] for i in valid]
+    columns = result.columns
+    outputs.write_verdicts(columns, data, spliceable)
+    duplicates = sum(columns.duplicate)
+    summary.documents += len(columns)
+    summary.duplicates += duplicates
+    summary.unique += len(columns) - duplicates
+    summary.rejected_candidates += sum(columns.rejected)
+    if duplicates:
+        clusters.update(c for c, dup in zip(columns.cluster, columns.duplicate) if dup)
 
 
 def _path_key(source: Input) -> bytes:
@@ -320,42 +350,22 @@ def dedup_files(
                 name = "stdin" if source.path == "-" else Path(source.path).name
                 with open_binary(source.path) as stream:
                     numbered = _batches(_numbered(source, stream, start), batch_size)
-                    for (parsed, last), prepared in prepared_ahead(numbered, parse, settings, parallel,
-                                                                   worker_after=worker_after):
+                    for parsed, prepared in prepared_ahead(numbered, parse, settings, parallel,
+                                                           worker_after=worker_after):
                         t0 = time.perf_counter()
-                        batch = [ids(line, name) for line in parsed]
-                        good = [line for line in batch if line.document is not None]
-                        result = detector.detect([line.document for line in good], prepared)  # type: ignore[misc]
-                        for line in batch:
-                            if line.error is not None:
-                                outputs.write_reject(line.number, line.error, raw=line.raw)
-                                summary.first_reject = summary.first_reject or f"line {line.number}: {line.error}"
-                                summary.rejects += 1
-                        for line, outcome in zip(good, result.results):
-                            summary.input_bytes += len(line.document.text.encode("utf-8"))  # type: ignore[union-attr]
-                            if isinstance(outcome, Rejected):
-                                outputs.write_reject(line.number, outcome.reason, outcome.id)
-                                summary.first_reject = summary.first_reject or f"line {line.number}: {outcome.reason}"
-                                summary.rejects += 1
-                                continue
-                            outputs.write_verdict(outcome, line.data, line.spliceable)  # type: ignore[arg-type]
-                            summary.documents += 1
-                            summary.rejected_candidates += outcome.rejected
-                            if outcome.is_duplicate:
-                                summary.duplicates += 1
-                                clusters.add(outcome.cluster)
-                            else:
-                                summary.unique += 1
+                        ids(parsed.documents, parsed.numbers, name)
+                        result = detector.detect(parsed.documents, prepared)
+                        _write_batch(outputs, parsed, result, summary, clusters)
                         # The outputs' lengths go into the same atomic write as the
                         # batch's state and position: a rerun cuts them back to it.
                         result.update.verdicts[outputs_key] = json.dumps(outputs.flush()).encode()
                         if source.resumable:
-                            result.update.positions[source.key] = last
+                            result.update.positions[source.key] = parsed.last
                             result.update.verdicts[_path_key(source)] = source.key.encode()
                         else:
-                            result.update.verdicts[STDIN_KEY] = str(last).encode()
+                            result.update.verdicts[STDIN_KEY] = str(parsed.last).encode()
                         store.commit(result.update)
-                        bar.update(len(batch))
+                        bar.update(len(parsed))
                         if on_batch is not None:
                             on_batch(result.results, time.perf_counter() - t0)
                 if not source.resumable:

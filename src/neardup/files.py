@@ -18,14 +18,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 import xxhash
 from isal import igzip, isal_zlib
 
-from neardup.core.types import Document, Verdict
+from neardup.core.types import Document
 from neardup.records import NoMainText, RecordError, record_id, record_text, record_time
+
+if TYPE_CHECKING:
+    from neardup.detector import VerdictColumns
 
 GZIP_MAGIC = b"\x1f\x8b"
 #: What reading a corrupt or truncated input raises (gzip data is decompressed by ISA-L,
@@ -55,7 +58,7 @@ class Line:
     raw: str | None = None
     data: bytes | None = None  # a parsed line's bytes as read (the outputs repeat them)
     #: a document's record is a JSON object without a ``neardup`` member: its output is
-    #: its bytes with that member spliced in (``OutputFiles.write_verdict``)
+    #: its bytes with that member spliced in (``OutputFiles.write_verdicts``)
     spliceable: bool = False
 
 
@@ -317,30 +320,45 @@ class OutputFiles:
             self.close()
             raise OutputError(f"--out-dir {out_dir}: cannot write the outputs: {exc.strerror or exc}") from exc
 
-    def write_verdict(self, verdict: Verdict, data: bytes, spliceable: bool) -> None:
-        """Queue the output line of a record (``data``, the line's bytes) and its verdict;
-        ``flush`` writes it.
+    @staticmethod
+    def _write_encoded(pending: list[bytes], entry: dict[str, Any], data: bytes) -> None:
+        """The record of ``data`` read again and encoded with ``neardup`` set to ``entry``."""
+        with _nesting_allowed():  # a record orjson read (up to 1,024 levels) json can write
+            record = json.loads(data)  # by json, which keeps integers beyond 64 bits exact
+            out = dict(record) if isinstance(record, dict) else {"value": record}
+            out["neardup"] = entry
+            pending.append(_dumps(out))
+
+    def write_verdicts(self, columns: VerdictColumns, data: Sequence[bytes], spliceable: Sequence[bool]) -> None:
+        """Queue the output line of each record (``data``: the lines' bytes as read) with
+        its verdict (``columns``, one per line, in order); ``flush`` writes them.
 
         A ``spliceable`` record (``Line.spliceable``: a JSON object without a ``neardup``
         member) is written as its bytes with the ``neardup`` member spliced in before its
         closing brace: the record comes out byte for byte as it came, without being
         encoded again. Any other record is read again and encoded with ``neardup`` set.
+        The ``neardup`` member is the verdict as ``Verdict.to_dict`` gives it, after
+        ``"id"``.
         """
-        name = "duplicates" if verdict.is_duplicate else "unique"
-        entry = {"id": verdict.id, **verdict.to_dict()}
-        if spliceable:
-            head = data.rstrip()
-            if head.endswith(b"}"):
-                try:
-                    self._pending[name].append(b"".join((head[:-1], b',"neardup":', orjson.dumps(entry), b"}\n")))
-                    return
-                except orjson.JSONEncodeError:  # a lone surrogate in the id: json escapes it
-                    pass
-        with _nesting_allowed():  # a record orjson read (up to 1,024 levels) json can write
-            record = json.loads(data)  # by json, which keeps integers beyond 64 bits exact
-            out = dict(record) if isinstance(record, dict) else {"value": record}
-            out["neardup"] = entry
-            self._pending[name].append(_dumps(out))
+        pending = {True: self._pending["duplicates"], False: self._pending["unique"]}
+        dumps, join = orjson.dumps, b"".join
+        for doc_id, dup, cluster, match, sim, jac, con, related, nearest, k, r, line, whole in zip(
+                columns.ids, columns.duplicate, columns.cluster, columns.match, columns.similarity,
+                columns.jaccard, columns.containment, columns.related, columns.nearest,
+                columns.candidates, columns.rejected, data, spliceable):
+            entry = {"id": doc_id, "verdict": "duplicate" if dup else "unique", "cluster": cluster,
+                     "match": match, "similarity": round(sim, 6), "jaccard": round(jac, 6),
+                     "containment": round(con, 6), "related": related, "nearest": nearest,
+                     "candidates": k, "rejected_candidates": r}
+            if whole:
+                head = line.rstrip()
+                if head.endswith(b"}"):
+                    try:
+                        pending[dup].append(join((head[:-1], b',"neardup":', dumps(entry), b"}\n")))
+                        continue
+                    except orjson.JSONEncodeError:  # a lone surrogate in an id: json escapes it
+                        pass
+            self._write_encoded(pending[dup], entry, line)
 
     def write_reject(self, line: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
         """Queue a reject line; ``flush`` writes it."""

@@ -28,7 +28,7 @@ from neardup.core import numba_math_without_scipy
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import PreparedBatch, Preparer
-from neardup.files import Line, parse_line
+from neardup.files import parse_line
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,6 +82,32 @@ class PrepareTexts:
 _Parsed = tuple[int, str | None, str | None, float | None, str | None, str | None, bool]
 
 
+@dataclass
+class ParsedLines:
+    """A batch of input lines once parsed (``ParseLines.finish``), as columns.
+
+    Attributes:
+        rejects: (line number, reason, raw text) of each line that is no record, in order.
+        numbers, documents, data, spliceable: per record, in order: its line number, its
+            ``Document``, its bytes as read and ``Line.spliceable``.
+        last: the number of the batch's last line (the position to commit).
+        text_bytes: the UTF-8 bytes of the records' texts, together.
+    """
+
+    rejects: list[tuple[int, str, str | None]]
+    numbers: list[int]
+    documents: list[Document]
+    data: list[bytes]
+    spliceable: list[bool]
+    last: int
+    text_bytes: int
+
+    def __len__(self) -> int:
+        """The lines that are records or rejects (a line blank by Unicode's white space
+        is neither)."""
+        return len(self.rejects) + len(self.documents)
+
+
 @dataclass(frozen=True)
 class ParseLines:
     """The ``PrepareJob`` of a batch of input lines, ``(number, bytes)``: each is parsed
@@ -90,8 +116,7 @@ class ParseLines:
     comes back is each line without its parsed record (``spliceable`` says how its output
     is written) nor its bytes, which the caller keeps.
 
-    ``finish`` gives the batch's ``Line``s and the number of its last line (the position
-    to commit; a line blank by Unicode's white space has no ``Line``).
+    ``finish`` gives the batch as ``ParsedLines``.
     """
 
     text_fields: tuple[str, ...]
@@ -102,9 +127,11 @@ class ParseLines:
     def payload(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         return batch
 
-    def run(self, batch: list[tuple[int, bytes]], preparer: Preparer) -> tuple[list[_Parsed], PreparedBatch]:
+    def run(self, batch: list[tuple[int, bytes]],
+            preparer: Preparer) -> tuple[tuple[list[_Parsed], int], PreparedBatch]:
         parsed: list[_Parsed] = []
         texts = []
+        text_bytes = 0
         for i, (number, data) in enumerate(batch):
             line = parse_line(number, data, self.text_fields, self.id_field, self.time_field,
                               self.text_format)
@@ -113,20 +140,25 @@ class ParseLines:
             if (doc := line.document) is not None:
                 parsed.append((i, doc.id, doc.text, doc.time, None, None, line.spliceable))
                 texts.append(doc.text)
+                text_bytes += len(doc.text.encode("utf-8"))
             else:
                 parsed.append((i, None, None, None, line.error, line.raw, False))
-        return parsed, preparer.texts(texts)
+        return (parsed, text_bytes), preparer.texts(texts)
 
-    def finish(self, batch: list[tuple[int, bytes]], parsed: list[_Parsed]) -> tuple[list[Line], int]:
-        lines = []
-        for i, doc_id, text, when, error, raw, spliceable in parsed:
-            number, data = batch[i]
+    def finish(self, batch: list[tuple[int, bytes]], made: tuple[list[_Parsed], int]) -> ParsedLines:
+        parsed, text_bytes = made
+        out = ParsedLines([], [], [], [], [], batch[-1][0], text_bytes)
+        rejects, numbers, documents, data, spliceable = out.rejects, out.numbers, out.documents, out.data, out.spliceable
+        for i, doc_id, text, when, error, raw, whole in parsed:
+            number, line = batch[i]
             if doc_id is not None:
-                lines.append(Line(number, None, Document(doc_id, text, when), data=data,  # type: ignore[arg-type]
-                                  spliceable=spliceable))
+                numbers.append(number)
+                documents.append(Document(doc_id, text, when))  # type: ignore[arg-type]
+                data.append(line)
+                spliceable.append(whole)
             else:
-                lines.append(Line(number, None, None, error, raw))
-        return lines, batch[-1][0]
+                rejects.append((number, error, raw))  # type: ignore[arg-type]
+        return out
 
 
 def _serve(texts_in: Connection, results_out: Connection, settings: EngineSettings,

@@ -28,7 +28,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 
 from neardup.kafka.messages import source_name
 from neardup.state.base import StateError, StateStore, StateUpdate
@@ -115,9 +114,8 @@ def check(store: StateStore, facts: Sequence[PartitionFacts], reset: bool) -> di
     if positions or ids:
         store.commit(StateUpdate(
             first_seq=store.next_seq(),
-            signatures=np.empty((0, store.num_perm), dtype=np.uint64),  # type: ignore[attr-defined]
+            signatures=None,
             ids=[],
-            store_signatures=False,
             positions={source_name(t, n): pos for (t, n), pos in positions.items()},
             verdicts={topic_id_key(t): i.encode("ascii") for t, i in ids.items()},
         ))

@@ -24,10 +24,10 @@ class StateUpdate:
     """Everything one batch changes, written in one atomic write.
 
     Attributes:
-        first_seq: sequence number of ``signatures[0]``.
-        signatures: uint64, shape (n_new, num_perm): the new documents' signatures.
-        store_signatures: False when nothing reads stored signatures back (exact
-            verification): they are then checked for shape but not written.
+        first_seq: sequence number of the first new document (``ids[0]``).
+        signatures: uint64, shape (n_new, num_perm): the new documents' signatures, to
+            store; None stores none (the detector's case: nothing reads them back, the
+            bucket ids being made from them before the update).
         ids: external ids of the new documents, in sequence order.
         times: int64, shape (n_new,): their times, ms since the Unix epoch (the retention
             window's clock, ``neardup.core.retention``); None: now.
@@ -50,9 +50,8 @@ class StateUpdate:
     """
 
     first_seq: int
-    signatures: np.ndarray
+    signatures: np.ndarray | None
     ids: list[str]
-    store_signatures: bool = True
     times: np.ndarray | None = None
     sizes: np.ndarray | None = None
     fingerprints: np.ndarray | None = None

@@ -322,7 +322,7 @@ class KeyValueStateStore(ChangelogMixin):
             raise StateError(
                 f"update starts at document {update.first_seq}, the store at {self._next_seq}"
             )
-        if update.signatures.shape != (len(update.ids), self.num_perm):
+        if update.signatures is not None and update.signatures.shape != (len(update.ids), self.num_perm):
             raise StateError(
                 f"signatures of shape {update.signatures.shape} for {len(update.ids)} "
                 f"documents of {self.num_perm} permutations"
@@ -334,11 +334,11 @@ class KeyValueStateStore(ChangelogMixin):
         if len(times) != len(update.ids):
             raise StateError(f"{len(times)} times for {len(update.ids)} documents")
         keys = codec.seq_keys(np.arange(update.first_seq, update.next_seq))
-        sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
-        width = 8 * self.num_perm
         sizes = update.sizes.tolist() if update.sizes is not None else [0] * len(keys)
         puts: Puts = {"documents": zip(keys, map(codec.encode_document, sizes, update.ids))}
-        if update.store_signatures:
+        if update.signatures is not None:
+            sig_bytes = np.ascontiguousarray(update.signatures, dtype="<u8").tobytes()
+            width = 8 * self.num_perm
             puts["signatures"] = ((key, sig_bytes[i * width : (i + 1) * width]) for i, key in enumerate(keys))
         if update.fingerprints is not None:
             puts["shingles"] = zip(keys, codec.encode_fingerprint_sets(update.fingerprints,
