@@ -85,7 +85,8 @@ def test_lines_parsed_in_the_worker_are_the_lines_read_here() -> None:
     for parsed in (job.finish(batch, inline_made), job.finish(batch, made)):
         assert parsed.rejects == [(line.number, line.error, line.raw) for line in expected if line.document is None]
         assert parsed.numbers == [line.number for line in records]
-        assert parsed.documents == [line.document for line in records]
+        assert parsed.ids == [line.document.id for line in records]
+        assert parsed.times == [line.document.time for line in records]
         assert parsed.data == [line.data for line in records]
         assert parsed.spliceable == [line.spliceable for line in records] == [True, True, True, False, True]
         assert parsed.text_bytes == sum(len(line.document.text.encode()) for line in records)

@@ -327,8 +327,14 @@ class Detector:
         The caller commits ``result.update`` (adding input positions if it tracks them)
         before the next call.
         """
-        s = self.settings
         p = prepared if prepared is not None else self.prepare(documents)
+        return self.detect_prepared([d.id for d in documents], [d.time for d in documents], p)
+
+    def detect_prepared(self, ids: list[str], times: list[float | None], p: PreparedBatch) -> BatchResult:
+        """``detect`` for documents given by their ids and times (``Document.id``,
+        ``Document.time``), their texts prepared already (``p``): the texts themselves
+        are not needed."""
+        s = self.settings
         n = len(p.valid)
         first_seq = self.store.next_seq()
 
@@ -336,12 +342,13 @@ class Detector:
         bands = p.bucket_entries.shape[1]
         entries = p.bucket_entries.ravel()
         members = self.store.bucket_members(p.bucket_keys)
-        times, future = document_times(documents, p.valid, s.future_tolerance_s)
+        stamps = times
+        times, future = document_times(stamps, p.valid, s.future_tolerance_s)
         if future:
             log.warning("%d document(s) stamped more than %gs after now (the latest %s, at seq %d or later) "
                         "taken as now: their times would move the retention window (--future-tolerance)",
                         future, s.future_tolerance_s,
-                        max((d.time for d in documents if d.time is not None), default=None), first_seq)
+                        max((t for t in stamps if t is not None), default=None), first_seq)
         retention = self.store.retention
         window = None
         if retention.active:  # which members each document may meet (neardup.core.retention)
@@ -440,9 +447,9 @@ class Detector:
         accepted = similarity >= s.threshold
         links = (candidates[accepted], local[doc_local[accepted]], similarity[accepted])
 
-        ids = [documents[i].id for i in p.valid]
+        rejected_ids = [doc_id for doc_id, reason in zip(ids, p.rejected) if reason is not None]
+        ids = [ids[i] for i in p.valid.tolist()] if rejected_ids else list(ids)
         columns = self._name(decided, bounds, candidates, local, similarity, jaccard, containment, ids, first_seq)
-        rejected_ids = [doc.id for doc, reason in zip(documents, p.rejected) if reason is not None]
         update = StateUpdate(
             first_seq=first_seq,
             signatures=None,
@@ -525,10 +532,12 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return starts
 
 
-def document_times(documents: Sequence[Document], valid: np.ndarray,
+def document_times(stamps: Sequence[float | None], valid: np.ndarray,
                    tolerance_s: float = float("inf")) -> tuple[np.ndarray, int]:
-    """The times of ``documents[valid]``: int64, shape (len(valid),), ms since the Unix
-    epoch, and how many lay beyond now plus ``tolerance_s`` (seconds).
+    """The times of the documents ``valid`` of a batch whose times are ``stamps``
+    (seconds since the Unix epoch, or None; ``Document.time``): int64, shape
+    (len(valid),), ms since the Unix epoch, and how many lay beyond now plus
+    ``tolerance_s`` (seconds).
 
     A document without a time gets the time now (its arrival), and so does one whose time
     lies more than ``tolerance_s`` after now (a clock gone wrong, a bad timestamp field):
@@ -540,7 +549,7 @@ def document_times(documents: Sequence[Document], valid: np.ndarray,
     future = 0
     out = np.empty(len(valid), dtype=np.int64)
     for k, i in enumerate(valid.tolist()):
-        t = documents[i].time
+        t = stamps[i]
         if t is None:
             t = now
         elif t > latest:

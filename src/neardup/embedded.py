@@ -26,7 +26,7 @@ from tqdm import tqdm
 from neardup.config import MEMORY_STATE_BYTES, default
 from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
-from neardup.core.types import Document, Rejected, Verdict
+from neardup.core.types import Rejected, Verdict
 from neardup.extract import require_extractor
 from neardup.detector import BatchResult, Detector
 from neardup.files import (
@@ -147,16 +147,16 @@ class DistinctIds:
             self._seen.update(_hash64(i) for i in store.stored_ids(range(first, min(n, first + chunk))))
         self.renamed = 0
 
-    def __call__(self, documents: list[Document], numbers: list[int], source: str) -> None:
-        """Make the ids of ``documents`` distinct, in order, replacing a renamed one in
-        the list (``numbers``: their line numbers; ``source``: the file's name)."""
+    def __call__(self, ids: list[str], numbers: list[int], source: str) -> None:
+        """Make ``ids`` distinct, in order, renaming in place (``numbers``: the line
+        numbers of their records; ``source``: the file's name)."""
         seen, add = self._seen, self._seen.add
-        for i, doc in enumerate(documents):
-            h = _hash64(doc.id)
+        for i, doc_id in enumerate(ids):
+            h = _hash64(doc_id)
             if h not in seen:
                 add(h)
                 continue
-            base = name = f"{doc.id}@{source}:{numbers[i]}"
+            base = name = f"{doc_id}@{source}:{numbers[i]}"
             k = 1
             while (h := _hash64(name)) in seen:
                 k += 1
@@ -164,8 +164,8 @@ class DistinctIds:
             add(h)
             self.renamed += 1
             if self.renamed <= self.warnings:
-                log.warning("%s:%d: id %r seen before; named %r in the outputs", source, numbers[i], doc.id, name)
-            documents[i] = Document(name, doc.text, doc.time)
+                log.warning("%s:%d: id %r seen before; named %r in the outputs", source, numbers[i], doc_id, name)
+            ids[i] = name
 
 
 def _write_batch(outputs: OutputFiles, parsed: ParsedLines, result: BatchResult, summary: Summary,
@@ -179,10 +179,10 @@ def _write_batch(outputs: OutputFiles, parsed: ParsedLines, result: BatchResult,
         summary.rejects += 1
     summary.input_bytes += parsed.text_bytes
     data, spliceable = parsed.data, parsed.spliceable
-    if len(result.columns) < len(parsed.documents):  # rejected by the engine (an empty text)
-        for number, reason, doc in zip(parsed.numbers, result.reasons, parsed.documents):
+    if len(result.columns) < len(parsed.ids):  # rejected by the engine (an empty text)
+        for number, reason, doc_id in zip(parsed.numbers, result.reasons, parsed.ids):
             if reason is not None:
-                outputs.write_reject(number, reason, doc.id)
+                outputs.write_reject(number, reason, doc_id)
                 summary.first_reject = summary.first_reject or f"line {number}: {reason}"
                 summary.rejects += 1
         valid = [i for i, reason in enumerate(result.reasons) if reason is None]
@@ -353,8 +353,8 @@ def dedup_files(
                     for parsed, prepared in prepared_ahead(numbered, parse, settings, parallel,
                                                            worker_after=worker_after):
                         t0 = time.perf_counter()
-                        ids(parsed.documents, parsed.numbers, name)
-                        result = detector.detect(parsed.documents, prepared)
+                        ids(parsed.ids, parsed.numbers, name)
+                        result = detector.detect_prepared(parsed.ids, parsed.times, prepared)
                         _write_batch(outputs, parsed, result, summary, clusters)
                         # The outputs' lengths go into the same atomic write as the
                         # batch's state and position: a rerun cuts them back to it.

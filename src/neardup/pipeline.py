@@ -78,8 +78,9 @@ class PrepareTexts:
 
 
 #: A parsed line as it comes back from ``ParseLines.run``: its index in the batch, then
-#: the document's id, text and time, or the reject's reason and text, and ``spliceable``.
-_Parsed = tuple[int, str | None, str | None, float | None, str | None, str | None, bool]
+#: the document's id and time, or the reject's reason and text, and ``spliceable`` (the
+#: text stays in the worker: once prepared, it is not needed).
+_Parsed = tuple[int, str | None, float | None, str | None, str | None, bool]
 
 
 @dataclass
@@ -88,15 +89,17 @@ class ParsedLines:
 
     Attributes:
         rejects: (line number, reason, raw text) of each line that is no record, in order.
-        numbers, documents, data, spliceable: per record, in order: its line number, its
-            ``Document``, its bytes as read and ``Line.spliceable``.
+        numbers, ids, times, data, spliceable: per record, in order: its line number,
+            its document's id and time (``Document.id``, ``Document.time``), its bytes
+            as read and ``Line.spliceable``.
         last: the number of the batch's last line (the position to commit).
         text_bytes: the UTF-8 bytes of the records' texts, together.
     """
 
     rejects: list[tuple[int, str, str | None]]
     numbers: list[int]
-    documents: list[Document]
+    ids: list[str]
+    times: list[float | None]
     data: list[bytes]
     spliceable: list[bool]
     last: int
@@ -105,7 +108,7 @@ class ParsedLines:
     def __len__(self) -> int:
         """The lines that are records or rejects (a line blank by Unicode's white space
         is neither)."""
-        return len(self.rejects) + len(self.documents)
+        return len(self.rejects) + len(self.ids)
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class ParseLines:
     (``neardup.files.parse_line``) and the documents' texts prepared, in the worker
     process when there is one, so that parsing JSON shares the second core too. What
     comes back is each line without its parsed record (``spliceable`` says how its output
-    is written) nor its bytes, which the caller keeps.
+    is written), its text (prepared already) nor its bytes, which the caller keeps.
 
     ``finish`` gives the batch as ``ParsedLines``.
     """
@@ -138,26 +141,27 @@ class ParseLines:
             if line is None:
                 continue
             if (doc := line.document) is not None:
-                parsed.append((i, doc.id, doc.text, doc.time, None, None, line.spliceable))
+                parsed.append((i, doc.id, doc.time, None, None, line.spliceable))
                 texts.append(doc.text)
                 text_bytes += len(doc.text.encode("utf-8"))
             else:
-                parsed.append((i, None, None, None, line.error, line.raw, False))
+                parsed.append((i, None, None, line.error, line.raw, False))
         return (parsed, text_bytes), preparer.texts(texts)
 
     def finish(self, batch: list[tuple[int, bytes]], made: tuple[list[_Parsed], int]) -> ParsedLines:
         parsed, text_bytes = made
-        out = ParsedLines([], [], [], [], [], batch[-1][0], text_bytes)
-        rejects, numbers, documents, data, spliceable = out.rejects, out.numbers, out.documents, out.data, out.spliceable
-        for i, doc_id, text, when, error, raw, whole in parsed:
+        out = ParsedLines([], [], [], [], [], [], batch[-1][0], text_bytes)
+        numbers, ids, times, data, spliceable = out.numbers, out.ids, out.times, out.data, out.spliceable
+        for i, doc_id, when, error, raw, whole in parsed:
             number, line = batch[i]
             if doc_id is not None:
                 numbers.append(number)
-                documents.append(Document(doc_id, text, when))  # type: ignore[arg-type]
+                ids.append(doc_id)
+                times.append(when)
                 data.append(line)
                 spliceable.append(whole)
             else:
-                rejects.append((number, error, raw))  # type: ignore[arg-type]
+                out.rejects.append((number, error, raw))  # type: ignore[arg-type]
         return out
 
 
