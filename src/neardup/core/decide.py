@@ -100,16 +100,37 @@ def _holds(k: int, c: int, member_starts: np.ndarray, member_counts: np.ndarray,
 
 
 @kernel
-def _covered(k: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
-             threshold: float, member_starts: np.ndarray, member_counts: np.ndarray,
-             member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
-             first_seq: int) -> bool:  # pragma: no cover - compiled
-    """Whether bucket ``k`` holds an accepted candidate among the pairs ``lo`` to ``hi``."""
+def _mark_covered(d: int, lo: int, hi: int, seqs: np.ndarray, similarity: np.ndarray,
+                  threshold: float, member_starts: np.ndarray, member_counts: np.ndarray,
+                  member_seqs: np.ndarray, entry_bucket: np.ndarray, joined: np.ndarray, bands: int,
+                  first_seq: int, covered: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Set ``covered[k]`` to ``d + 1`` for each bucket ``k`` of document ``d`` that holds an
+    accepted candidate among the pairs ``lo`` to ``hi`` (as ``_holds`` says, for every
+    bucket at once): for a candidate of the batch, the buckets its entries joined, in one
+    pass over them; for a stored one, each bucket of ``d`` that has it among its stored
+    members. A bucket is then covered for ``d`` when its entry is ``d + 1`` (the array is
+    never cleared)."""
+    stamp = d + 1
     for j in range(lo, hi):
-        if similarity[j] >= threshold and _holds(k, np.int64(seqs[j]), member_starts, member_counts,
-                                                 member_seqs, entry_bucket, joined, bands, first_seq):
-            return True
-    return False
+        if similarity[j] < threshold:
+            continue
+        c = np.int64(seqs[j])
+        if c >= first_seq:
+            cd = c - first_seq
+            for e in range(cd * bands, (cd + 1) * bands):
+                if joined[e]:
+                    covered[entry_bucket[e]] = stamp
+        else:  # among the stored members (ascending; most buckets hold a few)
+            x = np.uint64(c)
+            for e in range(d * bands, (d + 1) * bands):
+                k = entry_bucket[e]
+                if covered[k] == stamp:
+                    continue
+                for m in range(member_starts[k], member_starts[k] + member_counts[k]):
+                    if member_seqs[m] >= x:
+                        if member_seqs[m] == x:
+                            covered[k] = stamp
+                        break
 
 
 @kernel
@@ -209,6 +230,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
     copy_joins = 0
     missing = np.zeros(len(loaded), dtype=np.bool_)
     taken = np.zeros(len(member_starts), dtype=np.int64)
+    covered = np.zeros(len(member_starts), dtype=np.int64)  # d + 1: holds an accepted candidate of d
     joined = np.zeros(len(entry_bucket), dtype=np.bool_)
     bounds = np.zeros(n + 1, dtype=np.int64)
     seqs = np.empty(n * limit, dtype=np.uint64)
@@ -274,6 +296,9 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                      policy, measure, sizes, values, offsets, seen, match, accepted,
                      cluster, cluster_size, related, windowed, local_until)
         skip_covered = only_new and match[d] >= 0
+        if skip_covered:
+            _mark_covered(d, lo, filled, seqs, similarity, threshold, member_starts, member_counts,
+                          member_seqs, entry_bucket, joined, bands, first_seq, covered)
         for e in range(d * bands, (d + 1) * bands):
             k = entry_bucket[e]
             if windowed and not taken[k] < room[k]:  # full, unless some members expired
@@ -281,9 +306,7 @@ def _decide(entry_bucket: np.ndarray, bands: int, member_starts: np.ndarray,
                                       member_until, head, below, batch_until)
             else:
                 room_left = taken[k] < room[k]
-            if room_left and not (skip_covered and _covered(
-                    k, lo, filled, seqs, similarity, threshold, member_starts, member_counts,
-                    member_seqs, entry_bucket, joined, bands, first_seq)):
+            if room_left and not (skip_covered and covered[k] == d + 1):
                 _join(e, k, head, below, taken, joined)
         if copies and match[d] >= 0:
             copy_joins = _join_copies(d, lo, filled, local, seqs, jaccard, threshold, copy_bucket,
