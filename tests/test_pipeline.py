@@ -124,3 +124,34 @@ def test_a_killed_worker_is_replaced_by_preparing_here(caplog) -> None:
     for a, (_, b) in zip(inline, out):
         assert np.array_equal(a.buckets, b.buckets) and np.array_equal(a.fingerprints, b.fingerprints)
     assert "worker process died" in caplog.text
+
+
+def test_the_worker_does_not_run_the_callers_main_script(tmp_path) -> None:
+    """The worker imports what it runs, not the caller's main script: a script that calls
+    ``neardup.cli.main`` without an ``if __name__ == "__main__"`` guard (as a user's
+    might) runs its command once, and the worker does not import the command line."""
+    script = tmp_path / "unguarded.py"
+    marks = tmp_path / "imports.txt"
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(f'{{"id": "{i}", "text": "story {i} of the wire, filed late tonight"}}\n'
+                              for i in range(3000)))
+    script.write_text(
+        "import os, sys\n"
+        f"with open({str(marks)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()} {__name__}\\n')\n"
+        "import neardup.embedded as embedded\n"
+        "embedded.WORKER_AT_ONCE_BYTES = 0  # a worker at once, for a small input\n"
+        "from neardup.cli import main\n"
+        f"main(['dedup', {str(inputs)!r}, '--out-dir', {str(tmp_path / 'out')!r}, '--batch-size', '20',\n"
+        "      '--no-progress', '--log-level', 'INFO'])\n"
+        "print('cli modules in this process:', 'neardup.cli' in sys.modules)\n")
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "preparing worker started" in done.stderr  # the run did use a worker
+    imported = [line.split()[1] for line in marks.read_text().splitlines()]
+    assert imported == ["__main__"]  # once, by the caller: not again as the worker's __mp_main__
+    lines = (tmp_path / "out" / "unique.jsonl").read_text().splitlines()
+    assert len(lines) == 3000
