@@ -110,3 +110,27 @@ def test_a_deep_record_holding_a_neardup_member_is_written(tmp_path: Path) -> No
     out = _run(tmp_path, lines)
     [record] = [orjson.loads(line) for line in out["unique"]]  # json cannot read it back
     assert record["neardup"]["id"] == "a" and record["neardup"]["verdict"] == "unique"
+
+
+def test_the_neardup_member_is_the_verdict_as_its_dict(tmp_path: Path) -> None:
+    """``OutputFiles.write_verdicts`` writes each record's ``neardup`` member from the
+    verdict columns, key for key and value for value what ``Verdict.to_dict`` gives (after
+    ``"id"``), for a spliced record and for one encoded again."""
+    from neardup.detector import VerdictColumns  # noqa: PLC0415
+    from neardup.files import OutputFiles  # noqa: PLC0415
+
+    columns = VerdictColumns(
+        ids=["a", "b\u00e9"], first_seq=7, duplicate=[False, True], cluster=["a", "a"], match=[None, "a"],
+        similarity=[0.0, 0.81234567], jaccard=[0.0, 0.81234567], containment=[0.0, 1 / 3],
+        candidates=[0, 2], rejected=[0, 1], cluster_size=[1, 2], related=[None, None], nearest=[None, "a"])
+    data = [b'{"id": "a", "text": "x"}\n', b'[1, 2]\n']
+    outputs = OutputFiles(tmp_path)
+    outputs.write_verdicts(columns, data, [True, False])
+    outputs.flush()
+    outputs.close()
+    unique = [json.loads(line) for line in (tmp_path / "unique.jsonl").read_text().splitlines()]
+    duplicates = [json.loads(line) for line in (tmp_path / "duplicates.jsonl").read_text().splitlines()]
+    first, second = columns.verdicts()
+    assert unique == [{"id": "a", "text": "x", "neardup": {"id": "a", **first.to_dict()}}]
+    assert duplicates == [{"value": [1, 2], "neardup": {"id": "b\u00e9", **second.to_dict()}}]
+    assert list(duplicates[0]["neardup"]) == ["id", *second.to_dict()]  # the same key order
