@@ -448,3 +448,28 @@ def test_forest_closure_reaches_roots_and_canonicals() -> None:
     assert forest.node(11) is None and len(forest) == 12
     with pytest.raises(IndexError):
         forest.set(np.array([12]), np.array([0]), np.array([1]), np.array([0]))
+
+
+def test_ids_come_from_the_recent_ring_and_from_the_store_alike(make_store: MakeStore, monkeypatch) -> None:
+    """``get_ids`` gives every committed document's id, whether the ring of recent ids
+    still holds it or it is read from the store (a ring of 8 here, 23 documents in
+    batches of 5, then a batch larger than the ring), and after the store is reopened
+    (the ring starts empty). An unknown seq still raises ``KeyError``."""
+    from neardup.state import kv  # noqa: PLC0415
+
+    monkeypatch.setattr(kv, "RECENT_IDS", 8)
+    store = make_store()
+    ids = [f"doc-{i}" for i in range(23)]
+    first = 0
+    for size in (5, 5, 3, 10):
+        batch = ids[first:first + size]
+        store.commit(StateUpdate(first_seq=first, signatures=None, ids=batch))
+        first += size
+        assert store.get_ids(list(range(first))) == ids[:first]
+    assert store.get_ids([22, 0, 15, 14, 7]) == ["doc-22", "doc-0", "doc-15", "doc-14", "doc-7"]
+    with pytest.raises(KeyError):
+        store.get_ids([23])
+    if isinstance(store, RocksDBStateStore):  # reopened: from the store
+        store.close()
+        reopened = make_store()
+        assert reopened.get_ids(list(range(23))) == ids

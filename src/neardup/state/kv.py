@@ -35,6 +35,12 @@ Record = tuple[bytes, "bytes | None"]  # a changelog record: (changelog key, val
 
 logger = logging.getLogger(__name__)
 
+#: The ids of this many of the newest documents are kept in memory (``get_ids``): about
+#: 8 MB of strings and 1 MB of references. On a 200,000-document replayed stream, where a
+#: copy follows its original by 21,578 documents, reading the ids of a batch's matches,
+#: clusters and nearest candidates took 0.25 s of a 7 s run from RocksDB.
+RECENT_IDS = 1 << 17
+
 
 class KeyValueStateStore(ChangelogMixin):
     """``StateStore`` logic shared by the backends. Subclasses set ``log`` (or leave it
@@ -170,6 +176,10 @@ class KeyValueStateStore(ChangelogMixin):
         self._forest.set(seqs, nodes[:, 0], nodes[:, 1], nodes[:, 2])
         self.sets = SetCache(set_cache_bytes)
         self.sets.drop_below(base)
+        # The ids of the newest documents committed, by seq modulo its length (a ring):
+        # matches, clusters and nearest candidates are mostly recent documents.
+        self._ids: list[str] = [""] * RECENT_IDS
+        self._ids_from = self._next_seq  # the seqs from here to _next_seq are in it
         self._times = Times(base)
         for key, raw in self._scan("times"):
             self._times.extend(codec.decode_u64(key[::-1]), codec.decode_times(raw))
@@ -271,7 +281,13 @@ class KeyValueStateStore(ChangelogMixin):
         return [codec.decode_document(raw) for raw in raws]  # type: ignore[arg-type]
 
     def get_ids(self, seqs: Sequence[int]) -> list[str]:
-        return [doc_id for _, doc_id in self._documents(seqs)]
+        ring, low, high, size = self._ids, self._ids_from, self._next_seq, RECENT_IDS
+        out = [ring[seq % size] if low <= seq < high else None for seq in seqs]
+        missing = [i for i, doc_id in enumerate(out) if doc_id is None]
+        if missing:
+            for i, (_, doc_id) in zip(missing, self._documents([seqs[i] for i in missing])):
+                out[i] = doc_id
+        return out  # type: ignore[return-value]
 
     def stored_ids(self, seqs: Sequence[int]) -> list[str]:
         """The ids of those of ``seqs`` whose documents are stored (the others expired
@@ -367,6 +383,7 @@ class KeyValueStateStore(ChangelogMixin):
         except BaseException:
             self._times.drop_after(update.first_seq)
             raise
+        self._remember_ids(update.first_seq, update.ids)
         self._next_seq = update.next_seq
         self._max_bucket = max_bucket
         self._watermark = watermark
@@ -428,8 +445,17 @@ class KeyValueStateStore(ChangelogMixin):
         puts["default"] = [*puts["default"], (codec.EXPIRED_BELOW_KEY, codec.encode_u64(new_base))]
         return _Removal(new_base, forest, kept, ranges)
 
+    def _remember_ids(self, first_seq: int, ids: list[str]) -> None:
+        """Put the ids of documents ``first_seq`` on, just committed, in the ring of recent
+        ids (the oldest give way)."""
+        size = RECENT_IDS
+        for seq, doc_id in enumerate(ids[-size:], first_seq + max(len(ids) - size, 0)):
+            self._ids[seq % size] = doc_id
+        self._ids_from = max(self._ids_from, first_seq + len(ids) - size)
+
     def _removed(self, removal: _Removal) -> None:
         """After the write: drop the removed documents from memory, then reclaim disk."""
+        self._ids_from = max(self._ids_from, removal.base)
         self._forest = removal.forest
         self._kept = removal.kept
         self.index.drop_below(removal.base)
