@@ -338,10 +338,10 @@ class Detector:
         p = prepared if prepared is not None else self.prepare(documents)
         return self.detect_prepared([d.id for d in documents], [d.time for d in documents], p)
 
-    def detect_prepared(self, ids: list[str], times: list[float | None], p: PreparedBatch) -> BatchResult:
+    def detect_prepared(self, ids: list[str], stamps: list[float | None], p: PreparedBatch) -> BatchResult:
         """``detect`` for documents given by their ids and times (``Document.id``,
-        ``Document.time``), their texts prepared already (``p``): the texts themselves
-        are not needed."""
+        ``Document.time``: seconds since the Unix epoch, or None), their texts prepared
+        already (``p``): the texts themselves are not needed."""
         s = self.settings
         n = len(p.valid)
         first_seq = self.store.next_seq()
@@ -350,7 +350,6 @@ class Detector:
         bands = p.bucket_entries.shape[1]
         entries = p.bucket_entries.ravel()
         members = self.store.bucket_members(p.bucket_keys)
-        stamps = times
         times, future = document_times(stamps, p.valid, s.future_tolerance_s)
         if future:
             log.warning("%d document(s) stamped more than %gs after now (the latest %s, at seq %d or later) "

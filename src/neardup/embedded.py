@@ -173,18 +173,19 @@ def _write_batch(outputs: OutputFiles, parsed: ParsedLines, result: BatchResult,
     """Queue a batch's outputs: its lines that are no records, then its records, each
     a reject (``result.reasons``) or a verdict; count them in ``summary``, and the
     clusters of its duplicates in ``clusters``."""
-    for number, error, raw in parsed.rejects:
-        outputs.write_reject(number, error, raw=raw)
-        summary.first_reject = summary.first_reject or f"line {number}: {error}"
+    def reject(number: int, reason: str, doc_id: str | None = None, raw: str | None = None) -> None:
+        outputs.write_reject(number, reason, doc_id, raw)
+        summary.first_reject = summary.first_reject or f"line {number}: {reason}"
         summary.rejects += 1
+
+    for number, error, raw in parsed.rejects:
+        reject(number, error, raw=raw)
     summary.input_bytes += parsed.text_bytes
     data, spliceable = parsed.data, parsed.spliceable
     if len(result.columns) < len(parsed.ids):  # rejected by the engine (an empty text)
         for number, reason, doc_id in zip(parsed.numbers, result.reasons, parsed.ids):
             if reason is not None:
-                outputs.write_reject(number, reason, doc_id)
-                summary.first_reject = summary.first_reject or f"line {number}: {reason}"
-                summary.rejects += 1
+                reject(number, reason, doc_id)
         valid = [i for i, reason in enumerate(result.reasons) if reason is None]
         data, spliceable = [data[i] for i in valid], [spliceable[i] for i in valid]
     columns = result.columns

@@ -281,7 +281,8 @@ class KeyValueStateStore(ChangelogMixin):
         return [codec.decode_document(raw) for raw in raws]  # type: ignore[arg-type]
 
     def get_ids(self, seqs: Sequence[int]) -> list[str]:
-        ring, low, high, size = self._ids, self._ids_from, self._next_seq, RECENT_IDS
+        ring, low, high = self._ids, self._ids_from, self._next_seq
+        size = len(ring)
         out = [ring[seq % size] if low <= seq < high else None for seq in seqs]
         missing = [i for i, doc_id in enumerate(out) if doc_id is None]
         if missing:
@@ -448,9 +449,13 @@ class KeyValueStateStore(ChangelogMixin):
     def _remember_ids(self, first_seq: int, ids: list[str]) -> None:
         """Put the ids of documents ``first_seq`` on, just committed, in the ring of recent
         ids (the oldest give way)."""
-        size = RECENT_IDS
-        for seq, doc_id in enumerate(ids[-size:], first_seq + max(len(ids) - size, 0)):
-            self._ids[seq % size] = doc_id
+        ring = self._ids
+        size = len(ring)
+        newest = ids[-size:]  # a batch longer than the ring: its last ones
+        at = (first_seq + len(ids) - len(newest)) % size
+        head = min(len(newest), size - at)  # up to the ring's end, the rest from its start
+        ring[at:at + head] = newest[:head]
+        ring[:len(newest) - head] = newest[head:]
         self._ids_from = max(self._ids_from, first_seq + len(ids) - size)
 
     def _removed(self, removal: _Removal) -> None:
