@@ -14,7 +14,9 @@ from neardup.detector import Preparer
 from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
+from neardup.state import shard_store
 from neardup.state.shard_store import (
+    BucketFilter,
     ShardStore,
     joined_member_value,
     member_parts,
@@ -65,10 +67,13 @@ def _add(index: ShardIndex, doc, shard: int) -> tuple[Finding, list[tuple[bytes,
     return finding, [(b"M" + order, member_value([seq_order(c) for c in joins.copies], band))], names
 
 
-def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path, prefetch: bool) -> None:
     """Batches of 100; each batch's member records reach the store only after the next
     batch is computed (the runtime's pipelined commit), the overlay holding the rest; the
-    stores are closed and opened again halfway."""
+    stores are closed and opened again halfway. With ``prefetch``, each batch's buckets are
+    read ahead as the stage reads them (``StoredShardIndex.prefetch``), and stay read
+    while a batch before is committed."""
     docs = _stream(400)  # 1,200 documents
     memory = [ShardIndex(SETTINGS) for _ in range(SHARDS)]
     stores = [_store(tmp_path / f"shard-{q}") for q in range(SHARDS)]
@@ -86,6 +91,8 @@ def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path) -> No
                 stored[q] = StoredShardIndex(SETTINGS, stores[q])
         for q in range(SHARDS):
             batch = []
+            if prefetch:
+                stored[q].prefetch(np.concatenate([doc[2][q] for doc in docs[start:start + 100]]))
             for doc in docs[start:start + 100]:
                 want, want_records, want_names = _add(memory[q], doc, q)
                 got, got_records, got_names = _add(stored[q], doc, q)
@@ -99,6 +106,90 @@ def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path) -> No
     assert matches > 1000  # the edited copies are found
     for s in stores:
         s.close()
+
+
+def test_a_bucket_filter_rules_out_no_bucket_it_was_given() -> None:
+    """The ids of one shard partition of 16 (one remainder modulo 16): none added is ruled
+    out; of others, few pass while the filter is within its capacity."""
+    f = BucketFilter(40_000)
+    n = f.capacity  # 40,000 rounded up to a power of two of bits
+    assert 40_000 <= n < 80_000
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 1 << 59, 2 * n, dtype=np.uint64) * np.uint64(16) + np.uint64(3)
+    f.add(ids[:n])
+    assert f.may_hold(ids[:n]).all() and not f.full
+    passed = f.may_hold(ids[n:]).mean()
+    assert 0 < passed < 0.03, passed
+    f.add(ids[n:n + 1])
+    assert f.full and f.may_hold(ids[:n + 1]).all()
+
+
+def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``members`` (its Bloom filter, made small here so that it fills and is made again)
+    and the writes (which take a bucket's value from the lookups made since the last
+    write) against a model of the buckets built from the member records applied, after
+    every write: batches looked up one ahead of their write (as the stage's pipelined
+    commit does), members deleted (their buckets emptied too), a reopen, a wipe."""
+    monkeypatch.setattr(shard_store, "FILTER_MIN_BUCKETS", 1)
+    monkeypatch.setattr(shard_store, "READ_KEYS", 3_000)  # the kept values dropped now and then
+    docs = _stream(300)
+    path = tmp_path / "shard-0"
+    store = _store(path)
+    index = StoredShardIndex(SETTINGS, store)
+    absent = np.random.default_rng(2).integers(0, 1 << 63, 500, dtype=np.uint64).tolist()
+    model: dict[int, list[bytes]] = {}
+
+    def write(records: list[tuple[bytes, bytes | None]]) -> None:
+        for key, value in records:
+            if value is None:
+                for members in model.values():
+                    if key[1:] in members:
+                        members.remove(key[1:])
+            else:
+                for b in BandRecord.parse(key[1:], member_parts(value)[1]).buckets.tolist():
+                    model.setdefault(b, []).append(key[1:])
+        store.apply(records)
+
+    def check() -> None:
+        asked = [*model, *absent]
+        assert store.members(asked) == [model.get(b, []) for b in asked]
+
+    pending: list[tuple[bytes, bytes | None]] = []
+    written = []
+    for start in range(0, len(docs), 100):
+        batch = []
+        for doc in docs[start:start + 100]:
+            store.members(doc[2][0].tolist())  # looked up before the batch before is written
+            batch += _add(index, doc, 0)[1]
+        write(pending)
+        index.forget()
+        pending = batch
+        written.append(batch)
+        _overlay(index, [pending])
+        check()
+    write(pending)
+    check()
+    assert sum(map(len, model.values())) > 5_000
+    gone = [(key, None) for key, _ in written[1][::3]]  # expired members
+    store.members([*model])
+    write(gone)
+    check()
+    assert any(not members for members in model.values())  # buckets emptied
+    # members sharing buckets, each in a write of its own after one lookup of them all
+    fp = np.arange(10, dtype=np.uint32)
+    shared = [(order_key(9_000 + i, 0, i), np.array([5 + i, 6 + i, 7 + i], dtype=np.uint64)) for i in range(3)]
+    store.apply([])  # the values kept from ``check``'s lookups, past READ_KEYS: dropped
+    store.members([int(b) for _, buckets in shared for b in buckets])
+    for order, buckets in shared:
+        write([(b"M" + order, member_value([], BandRecord(order, "s", buckets, fp).value()))])
+    assert model[7] == [order for order, _ in shared]
+    check()
+    store.close()
+    store = _store(path)
+    check()
+    store.wipe()
+    assert store.members([*model]) == [[] for _ in model]
+    store.close()
 
 
 def test_the_position_is_kept_with_the_data_and_applying_twice_changes_nothing(tmp_path: Path) -> None:

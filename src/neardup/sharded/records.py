@@ -425,6 +425,19 @@ class BandRecord:
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
 
 
+def band_buckets(value: bytes) -> list[int]:
+    """The bucket ids of a band record value (one document's, the layout above): what
+    ``BandRecord.parse(key, value).buckets.tolist()`` gives, without the record.
+
+    Raises:
+        ValueError (struct.error): a value of another layout.
+    """
+    k, n_id, f = BAND.unpack_from(value)
+    if len(value) != BAND.size + n_id + 8 * k + 4 * f:
+        raise ValueError("band record of the wrong length")
+    return list(struct.unpack_from(f"<{k}Q", value, BAND.size + n_id))
+
+
 #: The largest band record produced, bytes (a batch's band entries for one shard
 #: partition are split above it; librdkafka's message.max.bytes is 1,000,000 by default).
 BANDS_RECORD_BYTES = 512 << 10

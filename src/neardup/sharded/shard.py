@@ -268,8 +268,10 @@ class ShardIndex:
         shared = Counter(chain.from_iterable(lists))  # member -> buckets it shares here (one call)
         if seq < self.last:  # processed late: the later members are no candidates
             shared = Counter({m: n for m, n in shared.items() if m < seq})
-        self.last = max(self.last, seq)
-        ranked = sorted(shared, key=lambda m: (-shared[m], m))
+        elif seq > self.last:
+            self.last = seq
+        # most documents that meet anyone here meet one member (a copy of a story)
+        ranked = sorted(shared, key=lambda m: (-shared[m], m)) if len(shared) > 1 else list(shared)
         limit = s.max_candidates + s.extra_candidates
         copies = self._copies_on
         checked: dict[int, Checked] = {}
@@ -304,8 +306,8 @@ class ShardIndex:
                 if s.threshold <= x.jaccard < 1.0 and c in held and len(self._copies(c)) < s.max_bucket_size:
                     copied.append(c)
         joins = Joins(np.array(joined, dtype=np.uint64), tuple(copied))
-        if not joins.empty:
-            self.apply(seq, doc_id, joins, fingerprints)
+        if joined or copied:
+            self._join(seq, doc_id, joined, joins, fingerprints)
         return Finding(seq, tuple(checked.values())), joins
 
     def add_alone(self, seq: int, bucket_ids: list[int], fingerprints: np.ndarray, doc_id: str = "") -> bool:
@@ -362,6 +364,10 @@ class ShardIndex:
             heapq.heappush(self._by_time, seq)
 
     # --- the storage: dicts here, a RocksDB store below them in ``StoredShardIndex`` -------
+    def prefetch(self, bucket_ids: np.ndarray) -> None:
+        """Read ahead the members of ``bucket_ids`` (uint64), for the documents about to be
+        added; in memory, nothing to read."""
+
     def bucket(self, b: int) -> Sequence[int]:
         """The members (seqs) of bucket ``b`` in memory, in the order they joined."""
         members = self.buckets.get(b, ())
@@ -425,13 +431,16 @@ class StoredShardIndex(ShardIndex):
         self.last = -1 if last is None else order_seq(last)
         self._parsed: dict[int, BandRecord] = {}
         self._removing: set[int] = set()  # removed, the store not told yet (their batch uncommitted)
+        self._fetched: dict[int, Sequence[int]] = {}  # bucket id -> its stored members' seqs (``prefetch``)
 
     def forget(self) -> None:
-        """Drop the overlay (the members not in the store, the removals it has not had)."""
+        """Drop the overlay (the members not in the store, the removals it has not had)
+        and what was read from the store before it changed."""
         self.buckets, self.copies, self.sets, self.ids = {}, {}, {}, {}
         self._joins, self._by_time = {}, []
         self._parsed = {}
         self._removing = set()
+        self._fetched = {}
 
     def _expired_below(self, floor: int) -> list[int]:
         stored = [order_seq(o) for o in self.store.members_before(floor)]
@@ -443,12 +452,41 @@ class StoredShardIndex(ShardIndex):
         for seq in seqs:
             self._parsed.pop(seq, None)
 
+    def prefetch(self, bucket_ids: np.ndarray) -> None:
+        """Read the stored members of ``bucket_ids`` (uint64; repeats allowed) in one lookup,
+        sorted: ``_members`` and ``_none_held`` answer from it until the store changes
+        (``forget``). One lookup per batch instead of one per document: RocksDB takes about
+        5 µs per key looked up a document at a time, its Bloom filters and L0 files probed
+        key by key, against 1 to 2 µs in one sorted lookup."""
+        asked = np.unique(bucket_ids).tolist()
+        fetched = self._fetched
+        asked = [b for b in asked if b not in fetched]
+        if asked:
+            for b, keys in zip(asked, self.store.members(asked)):
+                fetched[b] = [order_seq(o) for o in keys] if keys else ()
+
+    def _stored_members(self, buckets: list[int]) -> list[Sequence[int]]:
+        """The stored members (seqs) of each bucket, from ``prefetch`` or else the store."""
+        fetched = self._fetched
+        missing = [b for b in buckets if b not in fetched]
+        if missing:  # not prefetched (a document processed late)
+            for b, keys in zip(missing, self.store.members(missing)):
+                fetched[b] = [order_seq(o) for o in keys] if keys else ()
+        return [fetched[b] for b in buckets]
+
     def _none_held(self, buckets: list[int]) -> bool:
-        return False  # the store's members are read in ``_members``
+        if not self.buckets.keys().isdisjoint(buckets):
+            return False
+        fetched = self._fetched
+        for b in buckets:
+            stored = fetched.get(b)
+            if stored is None or stored:  # not prefetched: ``_members`` reads it
+                return False
+        return True
 
     def _members(self, buckets: list[int]) -> list[Sequence[int]]:
-        stored = self.store.members(buckets)
-        return [[order_seq(o) for o in keys] + list(self.bucket(b)) for keys, b in zip(stored, buckets)]
+        return [[*stored, *self.bucket(b)] if stored else self.bucket(b)
+                for stored, b in zip(self._stored_members(buckets), buckets)]
 
     def _copies(self, seq: int) -> list[int]:
         return [order_seq(o) for o in self.store.copies(seq_order(seq))] + self.copies.get(seq, [])

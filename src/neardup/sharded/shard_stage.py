@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 
+import numpy as np
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from neardup.config import Settings
@@ -111,6 +112,7 @@ from neardup.sharded.records import (
     WATERMARK_KIND,
     BandRecord,
     Watermarks,
+    band_buckets,
     band_orders,
     check_engine,
     decide_partition,
@@ -404,8 +406,7 @@ class ShardProcessor(StageHooks):
         if previous is not None and previous.store is not None:
             previous.store.close()
         assert self.state_dir is not None
-        store = ShardStore(self.state_dir / f"shard-{p}",
-                           lambda band: BandRecord.parse(bytes(ORDER.size), band).buckets.tolist())
+        store = ShardStore(self.state_dir / f"shard-{p}", band_buckets)
         started = time.perf_counter()
 
         def wipe() -> None:
@@ -543,6 +544,8 @@ class ShardProcessor(StageHooks):
                         shard.hold(rec, offset)
                 if go:
                     ready = sorted(ready + go, key=attrgetter("order"))
+            if ready:
+                shard.index.prefetch(np.concatenate([rec.buckets for rec in ready]))
             self._release(p, shard, ready, joined, found, empty, stats)
             self._members_records(p, shard, joined, out)
             gone = shard.index.expired()

@@ -38,6 +38,14 @@ byte order is the documents' order):
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
   bucket, concatenated;
 - ``b"O"`` -> the position: ``">q"`` changelog offset.
+
+Most buckets a document falls in hold no one yet, and RocksDB looks up an absent key in
+1 to 3 µs even through its Bloom filters (more than it takes to find one that is there). So
+the store keeps in memory a Bloom filter of the buckets it holds (``BucketFilter``, 2 bytes
+a bucket), made from the ``B`` keys at the first lookup after an open or a wipe and told of
+every bucket a write creates; a bucket it rules out is not looked up. It may let through an
+empty bucket (about 1.4% of them, and those emptied since it was made), never rule out one
+that holds a member, so ``members`` answers as the store does.
 """
 
 from __future__ import annotations
@@ -55,6 +63,15 @@ from neardup.sharded.records import BAND, ORDER
 from neardup.state.view import TopicView
 
 _U64 = struct.Struct(">Q")
+#: Bits of a ``BucketFilter`` per bucket it is made for: with two probes, about 1.4% of the
+#: empty buckets asked about pass it.
+FILTER_BITS_PER_BUCKET = 16
+#: The fewest buckets a ``BucketFilter`` is made for (512 kB a store).
+FILTER_MIN_BUCKETS = 1 << 18
+#: The bucket values a store keeps from its lookups for its next write at most (about
+#: 100 bytes each); past it they are dropped at that write.
+READ_KEYS = 1 << 18
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / the golden ratio, odd: Knuth's multiplicative hashing
 _N = struct.Struct(">I")
 _LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
 ORDER_BYTES = ORDER.size
@@ -145,6 +162,54 @@ def split_orders(raw: bytes | None) -> list[bytes]:
     return [raw[i:i + ORDER_BYTES] for i in range(0, len(raw), ORDER_BYTES)]
 
 
+class BucketFilter:
+    """A Bloom filter of bucket ids (B. H. Bloom, "Space/time trade-offs in hash coding
+    with allowable errors", CACM 13(7), 1970): ``may_hold`` is True for every id added,
+    and for about 1.4% of the others while at most ``capacity`` were added.
+
+    Two probes, the top bits of one multiplicative hash of the id (Knuth, TAOCP vol. 3,
+    §6.4): bucket ids are hashes already, but the ids of one shard partition share their
+    remainder modulo the shard count, so their low bits would not spread.
+
+    Args:
+        capacity: the bucket ids it is made for: ``FILTER_BITS_PER_BUCKET`` bits each, a
+            power of two of at least 2**16 and at most 2**32 bits (512 MB).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        k = min(32, max(16, (max(1, capacity) * FILTER_BITS_PER_BUCKET - 1).bit_length()))
+        self._low = np.uint64(64 - k)
+        self._high = np.uint64(64 - 2 * k)
+        self._mask = np.uint64((1 << k) - 1)
+        self._bits = np.zeros(1 << (k - 3), dtype=np.uint8)
+        self.capacity = (1 << k) // FILTER_BITS_PER_BUCKET
+        self.count = 0  # ids added (an id added twice counts twice)
+
+    def _probes(self, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with np.errstate(over="ignore"):
+            x = np.asarray(buckets, dtype=np.uint64) * _GOLDEN  # modulo 2**64
+        return x >> self._low, (x >> self._high) & self._mask
+
+    def add(self, buckets: np.ndarray) -> None:
+        """Add bucket ids (uint64, shape (n,))."""
+        for p in self._probes(buckets):
+            np.bitwise_or.at(self._bits, p >> np.uint64(3), np.left_shift(1, p & np.uint64(7)).astype(np.uint8))
+        self.count += len(buckets)
+
+    def may_hold(self, buckets: np.ndarray) -> np.ndarray:
+        """bool, shape (n,): False only for bucket ids never added (``buckets``: uint64,
+        shape (n,))."""
+        out = np.ones(len(buckets), dtype=bool)
+        for p in self._probes(buckets):
+            out &= (self._bits[p >> np.uint64(3)] >> (p & np.uint64(7)).astype(np.uint8)) & np.uint8(1) > 0
+        return out
+
+    @property
+    def full(self) -> bool:
+        """Whether more ids were added than it was made for (its false positives grow)."""
+        return self.count > self.capacity
+
+
 class ShardStore(TopicView):
     """A shard partition's changelog records and bucket index in RocksDB.
 
@@ -163,7 +228,31 @@ class ShardStore(TopicView):
 
     def __init__(self, path: str | os.PathLike[str], buckets_of) -> None:
         self._buckets_of = buckets_of
+        self._filter: BucketFilter | None = None  # made at the first lookup (``_held``)
+        # the ``B`` values looked up since the last write (None: absent), as stored: the
+        # write that adds a batch's members to their buckets finds most of them here
+        self._read: dict[bytes, bytes | None] = {}
         super().__init__(path, "the shard state")
+
+    def wipe(self) -> None:
+        self._filter = None
+        self._read = {}
+        super().wipe()
+
+    def close(self) -> None:
+        self._read = {}
+        super().close()
+
+    def _wrote(self, written: dict[bytes, bytes | None]) -> None:
+        """After a write: the values read before are those written now, or dropped (all of
+        them, past ``READ_KEYS``)."""
+        read = self._read
+        if len(read) > READ_KEYS:
+            self._read = {}
+            return
+        for key, raw in written.items():
+            if key in read:
+                read[key] = raw
 
     # --- writes ---------------------------------------------------------------------------
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
@@ -210,17 +299,31 @@ class ShardStore(TopicView):
                     appended.setdefault(b"C" + c, []).append(order)
                 for b in self._buckets_of(band):
                     appended.setdefault(b"B" + _U64.pack(b), []).append(order)
+        created: list[int] = []  # bucket ids that hold a member now and did not
+        written: dict[bytes, bytes | None] = {}
         if appended:
             keys = list(appended)
-            for key, old in zip(keys, self._db.get(keys)):
+            read = self._read
+            unread = [key for key in keys if key not in read]
+            stored = dict(zip(unread, self._db.get(unread))) if unread else {}
+            for key in keys:
+                old = read[key] if key in read else stored[key]
                 raw = (old or b"") + b"".join(appended[key])
                 if removed:
                     raw = b"".join(o for o in split_orders(raw) if o not in removed)
                 if raw:
                     batch.put(key, raw)
+                    if old is None and key[:1] == b"B":
+                        created.append(_U64.unpack_from(key, 1)[0])
                 else:
                     batch.delete(key)
+                written[key] = raw or None
         self.write(batch, position)
+        self._wrote(written)
+        if self._filter is not None and created:  # after the write: the filter holds at least the store's buckets
+            self._filter.add(np.array(created, dtype=np.uint64))
+            if self._filter.full:  # made anew at the next lookup, larger
+                self._filter = None
 
     def _expanded(self, records: Sequence[Record]) -> list[Record]:
         """``members_of(records)``, each null ``N`` followed by its members' deletions (the
@@ -244,7 +347,28 @@ class ShardStore(TopicView):
         """The members' order keys of each bucket (uint64 ids), in the order they joined."""
         if not len(buckets):
             return []
-        return [split_orders(raw) for raw in self._db.get([b"B" + _U64.pack(b) for b in buckets])]
+        maybe = self._held().may_hold(np.array(buckets, dtype=np.uint64)).tolist()
+        keys = [b"B" + _U64.pack(b) for b in buckets]
+        asked = [key for key, m in zip(keys, maybe) if m]
+        read = self._read
+        if asked:
+            read.update(zip(asked, self._db.get(asked)))
+        read.update((key, None) for key, m in zip(keys, maybe) if not m)  # held by none: the filter says so
+        return [split_orders(read[key]) for key in keys]
+
+    def _held(self) -> BucketFilter:
+        """The filter of the buckets held; made from the ``B`` keys when there is none (after
+        an open, a wipe, or once the last one filled), for four times the buckets held."""
+        if self._filter is None:
+            held = []
+            for raw in self._db.keys(from_key=b"B"):
+                key = cast(bytes, raw)
+                if key[:1] != b"B":
+                    break
+                held.append(_U64.unpack_from(key, 1)[0])
+            self._filter = BucketFilter(max(FILTER_MIN_BUCKETS, 4 * len(held)))
+            self._filter.add(np.array(held, dtype=np.uint64))
+        return self._filter
 
     def copies(self, order: bytes) -> list[bytes]:
         """The order keys in the copy bucket of the document ``order``."""
