@@ -17,6 +17,12 @@ processor, in memory, is given ``--per-batch`` band-topic messages per ``compute
 committed. Timed: the ``compute`` calls only (process CPU), ``--rounds`` times, a fresh
 processor each round; the garbage collector set as the stage sets it.
 
+With ``--state disk`` each shard partition is a RocksDB store in a temporary directory
+(``StoredShardIndex``, as ``neardup stage shard --state-dir`` runs): each batch's changelog
+records are applied to the stores after it (``ShardProcessor.committed``, a batch taken as
+committed at once), and the CPU of those commits is timed too (printed apart). The
+records, and so the digest, are those of the state in memory.
+
 Printed, per round: messages, documents, records produced, the digest (sha256 of their
 topic, partition, key, value and headers), CPU seconds and µs per document; the load
 average before and after.
@@ -28,6 +34,7 @@ import argparse
 import hashlib
 import os
 import struct
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,15 +50,17 @@ from neardup.sharded.records import (
     ENGINE_HEADER,
     KIND_HEADER,
     WATERMARK_KIND,
+    band_buckets,
     batch_bands,
     engine_digest,
     time_mark,
     watermark_value,
 )
 from neardup.sharded.routing import shard_bounds
-from neardup.sharded.shard import ShardIndex
+from neardup.sharded.shard import ShardIndex, StoredShardIndex
 from neardup.sharded.shard_stage import ShardProcessor, _Shard
 from neardup.sharded.topology import Topology
+from neardup.state.shard_store import ShardStore
 
 
 class _Message:
@@ -109,21 +118,35 @@ def band_messages(docs: int, shards: int, topology: Topology, digest: bytes) -> 
 
 
 def run(messages: list[_Message], shards: int, per_batch: int, settings: Settings,
-        topology: Topology) -> tuple[str, int, float]:
-    """(digest, records produced, CPU seconds of the ``compute`` calls)."""
-    processor = ShardProcessor(settings, topology)
+        topology: Topology, state: Path | None = None) -> tuple[str, int, float, float]:
+    """(digest, records produced, CPU seconds of the ``compute`` calls and of the commits
+    to the stores). ``state``: a directory for the stores (None: in memory)."""
+    processor = ShardProcessor(settings, topology, state)
     for p in range(shards):
-        processor.shards[p] = _Shard(ShardIndex(processor.engine))
-    digest, records, spent = hashlib.sha256(), 0, 0.0
-    for start in range(0, len(messages), per_batch):
-        t0 = time.process_time()
-        out, _ = processor.compute(MessageBatch(messages[start:start + per_batch], True))
-        spent += time.process_time() - t0
-        processor._uncommitted.clear()  # taken as committed
-        for record in out:
-            digest.update(repr(record).encode())
-        records += len(out)
-    return digest.hexdigest()[:16], records, spent
+        if state is None:
+            processor.shards[p] = _Shard(ShardIndex(processor.engine))
+        else:
+            store = ShardStore(state / f"shard-{p}", band_buckets)
+            store.apply([], position=0)
+            processor.shards[p] = _Shard(StoredShardIndex(processor.engine, store), store)
+    digest, records, spent, committing = hashlib.sha256(), 0, 0.0, 0.0
+    try:
+        for start in range(0, len(messages), per_batch):
+            t0 = time.process_time()
+            out, written = processor.compute(MessageBatch(messages[start:start + per_batch], True))
+            t1 = time.process_time()
+            if state is None:
+                processor._uncommitted.clear()  # taken as committed
+            else:
+                processor.committed(written, 0.0)
+            committing += time.process_time() - t1
+            spent += t1 - t0
+            for record in out:
+                digest.update(repr(record).encode())
+            records += len(out)
+    finally:
+        processor.close()
+    return digest.hexdigest()[:16], records, spent, committing
 
 
 def main() -> None:
@@ -132,6 +155,8 @@ def main() -> None:
     ap.add_argument("--shards", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--per-batch", type=int, default=40, help="band-topic messages per compute call")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--state", choices=["memory", "disk"], default="memory",
+                    help="the shard partitions' state: in memory, or a RocksDB store each")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     settings = Settings(bootstrap_servers="unused:9092", group_id="shard-compute")
@@ -144,12 +169,17 @@ def main() -> None:
         topology = Topology("shard-compute", shards, 4)
         messages, docs = band_messages(args.docs, shards, topology, digest)
         for r in range(args.rounds):
-            found, records, seconds = run(messages, shards, args.per_batch, settings, topology)
+            with tempfile.TemporaryDirectory(prefix="neardup-shard-compute-") as tmp:
+                found, records, seconds, committing = run(messages, shards, args.per_batch, settings, topology,
+                                                          Path(tmp) if args.state == "disk" else None)
+            total = seconds + committing
             print(f"{shards} shards: {len(messages):,} messages, {docs:,} documents, {records:,} records "
-                  f"(digest {found}), CPU {seconds:.2f} s, {1e6 * seconds / docs:.0f} µs per document")
-            report["runs"].append({"shards": shards, "round": r, "messages": len(messages), "documents": docs,
-                                   "records": records, "digest": found, "cpu_seconds": seconds,
-                                   "us_per_document": 1e6 * seconds / docs})
+                  f"(digest {found}), CPU {total:.2f} s, {1e6 * total / docs:.0f} µs per document"
+                  + (f" (commits to the stores {committing:.2f} s)" if args.state == "disk" else ""))
+            report["runs"].append({"shards": shards, "round": r, "state": args.state, "messages": len(messages),
+                                   "documents": docs, "records": records, "digest": found,
+                                   "cpu_seconds": total, "commit_cpu_seconds": committing,
+                                   "us_per_document": 1e6 * total / docs})
     report["load_average_end"] = os.getloadavg()
     print(f"load average at end {os.getloadavg()}")
     if args.json:

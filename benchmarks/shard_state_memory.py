@@ -7,7 +7,9 @@ Each mode runs in a process of its own: the Reuters replay stream is shingled an
 in batches, each document routed to the shard partitions it touches
 (``neardup.sharded.routing``), and every partition's index is fed in order; on disk, each
 batch's member records are applied to the store after the next batch is computed, as the
-stage applies a batch once its transaction has committed. Printed: resident memory
+stage applies a batch once its transaction has committed, and each batch's buckets are read
+ahead per partition before its documents are added (``StoredShardIndex.prefetch``), as the
+stage reads a released batch's. Printed: resident memory
 (VmRSS) and the store's bytes on disk every 20,000 documents, and documents/s.
 
     PYTHONPATH=src:benchmarks python benchmarks/shard_state_memory.py --docs 200000 --shards 4
@@ -21,11 +23,13 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 import benchlib
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Preparer
-from neardup.sharded.records import BandRecord, order_key, order_seq, seq_order
+from neardup.sharded.records import BandRecord, band_buckets, order_key, order_seq, seq_order
 from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import ShardStore, member_parts, member_value
@@ -40,8 +44,7 @@ def run(mode: str, docs: int, shards: int, state: Path) -> dict[str, object]:
     stream = (Document(i, t) for i, t in benchlib.replay_stream(corpus, docs))
     prepare = Preparer(settings)
     if mode == "disk":
-        stores = [ShardStore(state / f"shard-{q}", lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
-                  for q in range(shards)]
+        stores = [ShardStore(state / f"shard-{q}", band_buckets) for q in range(shards)]
         indexes: list[ShardIndex] = [StoredShardIndex(settings, s) for s in stores]
     else:
         indexes = [ShardIndex(settings) for _ in range(shards)]
@@ -53,6 +56,10 @@ def run(mode: str, docs: int, shards: int, state: Path) -> dict[str, object]:
         p = prepare(batch)
         t0 = time.perf_counter()
         records: list[list[tuple[bytes, bytes]]] = [[] for _ in range(shards)]
+        if mode == "disk":  # a batch's buckets read ahead, as the stage reads them
+            owned = [owned_bands(p.buckets[i], shards) for i in range(len(p.valid))]
+            for q in range(shards):
+                indexes[q].prefetch(np.concatenate([p.buckets[i][bands[q]] for i, bands in enumerate(owned)]))
         valid = iter(range(len(p.valid)))
         for k, reason in enumerate(p.rejected):
             if reason is not None:

@@ -131,7 +131,6 @@ def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch:
     every write: batches looked up one ahead of their write (as the stage's pipelined
     commit does), members deleted (their buckets emptied too), a reopen, a wipe."""
     monkeypatch.setattr(shard_store, "FILTER_MIN_BUCKETS", 1)
-    monkeypatch.setattr(shard_store, "READ_KEYS", 3_000)  # the kept values dropped now and then
     docs = _stream(300)
     path = tmp_path / "shard-0"
     store = _store(path)
@@ -178,7 +177,6 @@ def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch:
     # members sharing buckets, each in a write of its own after one lookup of them all
     fp = np.arange(10, dtype=np.uint32)
     shared = [(order_key(9_000 + i, 0, i), np.array([5 + i, 6 + i, 7 + i], dtype=np.uint64)) for i in range(3)]
-    store.apply([])  # the values kept from ``check``'s lookups, past READ_KEYS: dropped
     store.members([int(b) for _, buckets in shared for b in buckets])
     for order, buckets in shared:
         write([(b"M" + order, member_value([], BandRecord(order, "s", buckets, fp).value()))])

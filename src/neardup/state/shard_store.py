@@ -41,8 +41,8 @@ byte order is the documents' order):
 
 Most buckets a document falls in hold no one yet, and RocksDB looks up an absent key in
 1 to 3 µs even through its Bloom filters (more than it takes to find one that is there). So
-the store keeps in memory a Bloom filter of the buckets it holds (``BucketFilter``, 2 bytes
-a bucket), made from the ``B`` keys at the first lookup after an open or a wipe and told of
+the store keeps in memory a Bloom filter of the buckets it holds (``BucketFilter``, 2 to 4
+bytes a bucket), made from the ``B`` keys at the first lookup after an open or a wipe and told of
 every bucket a write creates; a bucket it rules out is not looked up. It may let through an
 empty bucket (about 1.4% of them, and those emptied since it was made), never rule out one
 that holds a member, so ``members`` answers as the store does.
@@ -68,9 +68,6 @@ _U64 = struct.Struct(">Q")
 FILTER_BITS_PER_BUCKET = 16
 #: The fewest buckets a ``BucketFilter`` is made for (512 kB a store).
 FILTER_MIN_BUCKETS = 1 << 18
-#: The bucket values a store keeps from its lookups for its next write at most (about
-#: 100 bytes each); past it they are dropped at that write.
-READ_KEYS = 1 << 18
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / the golden ratio, odd: Knuth's multiplicative hashing
 _N = struct.Struct(">I")
 _LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
@@ -229,30 +226,37 @@ class ShardStore(TopicView):
     def __init__(self, path: str | os.PathLike[str], buckets_of) -> None:
         self._buckets_of = buckets_of
         self._filter: BucketFilter | None = None  # made at the first lookup (``_held``)
-        # the ``B`` values looked up since the last write (None: absent), as stored: the
-        # write that adds a batch's members to their buckets finds most of them here
+        # the ``B`` values looked up since the last write and between the two writes before
+        # it (None: absent), as stored: the write that adds a batch's members to their
+        # buckets finds most of them here (the stage looks up a batch's buckets while the
+        # batch before is being committed, so before that batch's write)
         self._read: dict[bytes, bytes | None] = {}
+        self._read_before: dict[bytes, bytes | None] = {}
         super().__init__(path, "the shard state")
 
     def wipe(self) -> None:
         self._filter = None
-        self._read = {}
+        self._read, self._read_before = {}, {}
         super().wipe()
 
     def close(self) -> None:
-        self._read = {}
+        self._read, self._read_before = {}, {}
         super().close()
 
+    def _stored_values(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of ``keys``, from the lookups kept or else read."""
+        read, before = self._read, self._read_before
+        unread = [key for key in keys if key not in read and key not in before]
+        stored = dict(zip(unread, self._db.get(unread))) if unread else {}
+        return [read[key] if key in read else before[key] if key in before else stored[key] for key in keys]
+
     def _wrote(self, written: dict[bytes, bytes | None]) -> None:
-        """After a write: the values read before are those written now, or dropped (all of
-        them, past ``READ_KEYS``)."""
-        read = self._read
-        if len(read) > READ_KEYS:
-            self._read = {}
-            return
-        for key, raw in written.items():
-            if key in read:
-                read[key] = raw
+        """After a write: the values kept are those written now; the older of the two
+        generations is dropped."""
+        for kept in (self._read, self._read_before):
+            for key in kept.keys() & written.keys():
+                kept[key] = written[key]
+        self._read_before, self._read = self._read, {}
 
     # --- writes ---------------------------------------------------------------------------
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
@@ -303,11 +307,7 @@ class ShardStore(TopicView):
         written: dict[bytes, bytes | None] = {}
         if appended:
             keys = list(appended)
-            read = self._read
-            unread = [key for key in keys if key not in read]
-            stored = dict(zip(unread, self._db.get(unread))) if unread else {}
-            for key in keys:
-                old = read[key] if key in read else stored[key]
+            for key, old in zip(keys, self._stored_values(keys)):
                 raw = (old or b"") + b"".join(appended[key])
                 if removed:
                     raw = b"".join(o for o in split_orders(raw) if o not in removed)
@@ -358,7 +358,7 @@ class ShardStore(TopicView):
 
     def _held(self) -> BucketFilter:
         """The filter of the buckets held; made from the ``B`` keys when there is none (after
-        an open, a wipe, or once the last one filled), for four times the buckets held."""
+        an open, a wipe, or once the last one filled), for twice the buckets held."""
         if self._filter is None:
             held = []
             for raw in self._db.keys(from_key=b"B"):
@@ -366,7 +366,7 @@ class ShardStore(TopicView):
                 if key[:1] != b"B":
                     break
                 held.append(_U64.unpack_from(key, 1)[0])
-            self._filter = BucketFilter(max(FILTER_MIN_BUCKETS, 4 * len(held)))
+            self._filter = BucketFilter(max(FILTER_MIN_BUCKETS, 2 * len(held)))
             self._filter.add(np.array(held, dtype=np.uint64))
         return self._filter
 
