@@ -42,8 +42,9 @@ byte order is the documents' order):
 Most buckets a document falls in hold no one yet, and RocksDB looks up an absent key in
 1 to 3 µs even through its Bloom filters (more than it takes to find one that is there). So
 the store keeps in memory a Bloom filter of the buckets it holds (``BucketFilter``, 2 to 4
-bytes a bucket), made from the ``B`` keys at the first lookup after an open or a wipe and told of
-every bucket a write creates; a bucket it rules out is not looked up. It may let through an
+bytes a bucket), made from the ``B`` keys (``load_filter``, or the first lookup after an
+open or a wipe) and told of every bucket a write creates; a bucket it rules out is not
+looked up. It may let through an
 empty bucket (about 1.4% of them, and those emptied since it was made), never rule out one
 that holds a member, so ``members`` answers as the store does.
 """
@@ -355,6 +356,13 @@ class ShardStore(TopicView):
             read.update(zip(asked, self._db.get(asked)))
         read.update((key, None) for key, m in zip(keys, maybe) if not m)  # held by none: the filter says so
         return [split_orders(read[key]) for key in keys]
+
+    def load_filter(self) -> None:
+        """Make the filter of the buckets held now if there is none (else it is made at the
+        first lookup): one scan of the ``B`` keys, about 0.5 µs a bucket (0.14 s for
+        277,000; a partition of 30 million buckets would take some 15 s, and as long again
+        each time the buckets held double)."""
+        self._held()
 
     def _held(self) -> BucketFilter:
         """The filter of the buckets held; made from the ``B`` keys when there is none (after
