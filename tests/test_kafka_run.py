@@ -409,13 +409,14 @@ def test_regex_subscription_and_per_topic_outputs(kafka_bootstrap, kafka_topic_f
     records = excerpt(200)
     produce(kafka_bootstrap, first, _json_messages(records[:100]))
     produce(kafka_bootstrap, second, _json_messages(records[100:]))
+    log = tmp_path / "run.log"  # a failure below ends with its tail
     proc = start_run(kafka_bootstrap, f"^{prefix}-.*", group, tmp_path / "state", *JSON_FIELDS,
-                     "-X", "topic.metadata.refresh.interval.ms=1000")
+                     "-X", "topic.metadata.refresh.interval.ms=1000", log=log)
     try:
-        wait_committed(kafka_bootstrap, group, first, 100, proc)
-        wait_committed(kafka_bootstrap, group, second, 100, proc)
+        wait_committed(kafka_bootstrap, group, first, 100, proc, log=log)
+        wait_committed(kafka_bootstrap, group, second, 100, proc, log=log)
     finally:
-        assert stop(proc) == 0
+        assert stop(proc) == 0, log.read_text(errors="replace")[-4000:]
     for topic, part in ((first, records[:100]), (second, records[100:])):
         outs = _outputs(kafka_bootstrap, topic, len(part))
         assert sorted(o.key.decode() for o in outs) == sorted(str(r["id"]) for r in part)
