@@ -413,16 +413,26 @@ class BandRecord:
         """Raises: ValueError (struct.error) on a record of another layout."""
         if len(key) != ORDER.size:
             raise ValueError(f"an order key has {ORDER.size} bytes, not {len(key)}")
-        k, n_id, f = BAND.unpack_from(value)
+        k, n_id, f = _band_lengths(value)
         at = BAND.size
-        if len(value) != at + n_id + 8 * k + 4 * f:
-            raise ValueError("band record of the wrong length")
         raw_id = value[at:at + n_id]
         at += n_id
         # read-only views of ``value`` (no copy on a little-endian machine)
         buckets = np.frombuffer(value, dtype="<u8", count=k, offset=at).astype(np.uint64, copy=False)
         fingerprints = np.frombuffer(value, dtype="<u4", count=f, offset=at + 8 * k).astype(np.uint32, copy=False)
         return cls(key, raw_id.decode("utf-8"), buckets, fingerprints)
+
+
+def _band_lengths(value: bytes) -> tuple[int, int, int]:
+    """(bucket ids, id bytes, fingerprints) of a band record value, its length checked.
+
+    Raises:
+        ValueError (struct.error): a value of another layout.
+    """
+    k, n_id, f = BAND.unpack_from(value)
+    if len(value) != BAND.size + n_id + 8 * k + 4 * f:
+        raise ValueError("band record of the wrong length")
+    return k, n_id, f
 
 
 def band_buckets(value: bytes) -> list[int]:
@@ -432,9 +442,7 @@ def band_buckets(value: bytes) -> list[int]:
     Raises:
         ValueError (struct.error): a value of another layout.
     """
-    k, n_id, f = BAND.unpack_from(value)
-    if len(value) != BAND.size + n_id + 8 * k + 4 * f:
-        raise ValueError("band record of the wrong length")
+    k, n_id, _ = _band_lengths(value)
     return list(struct.unpack_from(f"<{k}Q", value, BAND.size + n_id))
 
 

@@ -458,21 +458,21 @@ class StoredShardIndex(ShardIndex):
         (``forget``). One lookup per batch instead of one per document: RocksDB takes about
         5 µs per key looked up a document at a time, its Bloom filters and L0 files probed
         key by key, against 1 to 2 µs in one sorted lookup."""
-        asked = np.unique(bucket_ids).tolist()
+        self._fetch(np.unique(bucket_ids).tolist())
+
+    def _fetch(self, buckets: list[int]) -> None:
+        """Read from the store the members (seqs) of those of ``buckets`` not read yet."""
         fetched = self._fetched
-        asked = [b for b in asked if b not in fetched]
-        if asked:
-            for b, keys in zip(asked, self.store.members(asked)):
+        missing = [b for b in buckets if b not in fetched]
+        if missing:
+            for b, keys in zip(missing, self.store.members(missing)):
                 fetched[b] = [order_seq(o) for o in keys] if keys else ()
 
     def _stored_members(self, buckets: list[int]) -> list[Sequence[int]]:
-        """The stored members (seqs) of each bucket, from ``prefetch`` or else the store."""
-        fetched = self._fetched
-        missing = [b for b in buckets if b not in fetched]
-        if missing:  # not prefetched (a document processed late)
-            for b, keys in zip(missing, self.store.members(missing)):
-                fetched[b] = [order_seq(o) for o in keys] if keys else ()
-        return [fetched[b] for b in buckets]
+        """The stored members (seqs) of each bucket, from ``prefetch`` or else the store (a
+        document processed late)."""
+        self._fetch(buckets)
+        return [self._fetched[b] for b in buckets]
 
     def _none_held(self, buckets: list[int]) -> bool:
         if not self.buckets.keys().isdisjoint(buckets):

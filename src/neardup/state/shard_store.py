@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from collections import ChainMap
 from collections.abc import Sequence
 from typing import cast
 
@@ -246,10 +247,11 @@ class ShardStore(TopicView):
 
     def _stored_values(self, keys: list[bytes]) -> list[bytes | None]:
         """The values of ``keys``, from the lookups kept or else read."""
-        read, before = self._read, self._read_before
-        unread = [key for key in keys if key not in read and key not in before]
-        stored = dict(zip(unread, self._db.get(unread))) if unread else {}
-        return [read[key] if key in read else before[key] if key in before else stored[key] for key in keys]
+        kept = ChainMap(self._read, self._read_before)
+        unread = [key for key in keys if key not in kept]
+        if unread:
+            kept = kept.new_child(dict(zip(unread, self._db.get(unread))))
+        return [kept[key] for key in keys]
 
     def _wrote(self, written: dict[bytes, bytes | None]) -> None:
         """After a write: the values kept are those written now; the older of the two
