@@ -16,7 +16,7 @@ from neardup.sharded.routing import owned_bands
 from neardup.sharded.shard import Finding, Joins, ShardIndex, StoredShardIndex
 from neardup.state import shard_store
 from neardup.state.shard_store import (
-    BucketFilter,
+    LAYOUT_KEY,
     ShardStore,
     joined_member_value,
     member_parts,
@@ -108,29 +108,13 @@ def test_a_stored_index_finds_what_the_in_memory_one_finds(tmp_path: Path, prefe
         s.close()
 
 
-def test_a_bucket_filter_rules_out_no_bucket_it_was_given() -> None:
-    """The ids of one shard partition of 16 (one remainder modulo 16): none added is ruled
-    out; of others, few pass while the filter is within its capacity."""
-    f = BucketFilter(40_000)
-    n = f.capacity  # 40,000 rounded up to a power of two of bits
-    assert 40_000 <= n < 80_000
-    rng = np.random.default_rng(5)
-    ids = rng.integers(0, 1 << 59, 2 * n, dtype=np.uint64) * np.uint64(16) + np.uint64(3)
-    f.add(ids[:n])
-    assert f.may_hold(ids[:n]).all() and not f.full
-    passed = f.may_hold(ids[n:]).mean()
-    assert 0 < passed < 0.03, passed
-    f.add(ids[n:n + 1])
-    assert f.full and f.may_hold(ids[:n + 1]).all()
-
-
 def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``members`` (its Bloom filter, made small here so that it fills and is made again)
-    and the writes (which take a bucket's value from the lookups made since the last
-    write) against a model of the buckets built from the member records applied, after
-    every write: batches looked up one ahead of their write (as the stage's pipelined
-    commit does), members deleted (their buckets emptied too), a reopen, a wipe."""
-    monkeypatch.setattr(shard_store, "FILTER_MIN_BUCKETS", 1)
+    """``members`` (the index in memory, its members renumbered here as soon as a few
+    have gone) against a model of the buckets built from the member records applied,
+    after every write: batches looked up one ahead of their write (as the stage's
+    pipelined commit does), members deleted (their buckets emptied too), a reopen, a
+    wipe."""
+    monkeypatch.setattr(shard_store, "RENUMBER_MIN", 10)
     docs = _stream(300)
     path = tmp_path / "shard-0"
     store = _store(path)
@@ -169,11 +153,12 @@ def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch:
     write(pending)
     check()
     assert sum(map(len, model.values())) > 5_000
-    gone = [(key, None) for key, _ in written[1][::3]]  # expired members
+    gone = [(key, None) for batch in written[:6] for key, _ in batch]  # expired members, most of them
     store.members([*model])
     write(gone)
     check()
     assert any(not members for members in model.values())  # buckets emptied
+    assert store._buckets is not None and store._buckets.dead == 0  # renumbered
     # members sharing buckets, each in a write of its own after one lookup of them all
     fp = np.arange(10, dtype=np.uint32)
     shared = [(order_key(9_000 + i, 0, i), np.array([5 + i, 6 + i, 7 + i], dtype=np.uint64)) for i in range(3)]
@@ -216,6 +201,24 @@ def test_the_position_is_kept_with_the_data_and_applying_twice_changes_nothing(t
     (path / "CURRENT").unlink()  # as a process killed inside RocksDB's DestroyDB leaves it
     store = _store(path)
     assert store.position() is None and store.get(b"P") is None
+    store.close()
+
+
+def test_a_store_of_an_earlier_layout_is_wiped_when_it_opens(tmp_path: Path) -> None:
+    """A store without the layout key (one of an earlier layout, whose bucket keys mean
+    another thing) opens empty, without a position: it is restored from the changelog."""
+    path = tmp_path / "shard-0"
+    store = _store(path)
+    doc = _stream(1)[0]
+    store.apply(_add(StoredShardIndex(SETTINGS, store), doc, 0)[1], position=1)
+    store.close()
+    store = _store(path)
+    assert store.position() == 1 and all(store.members(doc[2][0].tolist()))  # the same layout: kept
+    store._db.delete(LAYOUT_KEY)
+    store.close()
+    store = _store(path)
+    assert store.position() is None and not any(store.members(doc[2][0].tolist()))
+    assert store.get(LAYOUT_KEY) is not None
     store.close()
 
 

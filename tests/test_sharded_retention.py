@@ -309,8 +309,7 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
 
 def test_a_store_drops_a_deleted_member_from_its_bucket_and_copy_lists(tmp_path):
     """``ShardStore.apply``: a member's null record (expired) takes it out of every bucket
-    list and copy-bucket list it joined, drops its own copy bucket, and an empty list
-    goes; a deletion applied again (or of a member never here) changes nothing."""
+    and copy-bucket list it joined (its bucket keys go), drops its own copy bucket; a deletion applied again (or of a member never here) changes nothing."""
     from neardup.sharded.records import BandRecord, order_key
     from neardup.state.shard_store import ShardStore, member_value
 
@@ -333,7 +332,10 @@ def test_a_store_drops_a_deleted_member_from_its_bucket_and_copy_lists(tmp_path)
         store.apply([(b[0], None), (a[0], None)], position=6)
         assert store.members([1, 2, 3]) == [[], [], [order_key(3000, 0, 3000)]]
         assert store.members_before(10_000) == [order_key(3000, 0, 3000)]
-        assert store.get(b"B" + (1).to_bytes(8, "big")) is None  # an empty list goes
+        assert [k[:8] for k, _ in store.prefixed(b"B")] == [(3).to_bytes(8, "big")]  # the others' keys go
+        store.close()
+        store = ShardStore(tmp_path / "s", lambda band: BandRecord.parse(bytes(20), band).buckets.tolist())
+        assert store.members([1, 2, 3]) == [[], [], [order_key(3000, 0, 3000)]]  # as read again from the keys
     finally:
         store.close()
 

@@ -453,20 +453,21 @@ class StoredShardIndex(ShardIndex):
             self._parsed.pop(seq, None)
 
     def prefetch(self, bucket_ids: np.ndarray) -> None:
-        """Read the stored members of ``bucket_ids`` (uint64; repeats allowed) in one lookup,
-        sorted: ``_members`` and ``_none_held`` answer from it until the store changes
-        (``forget``). One lookup per batch instead of one per document: RocksDB takes about
-        5 µs per key looked up a document at a time, its Bloom filters and L0 files probed
-        key by key, against 1 to 2 µs in one sorted lookup."""
+        """Look up the stored members of ``bucket_ids`` (uint64; repeats allowed) in one
+        call (``ShardStore.held``, one compiled pass over the store's bucket index in
+        memory): ``_members`` and ``_none_held`` answer from it until the store changes
+        (``forget``)."""
         self._fetch(np.unique(bucket_ids).tolist())
 
     def _fetch(self, buckets: list[int]) -> None:
-        """Read from the store the members (seqs) of those of ``buckets`` not read yet."""
+        """Look up in the store the members (seqs) of those of ``buckets`` not read yet."""
         fetched = self._fetched
         missing = [b for b in buckets if b not in fetched]
         if missing:
-            for b, keys in zip(missing, self.store.members(missing)):
-                fetched[b] = [order_seq(o) for o in keys] if keys else ()
+            held = self.store.held(missing)
+            fetched.update(dict.fromkeys(missing, ()))
+            for b, keys in held.items():
+                fetched[b] = [order_seq(o) for o in keys]
 
     def _stored_members(self, buckets: list[int]) -> list[Sequence[int]]:
         """The stored members (seqs) of each bucket, from ``prefetch`` or else the store (a

@@ -432,7 +432,7 @@ class ShardProcessor(StageHooks):
             store.close()
             raise
         self._resume(shard)
-        store.load_filter()  # here, in the restore's thread, rather than at the first batch
+        store.load_index()  # here, in the restore's thread, rather than at the first batch
         log.info("shard %d opened at %s: %s, %d changelog records read, in %.1f s", p, store.path,
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
                  time.perf_counter() - started)

@@ -147,6 +147,22 @@ class BucketIndex:
                 runs.append(_run(run.buckets[keep], run.seqs[keep]))
         self._runs = runs
 
+    def renumber(self, new_seqs: np.ndarray) -> None:
+        """Give every membership of seq s the seq ``new_seqs[s]``, and drop those where it
+        is negative (removed documents).
+
+        Args:
+            new_seqs: int64, shape (at least the highest seq + 1,): ascending where not
+                negative (so the runs stay sorted), each below 2**32.
+        """
+        runs = []
+        for run in self._runs:
+            seqs = new_seqs[run.seqs]
+            keep = seqs >= 0
+            if keep.any():
+                runs.append(_run(run.buckets[keep], seqs[keep].astype(np.uint32)))
+        self._runs = runs
+
     def lookup(self, buckets: np.ndarray) -> BucketMembers:
         """Members of each bucket in ``buckets`` (uint64, shape (n,), distinct): one
         directory probe and a short scan per bucket and run.

@@ -33,20 +33,23 @@ byte order is the documents' order):
   ``member_value``), from an ``N`` record (or an ``M`` record of an earlier version);
 - ``b"N" + order key`` -> the order keys of its members, concatenated: an ``N`` record
   applied (its key is the highest of them);
-- ``b"B" + bucket id`` (8 bytes big-endian) -> the members' order keys, concatenated in
-  the order they joined;
+- ``b"B" + bucket id (8 bytes big-endian) + order key`` -> empty: one key per member of a
+  bucket, so that joining a bucket or leaving it is a put or a delete, never a rewrite of
+  the bucket's list (read first);
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
   bucket, concatenated;
-- ``b"O"`` -> the position: ``">q"`` changelog offset.
+- ``b"O"`` -> the position: ``">q"`` changelog offset;
+- ``b"V"`` -> the layout (``LAYOUT``): a store of another layout is wiped when it opens
+  (and restored from the changelog).
 
-Most buckets a document falls in hold no one yet, and RocksDB looks up an absent key in
-1 to 3 µs even through its Bloom filters (more than it takes to find one that is there). So
-the store keeps in memory a Bloom filter of the buckets it holds (``BucketFilter``, 2 to 4
-bytes a bucket), made from the ``B`` keys (``load_filter``, or the first lookup after an
-open or a wipe) and told of every bucket a write creates; a bucket it rules out is not
-looked up. It may let through an
-empty bucket (about 1.4% of them, and those emptied since it was made), never rule out one
-that holds a member, so ``members`` answers as the store does.
+A bucket's members are looked up in memory (``CommittedBuckets``: the ``B`` keys as
+sorted runs of (bucket id, local member id), ``neardup.state.index.BucketIndex``, 12 bytes
+a membership, and each member's order key, 20 bytes), made from the ``B`` keys
+(``load_index``, or the first lookup after an open or a wipe) and told of every write
+after it is made. RocksDB takes 1 to 5 µs to look up a key, even an absent one (most
+buckets a document falls in hold no one yet), where the runs answer a batch's buckets in
+one compiled pass; and the write that adds a batch's members needs no read of the buckets
+they join.
 """
 
 from __future__ import annotations
@@ -54,24 +57,23 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from collections import ChainMap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import numpy as np
 from rocksdict import WriteBatch
 
 from neardup.sharded.records import BAND, ORDER
+from neardup.state.index import BucketIndex
 from neardup.state.view import TopicView
 
 _U64 = struct.Struct(">Q")
-#: Bits of a ``BucketFilter`` per bucket it is made for: with two probes, about 1.4% of the
-#: empty buckets asked about pass it.
-FILTER_BITS_PER_BUCKET = 16
-#: The fewest buckets a ``BucketFilter`` is made for (512 kB a store).
-FILTER_MIN_BUCKETS = 1 << 18
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / the golden ratio, odd: Knuth's multiplicative hashing
 _N = struct.Struct(">I")
+LAYOUT_KEY = b"V"
+LAYOUT = b"members-2"  # a ``B`` key per member of a bucket
+#: ``CommittedBuckets`` renumbers its members once more than this many and more than the
+#: members alive have left.
+RENUMBER_MIN = 1 << 16
 _LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
 ORDER_BYTES = ORDER.size
 
@@ -161,52 +163,97 @@ def split_orders(raw: bytes | None) -> list[bytes]:
     return [raw[i:i + ORDER_BYTES] for i in range(0, len(raw), ORDER_BYTES)]
 
 
-class BucketFilter:
-    """A Bloom filter of bucket ids (B. H. Bloom, "Space/time trade-offs in hash coding
-    with allowable errors", CACM 13(7), 1970): ``may_hold`` is True for every id added,
-    and for about 1.4% of the others while at most ``capacity`` were added.
+class CommittedBuckets:
+    """The members of a store's buckets, in memory: its ``B`` keys as (bucket id, local
+    member id) memberships in a ``BucketIndex`` (sorted runs merged as a log-structured
+    merge tree), with each member's order key by local id. Local ids are given in the
+    order members are added; a member removed is marked dead and skipped, and the ids are
+    given anew, without the dead, once these outnumber the living (and ``RENUMBER_MIN``).
 
-    Two probes, the top bits of one multiplicative hash of the id (Knuth, TAOCP vol. 3,
-    §6.4): bucket ids are hashes already, but the ids of one shard partition share their
-    remainder modulo the shard count, so their low bits would not spread.
-
-    Args:
-        capacity: the bucket ids it is made for: ``FILTER_BITS_PER_BUCKET`` bits each, a
-            power of two of at least 2**16 and at most 2**32 bits (512 MB).
+    Memory: 12 bytes a membership in the runs, 21 a member.
     """
 
-    def __init__(self, capacity: int) -> None:
-        k = min(32, max(16, (max(1, capacity) * FILTER_BITS_PER_BUCKET - 1).bit_length()))
-        self._low = np.uint64(64 - k)
-        self._high = np.uint64(64 - 2 * k)
-        self._mask = np.uint64((1 << k) - 1)
-        self._bits = np.zeros(1 << (k - 3), dtype=np.uint8)
-        self.capacity = (1 << k) // FILTER_BITS_PER_BUCKET
-        self.count = 0  # ids added (an id added twice counts twice)
+    def __init__(self) -> None:
+        self.index = BucketIndex()
+        self._orders = bytearray()  # the order key of local id i at [20 i, 20 i + 20)
+        self._alive = np.zeros(1024, dtype=bool)
+        self.count = 0  # local ids given
+        self.dead = 0
 
-    def _probes(self, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        with np.errstate(over="ignore"):
-            x = np.asarray(buckets, dtype=np.uint64) * _GOLDEN  # modulo 2**64
-        return x >> self._low, (x >> self._high) & self._mask
+    def load(self, orders: np.ndarray, buckets: np.ndarray, member: np.ndarray) -> None:
+        """Start from memberships: ``orders`` (void of 20 bytes, shape (m,)) the members'
+        order keys, ``buckets`` (uint64, shape (k,)) and ``member`` (int, shape (k,))
+        each membership's bucket id and member (an index into ``orders``).
 
-    def add(self, buckets: np.ndarray) -> None:
-        """Add bucket ids (uint64, shape (n,))."""
-        for p in self._probes(buckets):
-            np.bitwise_or.at(self._bits, p >> np.uint64(3), np.left_shift(1, p & np.uint64(7)).astype(np.uint8))
-        self.count += len(buckets)
+        Raises:
+            ValueError: it holds members already.
+        """
+        if self.count:
+            raise ValueError("load into an index that holds members")
+        self._orders = bytearray(orders.tobytes())
+        self.count = len(orders)
+        self._alive = np.ones(max(1024, 2 * self.count), dtype=bool)
+        self._alive[self.count:] = False
+        by_member = np.argsort(member, kind="stable")
+        self.index.add(buckets[by_member], member[by_member].astype(np.uint64))
 
-    def may_hold(self, buckets: np.ndarray) -> np.ndarray:
-        """bool, shape (n,): False only for bucket ids never added (``buckets``: uint64,
-        shape (n,))."""
-        out = np.ones(len(buckets), dtype=bool)
-        for p in self._probes(buckets):
-            out &= (self._bits[p >> np.uint64(3)] >> (p & np.uint64(7)).astype(np.uint8)) & np.uint8(1) > 0
+    def add(self, members: Sequence[tuple[bytes, Sequence[int]]]) -> None:
+        """Add members: (order key, the bucket ids it joined) each, not held already."""
+        if not members:
+            return
+        first = self.count
+        self.count += len(members)
+        if self.count > len(self._alive):
+            grown = np.zeros(max(2 * len(self._alive), self.count), dtype=bool)
+            grown[:first] = self._alive[:first]
+            self._alive = grown
+        self._alive[first:self.count] = True
+        self._orders += b"".join(order for order, _ in members)
+        sizes = np.fromiter((len(buckets) for _, buckets in members), dtype=np.int64, count=len(members))
+        buckets = np.fromiter((b for _, bs in members for b in bs), dtype=np.uint64, count=int(sizes.sum()))
+        self.index.add(buckets, np.repeat(np.arange(first, self.count, dtype=np.uint64), sizes))
+
+    def remove(self, members: Mapping[bytes, Sequence[int]]) -> None:
+        """Remove members: order key -> the bucket ids it joined (one not held is skipped)."""
+        if not members:
+            return
+        buckets = np.unique(np.fromiter((b for bs in members.values() for b in bs), dtype=np.uint64))
+        orders = self._orders
+        for i in np.unique(self.index.lookup(buckets).seqs).tolist():
+            if self._alive[i] and bytes(orders[ORDER_BYTES * i:ORDER_BYTES * (i + 1)]) in members:
+                self._alive[i] = False
+                self.dead += 1
+        if self.dead > max(RENUMBER_MIN, self.count - self.dead):
+            self._renumber()
+
+    def _renumber(self) -> None:
+        alive = self._alive[:self.count]
+        new_ids = np.cumsum(alive, dtype=np.int64) - 1
+        new_ids[~alive] = -1
+        self.index.renumber(new_ids)
+        self._orders = bytearray(np.frombuffer(self._orders, dtype=f"V{ORDER_BYTES}")[alive].tobytes())
+        self.count -= self.dead
+        self.dead = 0
+        self._alive = np.zeros(max(1024, 2 * self.count), dtype=bool)
+        self._alive[:self.count] = True
+
+    def held(self, buckets: np.ndarray) -> dict[int, list[bytes]]:
+        """The members' order keys of those of ``buckets`` (uint64, shape (n,), repeats
+        allowed) that hold any, ascending; the others are left out."""
+        distinct = np.unique(buckets)
+        found = self.index.lookup(distinct)
+        if not len(found.seqs):
+            return {}
+        live = self._alive[found.seqs]
+        orders = self._orders
+        ids = distinct.tolist()
+        out: dict[int, list[bytes]] = {}
+        for k, i in zip(found.owner[live].tolist(), found.seqs[live].tolist()):
+            out.setdefault(ids[k], []).append(bytes(orders[ORDER_BYTES * i:ORDER_BYTES * (i + 1)]))
+        for members in out.values():
+            if len(members) > 1:
+                members.sort()
         return out
-
-    @property
-    def full(self) -> bool:
-        """Whether more ids were added than it was made for (its false positives grow)."""
-        return self.count > self.capacity
 
 
 class ShardStore(TopicView):
@@ -217,8 +264,8 @@ class ShardStore(TopicView):
         buckets_of: the bucket ids (uint64) a band record value joined: how an ``M``
             record's buckets are read (``neardup.sharded.records.BandRecord``).
 
-    A directory RocksDB cannot open (corrupted, half deleted) is wiped: the changelog
-    holds all of it.
+    A directory RocksDB cannot open (corrupted, half deleted), or of another layout, is
+    wiped: the changelog holds all of it.
 
     Raises:
         StateError: the directory cannot be created, opened or wiped (permissions, a full
@@ -227,46 +274,26 @@ class ShardStore(TopicView):
 
     def __init__(self, path: str | os.PathLike[str], buckets_of) -> None:
         self._buckets_of = buckets_of
-        self._filter: BucketFilter | None = None  # made at the first lookup (``_held``)
-        # the ``B`` values looked up since the last write and between the two writes before
-        # it (None: absent), as stored: the write that adds a batch's members to their
-        # buckets finds most of them here (the stage looks up a batch's buckets while the
-        # batch before is being committed, so before that batch's write)
-        self._read: dict[bytes, bytes | None] = {}
-        self._read_before: dict[bytes, bytes | None] = {}
+        self._buckets: CommittedBuckets | None = None  # made at the first lookup (``_committed``)
         super().__init__(path, "the shard state")
+        if self._db.get(LAYOUT_KEY) != LAYOUT:
+            self.wipe()
 
     def wipe(self) -> None:
-        self._filter = None
-        self._read, self._read_before = {}, {}
+        self._buckets = None
         super().wipe()
+        self._db.put(LAYOUT_KEY, LAYOUT)
 
     def close(self) -> None:
-        self._read, self._read_before = {}, {}
+        self._buckets = None
         super().close()
-
-    def _stored_values(self, keys: list[bytes]) -> list[bytes | None]:
-        """The values of ``keys``, from the lookups kept or else read."""
-        kept = ChainMap(self._read, self._read_before)
-        unread = [key for key in keys if key not in kept]
-        if unread:
-            kept = kept.new_child(dict(zip(unread, self._db.get(unread))))
-        return [kept[key] for key in keys]
-
-    def _wrote(self, written: dict[bytes, bytes | None]) -> None:
-        """After a write: the values kept are those written now; the older of the two
-        generations is dropped."""
-        for kept in (self._read, self._read_before):
-            for key in kept.keys() & written.keys():
-                kept[key] = written[key]
-        self._read_before, self._read = self._read, {}
 
     # --- writes ---------------------------------------------------------------------------
     def apply(self, records: Sequence[Record], position: int | None = None) -> None:
         """Apply committed changelog records (in changelog order) in one atomic write: each
         stored as it is (None deletes; an ``N`` record as its marker and its members' ``M``
-        records, ``members_of``), each member (``M``) not yet here also appended to
-        its buckets' and copy buckets' lists, each member deleted also removed from them
+        records, ``members_of``), each member (``M``) not yet here also put in its buckets
+        and appended to its copy buckets' lists, each member deleted also taken out of them
         (and its copy bucket dropped); with ``position``, the new position.
 
         Raises:
@@ -274,10 +301,12 @@ class ShardStore(TopicView):
         """
         records = self._expanded(records)
         batch = WriteBatch(raw_mode=True)
-        appended: dict[bytes, list[bytes]] = {}
+        appended: dict[bytes, list[bytes]] = {}  # copy buckets
         members = list({key for key, _ in records if key[:1] == b"M"})
         values = dict(zip(members, self._db.get(members) if members else []))
         present = {key for key, raw in values.items() if raw is not None}
+        before = set(present)
+        joined: dict[bytes, list[int]] = {}  # ``M`` key -> the buckets its member joined
         removed: set[bytes] = set()  # order keys of the members deleted
         for key, value in records:
             if value is None:
@@ -289,8 +318,9 @@ class ShardStore(TopicView):
                     copies, band = member_parts(values[key])  # type: ignore[arg-type]
                     for c in copies:
                         appended.setdefault(b"C" + c, [])
-                    for b in self._buckets_of(band):
-                        appended.setdefault(b"B" + _U64.pack(b), [])
+                    buckets = joined[key] = self._buckets_of(band)
+                    for b in buckets:
+                        batch.delete(b"B" + _U64.pack(b) + order)
                     appended.pop(b"C" + order, None)
                     batch.delete(b"C" + order)
                 continue
@@ -304,29 +334,23 @@ class ShardStore(TopicView):
                 copies, band = member_parts(value)
                 for c in copies:
                     appended.setdefault(b"C" + c, []).append(order)
-                for b in self._buckets_of(band):
-                    appended.setdefault(b"B" + _U64.pack(b), []).append(order)
-        created: list[int] = []  # bucket ids that hold a member now and did not
-        written: dict[bytes, bytes | None] = {}
+                buckets = joined[key] = self._buckets_of(band)
+                for b in buckets:
+                    batch.put(b"B" + _U64.pack(b) + order, b"")
         if appended:
             keys = list(appended)
-            for key, old in zip(keys, self._stored_values(keys)):
+            for key, old in zip(keys, self._db.get(keys)):
                 raw = (old or b"") + b"".join(appended[key])
                 if removed:
                     raw = b"".join(o for o in split_orders(raw) if o not in removed)
                 if raw:
                     batch.put(key, raw)
-                    if old is None and key[:1] == b"B":
-                        created.append(_U64.unpack_from(key, 1)[0])
                 else:
                     batch.delete(key)
-                written[key] = raw or None
         self.write(batch, position)
-        self._wrote(written)
-        if self._filter is not None and created:  # after the write: the filter holds at least the store's buckets
-            self._filter.add(np.array(created, dtype=np.uint64))
-            if self._filter.full:  # made anew at the next lookup, larger
-                self._filter = None
+        if self._buckets is not None:  # after the write: the lookups answer what is stored
+            self._buckets.remove({key[1:]: joined[key] for key in before - present})
+            self._buckets.add([(key[1:], joined[key]) for key in present - before])
 
     def _expanded(self, records: Sequence[Record]) -> list[Record]:
         """``members_of(records)``, each null ``N`` followed by its members' deletions (the
@@ -347,38 +371,39 @@ class ShardStore(TopicView):
 
     # --- reads ----------------------------------------------------------------------------
     def members(self, buckets: Sequence[int]) -> list[list[bytes]]:
-        """The members' order keys of each bucket (uint64 ids), in the order they joined."""
+        """The members' order keys of each bucket (uint64 ids), ascending."""
+        held = self.held(buckets)
+        return [list(held.get(b, ())) for b in buckets]
+
+    def held(self, buckets: Sequence[int] | np.ndarray) -> dict[int, list[bytes]]:
+        """The members' order keys of those of ``buckets`` (uint64 ids) that hold any,
+        ascending; the others are left out."""
         if not len(buckets):
-            return []
-        maybe = self._held().may_hold(np.array(buckets, dtype=np.uint64)).tolist()
-        keys = [b"B" + _U64.pack(b) for b in buckets]
-        asked = [key for key, m in zip(keys, maybe) if m]
-        read = self._read
-        if asked:
-            read.update(zip(asked, self._db.get(asked)))
-        read.update((key, None) for key, m in zip(keys, maybe) if not m)  # held by none: the filter says so
-        return [split_orders(read[key]) for key in keys]
+            return {}
+        return self._committed().held(np.asarray(buckets, dtype=np.uint64))
 
-    def load_filter(self) -> None:
-        """Make the filter of the buckets held now if there is none (else it is made at the
-        first lookup): one scan of the ``B`` keys, about 0.5 µs a bucket (0.14 s for
-        277,000; a partition of 30 million buckets would take some 15 s, and as long again
-        each time the buckets held double)."""
-        self._held()
+    def load_index(self) -> None:
+        """Make the buckets' index in memory if there is none (else it is made at the
+        first lookup): one scan of the ``B`` keys, about 1 µs a membership."""
+        self._committed()
 
-    def _held(self) -> BucketFilter:
-        """The filter of the buckets held; made from the ``B`` keys when there is none (after
-        an open, a wipe, or once the last one filled), for twice the buckets held."""
-        if self._filter is None:
-            held = []
+    def _committed(self) -> CommittedBuckets:
+        """The buckets' index in memory; made from the ``B`` keys when there is none (after
+        an open or a wipe)."""
+        if self._buckets is None:
+            keys = []
             for raw in self._db.keys(from_key=b"B"):
                 key = cast(bytes, raw)
                 if key[:1] != b"B":
                     break
-                held.append(_U64.unpack_from(key, 1)[0])
-            self._filter = BucketFilter(max(FILTER_MIN_BUCKETS, 2 * len(held)))
-            self._filter.add(np.array(held, dtype=np.uint64))
-        return self._filter
+                keys.append(key)
+            self._buckets = CommittedBuckets()
+            if keys:
+                rows = np.frombuffer(b"".join(keys), dtype=np.dtype([("kind", "V1"), ("bucket", ">u8"),
+                                                                      ("order", f"V{ORDER_BYTES}")]))
+                orders, member = np.unique(rows["order"], return_inverse=True)
+                self._buckets.load(orders, rows["bucket"].astype(np.uint64), member)
+        return self._buckets
 
     def copies(self, order: bytes) -> list[bytes]:
         """The order keys in the copy bucket of the document ``order``."""
