@@ -115,6 +115,7 @@ def test_bucket_lookups_answer_what_the_store_holds(tmp_path: Path, monkeypatch:
     pipelined commit does), members deleted (their buckets emptied too), a reopen, a
     wipe."""
     monkeypatch.setattr(shard_store, "RENUMBER_MIN", 10)
+    monkeypatch.setattr(shard_store, "LOAD_CHUNK", 100)  # the keys read in many chunks at a reopen
     docs = _stream(300)
     path = tmp_path / "shard-0"
     store = _store(path)

@@ -43,8 +43,8 @@ byte order is the documents' order):
   (and restored from the changelog).
 
 A bucket's members are looked up in memory (``CommittedBuckets``: the ``B`` keys as
-sorted runs of (bucket id, local member id), ``neardup.state.index.BucketIndex``, 12 bytes
-a membership, and each member's order key, 20 bytes), made from the ``B`` keys
+sorted runs of (bucket id, row), ``neardup.state.index.BucketIndex``, with each row's
+order key: 33 bytes a ``B`` key), made from the ``B`` keys
 (``load_index``, or the first lookup after an open or a wipe) and told of every write
 after it is made. RocksDB takes 1 to 5 µs to look up a key, even an absent one (most
 buckets a document falls in hold no one yet), where the runs answer a batch's buckets in
@@ -74,6 +74,9 @@ LAYOUT = b"members-2"  # a ``B`` key per member of a bucket
 #: ``CommittedBuckets`` renumbers its members once more than this many and more than the
 #: members alive have left.
 RENUMBER_MIN = 1 << 16
+#: ``B`` keys read at a time when the index in memory is made.
+LOAD_CHUNK = 1 << 16
+_B_KEY = np.dtype([("kind", "V1"), ("bucket", ">u8"), ("order", "V20")])  # a ``B`` key's parts
 _LITTLE_ENDIAN = sys.byteorder == "little"  # uint64 / uint32 arrays are then "<u8" / "<u4" as they are
 ORDER_BYTES = ORDER.size
 
@@ -164,54 +167,40 @@ def split_orders(raw: bytes | None) -> list[bytes]:
 
 
 class CommittedBuckets:
-    """The members of a store's buckets, in memory: its ``B`` keys as (bucket id, local
-    member id) memberships in a ``BucketIndex`` (sorted runs merged as a log-structured
-    merge tree), with each member's order key by local id. Local ids are given in the
-    order members are added; a member removed is marked dead and skipped, and the ids are
-    given anew, without the dead, once these outnumber the living (and ``RENUMBER_MIN``).
+    """The members of a store's buckets, in memory: its ``B`` keys as (bucket id, row)
+    pairs in a ``BucketIndex`` (sorted runs merged as a log-structured merge tree), with
+    the member's order key of each row: a row per (bucket, member), given in the order
+    they are added. A member removed has its rows marked dead, skipped by lookups; the
+    rows are numbered anew without the dead once these outnumber the living (and
+    ``RENUMBER_MIN``).
 
-    Memory: 12 bytes a membership in the runs, 21 a member.
+    Memory: 33 bytes a row (12 in the runs, 20 its order key, 1 its mark), about a row
+    per member at 1,024 shard partitions (32 bands), 8 at 4.
     """
 
     def __init__(self) -> None:
         self.index = BucketIndex()
-        self._orders = bytearray()  # the order key of local id i at [20 i, 20 i + 20)
+        self._orders = bytearray()  # the order key of row i at [20 i, 20 i + 20)
         self._alive = np.zeros(1024, dtype=bool)
-        self.count = 0  # local ids given
+        self.count = 0  # rows given
         self.dead = 0
 
-    def load(self, orders: np.ndarray, buckets: np.ndarray, member: np.ndarray) -> None:
-        """Start from memberships: ``orders`` (void of 20 bytes, shape (m,)) the members'
-        order keys, ``buckets`` (uint64, shape (k,)) and ``member`` (int, shape (k,))
-        each membership's bucket id and member (an index into ``orders``).
-
-        Raises:
-            ValueError: it holds members already.
-        """
-        if self.count:
-            raise ValueError("load into an index that holds members")
-        self._orders = bytearray(orders.tobytes())
-        self.count = len(orders)
-        self._alive = np.ones(max(1024, 2 * self.count), dtype=bool)
-        self._alive[self.count:] = False
-        by_member = np.argsort(member, kind="stable")
-        self.index.add(buckets[by_member], member[by_member].astype(np.uint64))
-
-    def add(self, members: Sequence[tuple[bytes, Sequence[int]]]) -> None:
-        """Add members: (order key, the bucket ids it joined) each, not held already."""
-        if not members:
-            return
-        first = self.count
-        self.count += len(members)
-        if self.count > len(self._alive):
-            grown = np.zeros(max(2 * len(self._alive), self.count), dtype=bool)
-            grown[:first] = self._alive[:first]
+    def _grow(self, count: int) -> None:
+        if count > len(self._alive):
+            grown = np.zeros(max(2 * len(self._alive), count), dtype=bool)
+            grown[:self.count] = self._alive[:self.count]
             self._alive = grown
-        self._alive[first:self.count] = True
-        self._orders += b"".join(order for order, _ in members)
-        sizes = np.fromiter((len(buckets) for _, buckets in members), dtype=np.int64, count=len(members))
-        buckets = np.fromiter((b for _, bs in members for b in bs), dtype=np.uint64, count=int(sizes.sum()))
-        self.index.add(buckets, np.repeat(np.arange(first, self.count, dtype=np.uint64), sizes))
+        self._alive[self.count:count] = True
+        self.count = count
+
+    def add_rows(self, keys: bytes) -> None:
+        """Add rows: ``keys`` the ``B`` keys (29 bytes each: ``b"B"``, the bucket id
+        big-endian, the order key), concatenated, of memberships not held already."""
+        rows = np.frombuffer(keys, dtype=_B_KEY)
+        first = self.count
+        self._grow(first + len(rows))
+        self._orders += rows["order"].tobytes()
+        self.index.add(rows["bucket"].astype(np.uint64), np.arange(first, self.count, dtype=np.uint64))
 
     def remove(self, members: Mapping[bytes, Sequence[int]]) -> None:
         """Remove members: order key -> the bucket ids it joined (one not held is skipped)."""
@@ -219,7 +208,7 @@ class CommittedBuckets:
             return
         buckets = np.unique(np.fromiter((b for bs in members.values() for b in bs), dtype=np.uint64))
         orders = self._orders
-        for i in np.unique(self.index.lookup(buckets).seqs).tolist():
+        for i in self.index.lookup(buckets).seqs.tolist():
             if self._alive[i] and bytes(orders[ORDER_BYTES * i:ORDER_BYTES * (i + 1)]) in members:
                 self._alive[i] = False
                 self.dead += 1
@@ -228,14 +217,14 @@ class CommittedBuckets:
 
     def _renumber(self) -> None:
         alive = self._alive[:self.count]
-        new_ids = np.cumsum(alive, dtype=np.int64) - 1
-        new_ids[~alive] = -1
-        self.index.renumber(new_ids)
+        new_rows = np.cumsum(alive, dtype=np.int64) - 1
+        new_rows[~alive] = -1
+        self.index.renumber(new_rows)
         self._orders = bytearray(np.frombuffer(self._orders, dtype=f"V{ORDER_BYTES}")[alive].tobytes())
-        self.count -= self.dead
-        self.dead = 0
-        self._alive = np.zeros(max(1024, 2 * self.count), dtype=bool)
-        self._alive[:self.count] = True
+        living = self.count - self.dead
+        self._alive = np.zeros(max(1024, 2 * living), dtype=bool)
+        self.count = self.dead = 0
+        self._grow(living)
 
     def held(self, buckets: np.ndarray) -> dict[int, list[bytes]]:
         """The members' order keys of those of ``buckets`` (uint64, shape (n,), repeats
@@ -307,6 +296,7 @@ class ShardStore(TopicView):
         present = {key for key, raw in values.items() if raw is not None}
         before = set(present)
         joined: dict[bytes, list[int]] = {}  # ``M`` key -> the buckets its member joined
+        put_rows: dict[bytes, list[bytes]] = {}  # ``M`` key -> its ``B`` keys put
         removed: set[bytes] = set()  # order keys of the members deleted
         for key, value in records:
             if value is None:
@@ -334,9 +324,10 @@ class ShardStore(TopicView):
                 copies, band = member_parts(value)
                 for c in copies:
                     appended.setdefault(b"C" + c, []).append(order)
-                buckets = joined[key] = self._buckets_of(band)
-                for b in buckets:
-                    batch.put(b"B" + _U64.pack(b) + order, b"")
+                joined[key] = self._buckets_of(band)
+                rows = put_rows[key] = [b"B" + _U64.pack(b) + order for b in joined[key]]
+                for row in rows:
+                    batch.put(row, b"")
         if appended:
             keys = list(appended)
             for key, old in zip(keys, self._db.get(keys)):
@@ -350,7 +341,7 @@ class ShardStore(TopicView):
         self.write(batch, position)
         if self._buckets is not None:  # after the write: the lookups answer what is stored
             self._buckets.remove({key[1:]: joined[key] for key in before - present})
-            self._buckets.add([(key[1:], joined[key]) for key in present - before])
+            self._buckets.add_rows(b"".join(row for key in present - before for row in put_rows[key]))
 
     def _expanded(self, records: Sequence[Record]) -> list[Record]:
         """``members_of(records)``, each null ``N`` followed by its members' deletions (the
@@ -391,18 +382,17 @@ class ShardStore(TopicView):
         """The buckets' index in memory; made from the ``B`` keys when there is none (after
         an open or a wipe)."""
         if self._buckets is None:
-            keys = []
+            self._buckets = CommittedBuckets()
+            keys: list[bytes] = []
             for raw in self._db.keys(from_key=b"B"):
                 key = cast(bytes, raw)
                 if key[:1] != b"B":
                     break
                 keys.append(key)
-            self._buckets = CommittedBuckets()
-            if keys:
-                rows = np.frombuffer(b"".join(keys), dtype=np.dtype([("kind", "V1"), ("bucket", ">u8"),
-                                                                      ("order", f"V{ORDER_BYTES}")]))
-                orders, member = np.unique(rows["order"], return_inverse=True)
-                self._buckets.load(orders, rows["bucket"].astype(np.uint64), member)
+                if len(keys) == LOAD_CHUNK:
+                    self._buckets.add_rows(b"".join(keys))
+                    keys = []
+            self._buckets.add_rows(b"".join(keys))
         return self._buckets
 
     def copies(self, order: bytes) -> list[bytes]:
