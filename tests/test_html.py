@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 import uuid

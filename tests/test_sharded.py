@@ -12,7 +12,7 @@ from neardup.core.settings import EngineSettings
 from neardup.core.shingle import Shingling
 from neardup.core.types import Document, Verdict
 from neardup.detector import Detector, Preparer
-from neardup.sharded.reference import ShardedReference, run_sharded
+from neardup.sharded.reference import run_sharded
 from neardup.sharded.records import (
     BAND_ENTRY_BYTES,
     BandRecord,

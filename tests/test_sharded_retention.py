@@ -223,7 +223,7 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     from test_sharded_kafka import _Stages, _outputs
 
     from neardup.sharded.topology import Topology
-    from neardup.sharded.records import order_key, order_seq
+    from neardup.sharded.records import order_seq
     from neardup.state.shard_store import ShardStore
 
     # stamped 50 ms apart: the first half before now; the second from the time it is

@@ -76,7 +76,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duplicate-buckets", choices=["new", "all"], help=f"new: a duplicate joins only the LSH buckets holding none of its matches; all: every bucket ({_d('duplicate_buckets')})")
     g.add_argument("--cluster-policy", choices=["canonical", "components"], help=f"canonical: join a cluster only if similar to its canonical document; components: classic union-find ({_d('cluster_policy')})")
     g.add_argument("--score-floor", type=float, help=f"Jaccard similarity down to which every output's nearest and similarity reach: the banding makes a pair at the floor a candidate with probability {SCORE_RECALL:g} or more (lower: more candidates per document) (default: threshold minus {CANDIDATE_MARGIN:g})")
-    g.add_argument("--candidate-threshold", type=float, help=f"Jaccard similarity the LSH banding is optimised for instead of reaching --score-floor (default: none for Jaccard; for containment t / (1 + R - t), R the containment ratio)")
+    g.add_argument("--candidate-threshold", type=float, help="Jaccard similarity the LSH banding is optimised for instead of reaching --score-floor (default: none for Jaccard; for containment t / (1 + R - t), R the containment ratio)")
     g.add_argument("--multiset", action=argparse.BooleanOptionalAction, default=None, help=f"count repeated shingles (a bag) instead of a set ({_d('multiset')})")
 
 
