@@ -138,3 +138,23 @@ def test_a_count_of_zero_is_refused_with_one_line(flag, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == (f"neardup: error: {flag} (or NEARDUP_{flag[2:].replace('-', '_').upper()}): "
                                    "must be at least 1, or -1 for the broker's default, not 0")
+
+
+def test_brokers_fenced_while_they_register_again_is_a_passing_refusal() -> None:
+    """KRaft's controller refuses a creation with ``INVALID_REPLICATION_FACTOR`` both for a
+    replication factor larger than the brokers (the command stops with one line) and
+    while every broker is fenced, as after an outage or a restart (a decide stage once
+    exited 2 there): the second is retried like a broker away. The messages are the
+    controller's (``StripedReplicaPlacer``, ``ReplicationControlManager``)."""
+    from confluent_kafka import KafkaError
+
+    from neardup.kafka.topics import REFUSED, passing
+
+    code = KafkaError.INVALID_REPLICATION_FACTOR
+    assert code in REFUSED
+    assert passing(KafkaError(code, "All brokers are currently fenced."))
+    assert passing(KafkaError(code, "Unable to replicate the partition 1 time(s): All brokers are currently "
+                                    "fenced or in controlled shutdown."))
+    assert not passing(KafkaError(code, "The target replication factor of 3 cannot be reached because only 1 "
+                                        "broker(s) are registered."))
+    assert not passing(KafkaError(KafkaError.POLICY_VIOLATION, "All brokers are currently fenced."))

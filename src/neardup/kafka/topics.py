@@ -56,6 +56,14 @@ _HINTS = {
 }
 
 
+def passing(error: KafkaError) -> bool:
+    """Whether a refusal in ``REFUSED`` is a passing state of the cluster rather than what
+    was asked: KRaft's controller answers ``INVALID_REPLICATION_FACTOR`` "All brokers are
+    currently fenced" (or "... fenced or in controlled shutdown") while the brokers
+    register again after an outage or a restart."""
+    return error.code() == KafkaError.INVALID_REPLICATION_FACTOR and "currently fenced" in error.str()
+
+
 class TopicCreationError(ValueError):
     """The broker refused to create a topic as asked (a replication factor larger than
     the brokers, a partition count or topic setting it does not take, a missing Create
@@ -83,7 +91,8 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
 
     Raises:
         TopicCreationError: the broker refused one for what was asked (``REFUSED``).
-        KafkaException: another failure (the broker away, a timeout): may pass.
+        KafkaException: another failure (the broker away, a timeout, the brokers fenced
+            while they register again: ``passing``): may pass.
     """
     if not topics:
         return []
@@ -96,7 +105,7 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
             error = exc.args[0]
             if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                 continue
-            if error.code() in REFUSED:
+            if error.code() in REFUSED and not passing(error):
                 topic = asked[name]
                 hint = _HINTS.get(error.code())
                 raise TopicCreationError(

@@ -266,12 +266,20 @@ class ShardStore(TopicView):
         self._buckets: CommittedBuckets | None = None  # made at the first lookup (``_committed``)
         super().__init__(path, "the shard state")
         if self._db.get(LAYOUT_KEY) != LAYOUT:
-            self.wipe()
+            if next(iter(self._db.keys()), None) is not None:  # of an earlier layout
+                self.wipe()
+            else:
+                self._mark_layout()
 
     def wipe(self) -> None:
         self._buckets = None
         super().wipe()
-        self._db.put(LAYOUT_KEY, LAYOUT)
+        self._mark_layout()
+
+    def _mark_layout(self) -> None:
+        batch = WriteBatch(raw_mode=True)
+        batch.put(LAYOUT_KEY, LAYOUT)
+        self.write(batch, None)
 
     def close(self) -> None:
         self._buckets = None
