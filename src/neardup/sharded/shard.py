@@ -476,14 +476,7 @@ class StoredShardIndex(ShardIndex):
         return [self._fetched[b] for b in buckets]
 
     def _none_held(self, buckets: list[int]) -> bool:
-        if not self.buckets.keys().isdisjoint(buckets):
-            return False
-        fetched = self._fetched
-        for b in buckets:
-            stored = fetched.get(b)
-            if stored is None or stored:  # not prefetched: ``_members`` reads it
-                return False
-        return True
+        return self.buckets.keys().isdisjoint(buckets) and not any(self._stored_members(buckets))
 
     def _members(self, buckets: list[int]) -> list[Sequence[int]]:
         return [[*stored, *self.bucket(b)] if stored else self.bucket(b)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -202,14 +202,15 @@ class CommittedBuckets:
         self._orders += rows["order"].tobytes()
         self.index.add(rows["bucket"].astype(np.uint64), np.arange(first, self.count, dtype=np.uint64))
 
-    def remove(self, members: Mapping[bytes, Sequence[int]]) -> None:
-        """Remove members: order key -> the bucket ids it joined (one not held is skipped)."""
-        if not members:
+    def remove_rows(self, keys: bytes) -> None:
+        """Remove rows: ``keys`` as ``add_rows``'s (one not held is skipped)."""
+        rows = np.frombuffer(keys, dtype=_B_KEY)
+        if not len(rows):
             return
-        buckets = np.unique(np.fromiter((b for bs in members.values() for b in bs), dtype=np.uint64))
+        gone = {order.tobytes() for order in rows["order"]}
         orders = self._orders
-        for i in self.index.lookup(buckets).seqs.tolist():
-            if self._alive[i] and bytes(orders[ORDER_BYTES * i:ORDER_BYTES * (i + 1)]) in members:
+        for i in self.index.lookup(np.unique(rows["bucket"].astype(np.uint64))).seqs.tolist():
+            if self._alive[i] and bytes(orders[ORDER_BYTES * i:ORDER_BYTES * (i + 1)]) in gone:
                 self._alive[i] = False
                 self.dead += 1
         if self.dead > max(RENUMBER_MIN, self.count - self.dead):
@@ -265,18 +266,12 @@ class ShardStore(TopicView):
         self._buckets_of = buckets_of
         self._buckets: CommittedBuckets | None = None  # made at the first lookup (``_committed``)
         super().__init__(path, "the shard state")
-        if self._db.get(LAYOUT_KEY) != LAYOUT:
-            if next(iter(self._db.keys()), None) is not None:  # of an earlier layout
-                self.wipe()
-            else:
-                self._mark_layout()
+        if self._db.get(LAYOUT_KEY) != LAYOUT:  # new, or of an earlier layout
+            self.wipe()
 
     def wipe(self) -> None:
         self._buckets = None
         super().wipe()
-        self._mark_layout()
-
-    def _mark_layout(self) -> None:
         batch = WriteBatch(raw_mode=True)
         batch.put(LAYOUT_KEY, LAYOUT)
         self.write(batch, None)
@@ -303,8 +298,7 @@ class ShardStore(TopicView):
         values = dict(zip(members, self._db.get(members) if members else []))
         present = {key for key, raw in values.items() if raw is not None}
         before = set(present)
-        joined: dict[bytes, list[int]] = {}  # ``M`` key -> the buckets its member joined
-        put_rows: dict[bytes, list[bytes]] = {}  # ``M`` key -> its ``B`` keys put
+        rows: dict[bytes, list[bytes]] = {}  # ``M`` key -> its member's ``B`` keys, put or deleted
         removed: set[bytes] = set()  # order keys of the members deleted
         for key, value in records:
             if value is None:
@@ -316,9 +310,9 @@ class ShardStore(TopicView):
                     copies, band = member_parts(values[key])  # type: ignore[arg-type]
                     for c in copies:
                         appended.setdefault(b"C" + c, [])
-                    buckets = joined[key] = self._buckets_of(band)
-                    for b in buckets:
-                        batch.delete(b"B" + _U64.pack(b) + order)
+                    rows[key] = [b"B" + _U64.pack(b) + order for b in self._buckets_of(band)]
+                    for row in rows[key]:
+                        batch.delete(row)
                     appended.pop(b"C" + order, None)
                     batch.delete(b"C" + order)
                 continue
@@ -332,9 +326,8 @@ class ShardStore(TopicView):
                 copies, band = member_parts(value)
                 for c in copies:
                     appended.setdefault(b"C" + c, []).append(order)
-                joined[key] = self._buckets_of(band)
-                rows = put_rows[key] = [b"B" + _U64.pack(b) + order for b in joined[key]]
-                for row in rows:
+                rows[key] = [b"B" + _U64.pack(b) + order for b in self._buckets_of(band)]
+                for row in rows[key]:
                     batch.put(row, b"")
         if appended:
             keys = list(appended)
@@ -348,8 +341,8 @@ class ShardStore(TopicView):
                     batch.delete(key)
         self.write(batch, position)
         if self._buckets is not None:  # after the write: the lookups answer what is stored
-            self._buckets.remove({key[1:]: joined[key] for key in before - present})
-            self._buckets.add_rows(b"".join(row for key in present - before for row in put_rows[key]))
+            self._buckets.remove_rows(b"".join(row for key in before - present for row in rows[key]))
+            self._buckets.add_rows(b"".join(row for key in present - before for row in rows[key]))
 
     def _expanded(self, records: Sequence[Record]) -> list[Record]:
         """``members_of(records)``, each null ``N`` followed by its members' deletions (the

@@ -64,6 +64,16 @@ def _options() -> Options:
     return options
 
 
+def _empty(path: Path) -> None:
+    """Remove what directory ``path`` holds (created when missing)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
 class TopicView:
     """A RocksDB directory holding the view of one topic partition, with its position.
 
@@ -90,8 +100,7 @@ class TopicView:
             except Exception as exc:  # rocksdict raises plain Exception
                 if not str(exc).startswith("Corruption:"):
                     raise
-                shutil.rmtree(self.path)  # the topic holds it all
-                self.path.mkdir(parents=True)
+                _empty(self.path)  # the topic holds it all
                 return Rdict(str(self.path), options)
         except Exception as exc:
             raise StateError(f"cannot open {self.what} {self.path}: {exc}") from exc
@@ -111,16 +120,15 @@ class TopicView:
                 raise write_error(f"close {self.what}", self.path, exc) from exc
 
     def wipe(self) -> None:
-        """Drop everything (the directory is removed and created again).
+        """Drop everything (what the directory holds is removed; the directory stays, so
+        that it may be a mount point).
 
         Raises:
             StateError: it cannot be removed or created.
         """
         self.close()
         try:
-            shutil.rmtree(self.path, ignore_errors=False)
-        except FileNotFoundError:
-            pass
+            _empty(self.path)
         except OSError as exc:
             raise StateError(f"cannot wipe {self.what} {self.path}: {exc.strerror}") from exc
         self._db = self._open()
