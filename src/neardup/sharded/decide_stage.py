@@ -52,6 +52,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
@@ -61,7 +62,7 @@ from neardup.config import Settings
 from neardup.kafka.bounded import discard
 from neardup.kafka.clients import admin_config
 from neardup.kafka.limits import TopicLimits
-from neardup.kafka.messages import HEADER_VALUE_BYTES, Outcome, fit
+from neardup.kafka.messages import HEADER_VALUE_BYTES, Limits, Outcome, fit
 from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
 from neardup.kafka.rdkafka_log import rdkafka_logger
 from neardup.kafka.stage import MessageBatch, ProducedRecord, StageHooks, StageRuntime, TP, next_offsets, produce_all
@@ -107,11 +108,23 @@ _PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progre
 Record = ProducedRecord
 
 
-@dataclass
-class _Waiting:
-    """A document on its way: its record (key, value, headers) once come, its findings."""
+class _Document(NamedTuple):
+    """A document record as decide needs it, read once when it comes."""
 
-    record: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]] | None = None
+    key: bytes | None
+    value: bytes | None
+    carried: list[tuple[str, bytes]]  # the input message's headers (neardup's sharded ones left out)
+    topic: str  # its input topic
+    doc_id: str
+    error: bytes | None  # prepare's reason it is no document (its ``ERROR_HEADER``)
+    value_bytes: bytes | None  # its ``VALUE_BYTES_HEADER``: sent without its value
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A document on its way: its record once come, its findings."""
+
+    record: _Document | None = None
     findings: dict[int, list | tuple] = field(default_factory=dict)  # shard partition -> its candidates
     error: str | None = None  # a shard could not read its band record
     first: int = 1 << 62  # the findings-topic offset of its earliest record
@@ -201,6 +214,7 @@ class DecideProcessor(StageHooks):
         self._decided: list[DecisionEntry] = []  # the batch's decisions not yet in a decisions record
         self._table_decisions = 0  # decisions read from the table's topic (logged at start)
         self._limits = TopicLimits(admin_config(settings))  # max.message.bytes of the output topics
+        self._batch_targets: dict[str, tuple[dict[str, str], Limits]] = {}  # by input topic, for one batch
         self._ensured = False
         # components: watermarks per owned partition; per decide partition, the first seq
         # not known to be decided (read from the decisions topic), and what was published
@@ -394,6 +408,7 @@ class DecideProcessor(StageHooks):
         ends = next_offsets(batch.messages)
         stats = DecideWritten(ends, messages=len(batch.messages))
         self._poll_table()
+        self._batch_targets = {}
         new_decisions, self._table_new = self._table_new, False
         touched: dict[int, set[bytes]] = {}
         # what this batch changes (also the waiting documents copied or made in it, for
@@ -417,12 +432,17 @@ class DecideProcessor(StageHooks):
                 self._watermark(m)
                 continue
             if kind == b"document":
-                check_engine_value(named.get(ENGINE_HEADER), self.digest, f"document record {m.topic()}[{q}]@{offset}")
+                engine = named.get(ENGINE_HEADER)
+                if engine is not None and engine != self.digest:
+                    check_engine_value(engine, self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = named.get(ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue
                 w = self._changing(q, self.partitions[q], order, undo)
-                w.record = (m.key(), m.value(), headers)
+                w.record = _Document(m.key(), m.value(), [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)],
+                                     (named.get(TOPIC_HEADER) or b"").decode("utf-8"),
+                                     (named.get(ID_HEADER) or b"").decode("utf-8"), named.get(ERROR_HEADER),
+                                     named.get(VALUE_BYTES_HEADER))
                 w.shards = int(named.get(SHARDS_HEADER) or b"0")
                 self._first(q, order, w, offset)
                 touched.setdefault(q, set()).add(order)
@@ -480,7 +500,7 @@ class DecideProcessor(StageHooks):
                 waiting, blocked = self.partitions[q], self._blocked.setdefault(q, set())
                 for order in sorted(touched.get(q, set()) | (blocked if new_decisions else set())):
                     w = waiting.get(order)
-                    if w is None:
+                    if w is None or w.record is None or len(w.findings) < w.shards:  # not complete
                         continue
                     state = self._try(q, order, w, out, stats)
                     if state == "decided":
@@ -637,28 +657,27 @@ class DecideProcessor(StageHooks):
         it accepted has no cluster yet)."""
         if not w.complete:
             return "incomplete"
-        assert w.record is not None
-        key, value, headers = w.record
-        named = dict(reversed(headers))  # a header's first value, by name
+        doc = w.record
+        assert doc is not None
+        key, value, carried, topic = doc.key, doc.value, doc.carried, doc.topic
         seq = order_seq(order)
-        topic = (named.get(TOPIC_HEADER) or b"").decode("utf-8")
-        carried = [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)]
-        error = named.get(ERROR_HEADER) or (w.error.encode("utf-8") if w.error else None)
+        error = doc.error or (w.error.encode("utf-8") if w.error else None)
         if error is not None:
             kind, _, reason = error.decode("utf-8").partition(": ")
             _, partition, offset = ORDER.unpack(order)
             outcome = Outcome.of_error(kind, reason, topic, partition, offset)
-            dropped = named.get(VALUE_BYTES_HEADER)
-            if dropped is not None:  # too large for the findings topic: sent without its value
-                outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, dropped)],
+            if doc.value_bytes is not None:  # too large for the findings topic: sent without its value
+                outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, doc.value_bytes)],
                                   outcome.error_kind, "no_value")
         else:
-            names: dict[int, str] = {seq: (named.get(ID_HEADER) or b"").decode("utf-8")}
+            names: dict[int, str] = {seq: doc.doc_id}
             findings = []
             for checked in w.findings.values():
+                if not checked:  # this shard met no one (most): nothing for ``decide``
+                    continue
                 items = []
                 for ts, p, o, cid, jac, con, sim in checked:
-                    c = order_seq(ORDER.pack(ts, p, o))
+                    c = (ts << 96) | (p << 64) | o  # ``order_seq`` of its order key
                     if c >= seq:  # a later document (a shard of another rule): never waited for
                         continue
                     names[c] = cid
@@ -675,13 +694,11 @@ class DecideProcessor(StageHooks):
             outcome = Outcome.of_verdict(verdict)
             # merged (components): the roots of the clusters joined to this one
             self._decided.append((order, seq_order(cluster), cluster_id, [seq_order(r) for r in merged]))
-        self._create_outputs(topic)
+        topics, limits = self._targets(topic)
         # a record too large for its topic goes to the dead-letter topic, with less of the
         # message if need be (as in ``neardup run``: ``neardup.kafka.messages.fit``)
-        topics = {"unique": f"{topic}.unique", "duplicate": f"{topic}.duplicates", "dlq": f"{topic}.dlq"}
         _, partition, offset = ORDER.unpack(order)
-        outcome = fit(outcome, key, value, carried, {t: (n, self._limits.get(n)) for t, n in topics.items()},
-                      (topic, partition, offset))
+        outcome = fit(outcome, key, value, carried, limits, (topic, partition, offset))
         content = outcome.content
         if outcome.target == "unique":
             stats.unique += 1
@@ -716,6 +733,16 @@ class DecideProcessor(StageHooks):
         point = self._latest - 2 * self.retention_ms
         if point - self.clusters.expired_below() >= max(1, self.retention_ms // 8):
             self.clusters.expire_before(point)
+
+    def _targets(self, topic: str) -> tuple[dict[str, str], Limits]:
+        """The output topics of input topic ``topic`` by target (created first if need
+        be, ``_create_outputs``) and their largest records, read once per batch."""
+        got = self._batch_targets.get(topic)
+        if got is None:
+            self._create_outputs(topic)
+            topics = {"unique": f"{topic}.unique", "duplicate": f"{topic}.duplicates", "dlq": f"{topic}.dlq"}
+            got = self._batch_targets[topic] = (topics, {t: (n, self._limits.get(n)) for t, n in topics.items()})
+        return got
 
     def _create_outputs(self, topic: str) -> None:
         """Create the output topics of an input topic before the first record goes there
