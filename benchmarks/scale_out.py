@@ -9,7 +9,10 @@ backlog). Its output topics are created first.
 
 For each count k of ``--processes``: k processes of each stage (``neardup stage prepare |
 shard | decide``, each its own ``--instance``) are launched at once with a fresh
-``--app``; the time is from the launch to the moment a ``read_committed`` reader of the
+``--app`` (with ``--in-turn``, one of each, one after the other: prepare until its group
+has committed the whole input and 2 s more, then shard until its group has committed the
+whole band topic, then decide; a stage is stopped when the next starts, its CPU taken
+then); the time is from the launch to the moment a ``read_committed`` reader of the
 output topics has seen every input message (so Python start, group joins and the reorder
 window's final flush are in it). Then, before SIGTERM: each process's CPU seconds
 (user + system) and peak RSS (VmHWM). After: the committed records and bytes (key +
@@ -230,6 +233,25 @@ def one_process(docs: list[Document], cluster_policy: str = "canonical") -> dict
     return out
 
 
+def behind(bootstrap: str, group: str, topic: str) -> int:
+    """Records of ``topic`` past consumer group ``group``'s committed offsets, summed over
+    its partitions (a partition without a commit counts whole); the last offset of a
+    partition written in transactions is its commit marker, which no one consumes, so a
+    group that has read everything is 1 behind there."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        parts = reader.list_topics(topic, timeout=10).topics[topic].partitions
+        tps = [TopicPartition(topic, q) for q in parts]
+        at = {tp.partition: tp.offset for tp in reader.committed(tps, timeout=10)}
+        total = 0
+        for q in parts:
+            low, high = reader.get_watermark_offsets(TopicPartition(topic, q), timeout=10)
+            total += high - (at[q] if at.get(q, -1) >= 0 else low)
+        return total
+    finally:
+        reader.close()
+
+
 def cpu_by_role(procs: dict[tuple[str, int], subprocess.Popen], gone: dict[str, float]) -> dict[str, float]:
     """CPU seconds (user + system) per stage: its live processes' and ``gone``'s."""
     return {role: gone[role] + sum(benchlib.proc_cpu_seconds(p.pid) or 0.0 for (r, _), p in procs.items() if r == role)
@@ -266,12 +288,28 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *args.stage_arg, *extra],
             stdout=log, stderr=subprocess.STDOUT)
 
-    for role in ROLES:
-        for i in range(k):
-            launch(role, i)
     n = len(messages)
+    cpu_gone = {role: 0.0 for role in ROLES}  # CPU seconds of processes killed, or stopped when done (--in-turn)
+    peak_gone: dict[str, float] = {}  # peak RSS MB of the processes stopped when done (--in-turn)
+    stopped: list[subprocess.Popen] = []
+    if args.in_turn:  # each stage alone with the broker, after the one before has done all of its work
+        for role, topic_in, left in (("prepare", topic, 0), ("shard", f"{app}.bands", args.shards)):
+            launch(role, 0)
+            while behind(bootstrap, f"{app}.{role}", topic_in) > left:
+                if procs[(role, 0)].poll() is not None or time.perf_counter() - started > args.timeout:
+                    raise RuntimeError(f"{role} stopped or timed out before it had read {topic_in}; see {args.log}")
+                time.sleep(0.5)
+            time.sleep(2.0 if role == "prepare" else 0.5)  # prepare: its watermark records of partitions read to the end
+            cpu_gone[role] = benchlib.proc_cpu_seconds(procs[(role, 0)].pid) or 0.0
+            peak_gone[role] = benchlib.proc_status_mb(procs[(role, 0)].pid).get("VmHWM", 0.0)
+            stopped.append(procs.pop((role, 0)))
+            stopped[-1].send_signal(signal.SIGTERM)
+        launch("decide", 0)
+    else:
+        for role in ROLES:
+            for i in range(k):
+                launch(role, i)
     chaos_done = not args.chaos
-    cpu_gone = {role: 0.0 for role in ROLES}  # CPU seconds of processes killed
     while len(reader.records) < n:
         if not chaos_done and len(reader.records) >= 0.3 * n:
             # SIGKILL one process of each stage, restart it under its name, add a shard process
@@ -303,11 +341,11 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         latency = paced_phase(args, bootstrap, topic, app, procs, reader, paced, fed, n, cpu_by_role(procs, cpu_gone), cpu_gone,
                               where)
         n += len(paced)
-    rss = {role: max(benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role)
-           for role in ROLES}
+    rss = {role: max((benchlib.proc_status_mb(p.pid).get("VmHWM", 0.0) for (r, _), p in procs.items() if r == role),
+                     default=peak_gone.get(role, 0.0)) for role in ROLES}
     for p in procs.values():
         p.send_signal(signal.SIGTERM)
-    for p in procs.values():
+    for p in [*procs.values(), *stopped]:
         p.wait(60)
     load_after = os.getloadavg()
     state_bytes = {role: sum(f.stat().st_size for d in state.glob(f"{role}-*") for f in d.rglob("*") if f.is_file())
@@ -321,7 +359,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
     result: dict[str, object] = {
-        "processes_per_stage": k, "chaos": args.chaos, "longest_output_stall_seconds": stall,
+        "processes_per_stage": k, "chaos": args.chaos, "in_turn": args.in_turn, "longest_output_stall_seconds": stall,
         "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": len(messages) / seconds,
         "outputs": sum(keys.values()), "outputs_repeated": sum(c - 1 for c in keys.values() if c > 1),
         "cpu_us_per_document": {r: 1e6 * c / len(messages) for r, c in cpu.items()},
@@ -482,6 +520,10 @@ def main() -> None:
     ap.add_argument("--chaos", action="store_true",
                     help="at 30%% of the outputs, SIGKILL one process of each stage and restart it under its name "
                          "(static membership), and add a shard process")
+    ap.add_argument("--in-turn", action="store_true",
+                    help="one process per stage, each started when the one before has done all of its work and "
+                         "stopped then: each stage's CPU alone with the broker, not sharing the cores with the "
+                         "others (messages/s then counts the three in turn)")
     ap.add_argument("--shared-broker", action="store_true")
     ap.add_argument("--state", nargs="+", choices=["memory", "disk"], default=["memory"],
                     help="where the shard and decide stages keep their state: memory, or disk (--state-dir: "
@@ -502,6 +544,8 @@ def main() -> None:
         ap.error("--paced must be at least 0 and --rate positive")
     if args.paced and (args.chaos or args.spacing_ms):
         ap.error("--paced goes with neither --chaos nor --spacing-ms")
+    if args.in_turn and (args.chaos or args.paced or args.processes != [1]):
+        ap.error("--in-turn goes with --processes 1 only, and neither --chaos nor --paced")
     bootstrap, how, _ = start_broker(args.shared_broker)
     corpus = benchlib.load_corpus(benchlib.default_corpus())
     stream = [encode(i, t) for i, t in benchlib.replay_stream(corpus, args.docs + args.paced)]
@@ -515,7 +559,7 @@ def main() -> None:
     for i, (k, mode) in enumerate((k, mode) for k in args.processes for mode in args.state):
         r = run_config(args, bootstrap, k, messages, reference={}, state_mode=mode, paced=paced)
         runs.append(r)
-        print(f"\n{k} process(es) per stage, state in {mode}: {r['messages_per_second']:,.0f} messages/s "
+        print(f"\n{k} process(es) per stage{', one stage after the other' if args.in_turn else ''}, state in {mode}: {r['messages_per_second']:,.0f} messages/s "
               f"({r['seconds']:.1f} s "
               f"from launch), outputs {r['outputs']:,} (repeated {r['outputs_repeated']}), "
               f"load {r['load_before']} -> {r['load_after']}; longest output stall "
