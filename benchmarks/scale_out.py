@@ -547,10 +547,11 @@ def main() -> None:
     if args.in_turn and (args.chaos or args.paced or args.processes != [1]):
         ap.error("--in-turn goes with --processes 1 only, and neither --chaos nor --paced")
     bootstrap, how, _ = start_broker(args.shared_broker)
-    corpus = benchlib.load_corpus(benchlib.default_corpus())
+    source = benchlib.default_corpus()
+    corpus = benchlib.load_corpus(source)
     stream = [encode(i, t) for i, t in benchlib.replay_stream(corpus, args.docs + args.paced)]
     messages, paced = stream[:args.docs], stream[args.docs:]
-    print(f"{len(messages):,} documents, {args.input_partitions} input partitions"
+    print(f"{len(messages):,} documents of {source.name} replayed, {args.input_partitions} input partitions"
           f"{f' ({args.idle_partitions} idle)' if args.idle_partitions else ''}, {args.shards} shards, "
           f"{args.decide_partitions} decide partitions, reorder window {args.reorder_window_ms} ms"
           f"{f'; then {args.paced:,} paced at {args.rate:,.0f}/s' if args.paced else ''}; broker {how}; "
@@ -597,7 +598,7 @@ def main() -> None:
             print(f"  agreement with one process (verdict, match, cluster): {r['agreement']:.5f}; "
                   f"verdicts {r['verdict_agreement']:.5f}, clusters {r['cluster_agreement']:.5f}; "
                   f"differing: {r['differing'][:5]}")
-    benchlib.write_json(args.json, {"environment": benchlib.environment(), "docs": len(messages),
+    benchlib.write_json(args.json, {"environment": benchlib.environment(), "corpus": source.name, "docs": len(messages),
                                     "input_partitions": args.input_partitions, "shards": args.shards,
                                     "decide_partitions": args.decide_partitions,
                                     "reorder_window_ms": args.reorder_window_ms, "spacing_ms": args.spacing_ms,
