@@ -69,8 +69,9 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer,
@@ -79,6 +80,7 @@ from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError,
 from neardup.config import Settings
 from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
+from neardup.kafka.bounded import discard
 from neardup.kafka.clients import admin_config
 from neardup.kafka.limits import TopicLimits
 from neardup.kafka.partition_log import with_retries
@@ -108,6 +110,7 @@ from neardup.sharded.records import (
 from neardup.sharded.routing import shard_bounds
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: A record to produce: (topic, partition, key, value, headers).
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
@@ -326,6 +329,7 @@ class PrepareProcessor(StageHooks):
         self.marked = [topology.bands] + ([topology.findings] if self._components else [])
         self._ensured = False
         self._limit: int | None = None
+        self._check_reader: Consumer | None = None  # what ``check`` reads offsets and metadata with, while it runs
         self._consumer: Consumer | None = None
         self._counts: dict[str, int] = {}  # input topic -> partition count
         self._start: dict[TP, int] = {}  # where reading began, per assigned partition
@@ -379,22 +383,52 @@ class PrepareProcessor(StageHooks):
         if consumer is not self._consumer:
             self._paused = set()
         self._consumer = consumer
+        try:
+            self._check_partitions(consumer, partitions)
+        finally:
+            reader, self._check_reader = self._check_reader, None
+            if reader is not None:
+                discard(reader)
+
+    def _check_partitions(self, consumer: Consumer, partitions: list[TP]) -> None:
+        # What the check reads goes through a client of its own (``_read``), never
+        # subscribed, with the stage's group id: the stage's consumer may fail fatally
+        # while the check runs (it is replaced once the check has ended), and one was seen
+        # to answer "Broker transport failure" after an outage for as long as it was asked,
+        # so that the check never ended and the stage never read again
         for topic in sorted({t for t, _ in partitions}):
-            meta = with_retries(f"reading the metadata of {topic}", lambda t=topic: consumer.list_topics(t, timeout=10))
+            meta = self._read(f"reading the metadata of {topic}", lambda c, t=topic: c.list_topics(t, timeout=10))
             self._counts[topic] = len(meta.topics[topic].partitions)
         tps = [TopicPartition(t, p) for t, p in partitions]
         # librdkafka keeps a partition paused across a rebalance: one this process paused,
         # revoked and assigned again would never be read again
         consumer.resume(tps)
         self._paused.difference_update(partitions)
-        committed = with_retries("reading committed offsets", lambda: consumer.committed(tps, timeout=10))
+        committed = self._read("reading committed offsets", lambda c: c.committed(tps, timeout=10))
         for tp in committed:
             offset = tp.offset
             if offset < 0:  # no committed offset: the reset policy's end
-                low, high = with_retries(f"reading the offsets of {tp.topic}[{tp.partition}]",
-                                         lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=10))
+                low, high = self._read(f"reading the offsets of {tp.topic}[{tp.partition}]",
+                                       lambda c, tp=tp: c.get_watermark_offsets(tp, timeout=10))
                 offset = low if self.settings.from_beginning else high
             self._start[(tp.topic, tp.partition)] = offset
+
+    def _read(self, what: str, call: Callable[[Consumer], T]) -> T:
+        """``call`` on a consumer of the stage's group that never subscribes (so never
+        joins it), made for the check; retried (``with_retries``) with a new one after an
+        error."""
+
+        def attempt() -> T:
+            if self._check_reader is None:
+                self._check_reader = Consumer({**_reader_config(self.settings), "group.id": self.settings.group_id})
+            try:
+                return call(self._check_reader)
+            except KafkaException:
+                reader, self._check_reader = self._check_reader, None
+                discard(reader)
+                raise
+
+        return with_retries(what, attempt)
 
     def revoked(self, partitions: set[TP]) -> None:
         for tp in partitions:
