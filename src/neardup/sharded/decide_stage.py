@@ -432,9 +432,7 @@ class DecideProcessor(StageHooks):
                 self._watermark(m)
                 continue
             if kind == b"document":
-                engine = named.get(ENGINE_HEADER)
-                if engine is not None and engine != self.digest:
-                    check_engine_value(engine, self.digest, f"document record {m.topic()}[{q}]@{offset}")
+                check_engine_value(named.get(ENGINE_HEADER), self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = named.get(ORDER_HEADER)
                 if listed is not None and order not in listed:
                     continue
@@ -500,7 +498,7 @@ class DecideProcessor(StageHooks):
                 waiting, blocked = self.partitions[q], self._blocked.setdefault(q, set())
                 for order in sorted(touched.get(q, set()) | (blocked if new_decisions else set())):
                     w = waiting.get(order)
-                    if w is None or w.record is None or len(w.findings) < w.shards:  # not complete
+                    if w is None or not w.complete:
                         continue
                     state = self._try(q, order, w, out, stats)
                     if state == "decided":
@@ -677,7 +675,7 @@ class DecideProcessor(StageHooks):
                     continue
                 items = []
                 for ts, p, o, cid, jac, con, sim in checked:
-                    c = (ts << 96) | (p << 64) | o  # ``order_seq`` of its order key
+                    c = order_seq(ORDER.pack(ts, p, o))
                     if c >= seq:  # a later document (a shard of another rule): never waited for
                         continue
                     names[c] = cid

@@ -329,7 +329,6 @@ class PrepareProcessor(StageHooks):
         self.marked = [topology.bands] + ([topology.findings] if self._components else [])
         self._ensured = False
         self._limit: int | None = None
-        self._check_reader: Consumer | None = None  # what ``check`` reads offsets and metadata with, while it runs
         self._consumer: Consumer | None = None
         self._counts: dict[str, int] = {}  # input topic -> partition count
         self._start: dict[TP, int] = {}  # where reading began, per assigned partition
@@ -383,19 +382,11 @@ class PrepareProcessor(StageHooks):
         if consumer is not self._consumer:
             self._paused = set()
         self._consumer = consumer
-        try:
-            self._check_partitions(consumer, partitions)
-        finally:
-            reader, self._check_reader = self._check_reader, None
-            if reader is not None:
-                discard(reader)
-
-    def _check_partitions(self, consumer: Consumer, partitions: list[TP]) -> None:
-        # What the check reads goes through a client of its own (``_read``), never
-        # subscribed, with the stage's group id: the stage's consumer may fail fatally
-        # while the check runs (it is replaced once the check has ended), and one was seen
-        # to answer "Broker transport failure" after an outage for as long as it was asked,
-        # so that the check never ended and the stage never read again
+        # What the check asks the broker goes through a client of its own (``_read``), not
+        # the stage's consumer: that one may fail while the check runs (the runtime replaces
+        # it once the check has ended), and one was seen to answer "Broker transport
+        # failure" after an outage for as long as it was asked: the check never ended and
+        # the stage never read again
         for topic in sorted({t for t, _ in partitions}):
             meta = self._read(f"reading the metadata of {topic}", lambda c, t=topic: c.list_topics(t, timeout=10))
             self._counts[topic] = len(meta.topics[topic].partitions)
@@ -404,29 +395,25 @@ class PrepareProcessor(StageHooks):
         # revoked and assigned again would never be read again
         consumer.resume(tps)
         self._paused.difference_update(partitions)
-        committed = self._read("reading committed offsets", lambda c: c.committed(tps, timeout=10))
-        for tp in committed:
-            offset = tp.offset
-            if offset < 0:  # no committed offset: the reset policy's end
-                low, high = self._read(f"reading the offsets of {tp.topic}[{tp.partition}]",
-                                       lambda c, tp=tp: c.get_watermark_offsets(tp, timeout=10))
-                offset = low if self.settings.from_beginning else high
-            self._start[(tp.topic, tp.partition)] = offset
+        start = {(tp.topic, tp.partition): tp.offset
+                 for tp in self._read("reading committed offsets", lambda c: c.committed(tps, timeout=10))}
+        unset = [TopicPartition(t, p) for (t, p), offset in start.items() if offset < 0]
+        if unset:  # no committed offset: the reset policy's end
+            which = OFFSET_BEGINNING if self.settings.from_beginning else OFFSET_END
+            start |= self._read("reading the offsets of the partitions without a committed one",
+                                lambda c: partition_offsets(c, unset, which, 10))
+        self._start.update(start)
 
     def _read(self, what: str, call: Callable[[Consumer], T]) -> T:
-        """``call`` on a consumer of the stage's group that never subscribes (so never
-        joins it), made for the check; retried (``with_retries``) with a new one after an
-        error."""
+        """``call`` on a new consumer of the stage's group that never subscribes (so never
+        joins it), retried with another (``with_retries``)."""
 
         def attempt() -> T:
-            if self._check_reader is None:
-                self._check_reader = Consumer({**_reader_config(self.settings), "group.id": self.settings.group_id})
+            reader = Consumer({**_reader_config(self.settings), "group.id": self.settings.group_id})
             try:
-                return call(self._check_reader)
-            except KafkaException:
-                reader, self._check_reader = self._check_reader, None
+                return call(reader)
+            finally:
                 discard(reader)
-                raise
 
         return with_retries(what, attempt)
 
