@@ -274,6 +274,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     procs: dict[tuple[str, int], subprocess.Popen] = {}
     state = Path(tempfile.mkdtemp(prefix="neardup-stage-state-")) if state_mode == "disk" else None
     started = time.perf_counter()
+    spies: list[subprocess.Popen] = []
     def launch(role: str, i: int) -> None:
         extra = ["--state-dir", str(state / f"{role}-{i}")] if role != "prepare" and state is not None else []
         if args.chaos:  # static membership: a process restarted under its name gets its partitions back at once
@@ -287,6 +288,12 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              *(["--batch-max-ms", str(args.batch_max_ms)] if args.batch_max_ms else []),
              "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *args.stage_arg, *extra],
             stdout=log, stderr=subprocess.STDOUT)
+        if args.profile is not None:  # sampled from outside; it writes its profile when the stage exits
+            args.profile.mkdir(parents=True, exist_ok=True)
+            spies.append(subprocess.Popen(
+                ["py-spy", "record", "--gil", "--rate", "200", "--format", "raw", "--pid", str(procs[(role, i)].pid),
+                 "--output", str(args.profile / f"{role}-{i}-{procs[(role, i)].pid}.txt")],
+                stdout=log, stderr=subprocess.STDOUT))
 
     n = len(messages)
     cpu_gone = {role: 0.0 for role in ROLES}  # CPU seconds of processes killed, or stopped when done (--in-turn)
@@ -346,6 +353,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     for p in procs.values():
         p.send_signal(signal.SIGTERM)
     for p in [*procs.values(), *stopped]:
+        p.wait(60)
+    for p in spies:
         p.wait(60)
     load_after = os.getloadavg()
     state_bytes = {role: sum(f.stat().st_size for d in state.glob(f"{role}-*") for f in d.rglob("*") if f.is_file())
@@ -535,6 +544,9 @@ def main() -> None:
     ap.add_argument("--idle-partitions", type=int, default=0,
                     help="of the input partitions, how many (the last) get no record; document i goes to "
                          "partition i %% (partitions - idle) (default 0: the key's partition)")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="sample each stage process with py-spy (--gil, raw folded stacks into DIR; "
+                         "its CPU per document is then not comparable)")
     ap.add_argument("--log", type=Path, default=Path("scale_out.log"))
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "scale_out.json")
     args = ap.parse_args()

@@ -69,6 +69,7 @@ class Out:
     headers: dict[str, bytes]
     header_list: tuple[tuple[str, bytes], ...] = ()  # as received, in order
     partition: int = -1
+    offset: int = -1
 
 
 def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
@@ -94,7 +95,7 @@ def read_all(bootstrap: str, topics: list[str], expected: int | None = None,
             if got:
                 last = time.monotonic()
                 out += [Out(m.topic(), m.key(), m.value(), dict(m.headers() or []), tuple(m.headers() or ()),
-                            m.partition()) for m in got]
+                            m.partition(), m.offset()) for m in got]
             elif time.monotonic() - last > idle_s and (expected is None or len(out) >= expected):
                 break
     finally:

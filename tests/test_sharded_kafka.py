@@ -41,7 +41,7 @@ from neardup.sharded.records import (
     parse_watermarks,
 )
 from neardup.sharded.routing import shard_of
-from neardup.state.shard_store import members_parts
+from neardup.state.shard_store import is_refs_value, member_refs
 
 
 
@@ -476,13 +476,19 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
     waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")
     assert all(n <= 2 for n in waits.values()), waits.most_common(3)  # added once, deleted once
-    # the members: one record per batch and partition, each member once, keyed by its highest
-    members = [(o.partition, order) for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N"
-               for order, _ in members_parts(o.value)]
+    # the members: one record per batch and partition, each member once, keyed by its highest;
+    # without a retention window the band topic keeps its records, and the members refer to them
+    batches = [o for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N"]
+    assert batches and all(is_refs_value(o.value) for o in batches)
+    members = [(o.partition, ref[0]) for o in batches for ref in member_refs(o.value)]
     assert len(members) == len(set(members)) >= len(messages) / 2  # the documents joining buckets
     assert kinds[(topology.shard_changelog, b"N")] < len(members) / 4
-    assert all(o.key[1:] == max(order for order, _ in members_parts(o.value))
-               for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N")
+    assert all(o.key[1:] == max(ref[0] for ref in member_refs(o.value)) for o in batches)
+    # each refers to its band record: the document of that order key, at that offset
+    bands = {(o.partition, o.offset): parse_bands(o.value, o.offset) for o in read_all(kafka_bootstrap, [topology.bands], idle_s=2.0)
+             if o.headers.get(KIND_HEADER) != WATERMARK_KIND}
+    assert all(bands[(o.partition, offset)][entry].order == order
+               for o in batches for order, offset, entry, _, _ in member_refs(o.value))
     # the findings of a batch go to decide in one record per decide partition
     findings = read_all(kafka_bootstrap, [topology.findings], idle_s=2.0)
     assert sum(o.headers.get(KIND_HEADER) == b"findings" for o in findings) < len(messages) / 2
@@ -1356,5 +1362,62 @@ def test_a_shard_restores_members_records_and_the_member_records_of_the_earlier_
         assert sorted(index._members([100])[0]) == [order_seq(keys[i]) for i in live]
         assert [list(m) for m in index._members([0, 2, 5])] == [[], [], [order_seq(keys[5])]]
         assert shard.consumed == 12 and shard.last == keys[7]
+    finally:
+        processor.close()
+
+
+@pytest.mark.parametrize("state", ["memory", "disk"])
+def test_a_shard_restores_members_logged_as_references_to_their_band_records(kafka_bootstrap, tmp_path, state):
+    """``N`` records of references (a deduplication without a retention window, whose band
+    topic keeps its records) restore the members from the band records they name: all
+    buckets or some, with their copy buckets, beside ``N`` records of values; a reference
+    to a band record the topic no longer holds stops the restore with one line."""
+    from neardup.sharded.records import BandRecord, BandRecordGoneError, bands_value, order_key, order_seq
+    from neardup.sharded.shard_stage import ShardProcessor
+    from neardup.state.shard_store import member_refs_value, member_value, members_value
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1, keep_bands=True)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-refs"], group_id=topology.app)
+    keys = [order_key(1_700_000_000_000 + i, 0, i) for i in range(6)]
+
+    def buckets(i: int) -> np.ndarray:  # document i in buckets i, 100 (shared by all) and 200 + i
+        return np.array([i, 100, 200 + i], dtype=np.uint64)
+
+    def fingerprints(i: int) -> np.ndarray:
+        return np.arange(i, i + 5, dtype=np.uint32)
+
+    # band records at offsets 0 (documents 1 and 2) and 2 (document 3), a watermark-like
+    # record of another kind between them
+    produce(kafka_bootstrap, topology.bands, [
+        (None, bands_value([keys[1], keys[2]], [b"d1", b"d2"], [buckets(1), buckets(2)], [fingerprints(1), fingerprints(2)])),
+        (None, b"not a band record"),
+        (None, bands_value([keys[3]], [b"d3"], [buckets(3)], [fingerprints(3)]))])
+    band0 = BandRecord(keys[0], "d0", buckets(0), fingerprints(0))
+    produce(kafka_bootstrap, topology.shard_changelog, [
+        (b"N" + keys[0], members_value([(keys[0], member_value([], band0.value()))])),  # a record of values
+        # 1 joins all, 2 only bucket 100 (index 1), 3 all and the copy bucket of 1
+        (b"N" + keys[2], member_refs_value([(keys[1], 0, 0, None, []), (keys[2], 0, 1, [1], [])])),
+        (b"N" + keys[3], member_refs_value([(keys[3], 2, 0, None, [keys[1]])])),
+        (b"P", struct.pack(">qq", 1_700_000_000_003, 3) + keys[3]), (b"E", engine_digest(settings.engine()))])
+    processor = ShardProcessor(settings, topology, tmp_path / "shard" if state == "disk" else None)
+    try:
+        shard = processor._restore(0)
+        assert shard.batches == {keys[0], keys[2], keys[3]}
+        index = shard.index
+        assert [index.id_of(order_seq(keys[i])) for i in range(4)] == ["d0", "d1", "d2", "d3"]
+        assert [sorted(m) for m in index._members([100, 2, 202, 203])] == [
+            [order_seq(keys[i]) for i in range(4)], [], [], [order_seq(keys[3])]]
+        assert index._copies(order_seq(keys[1])) == [order_seq(keys[3])]
+        assert [list(m) for m in index._members([1])] == [[order_seq(keys[1])]]
+    finally:
+        processor.close()
+    # a reference to a band record that is not there (offset 9): the restore stops, naming it
+    produce(kafka_bootstrap, topology.shard_changelog, [
+        (b"N" + keys[5], member_refs_value([(keys[5], 9, 0, None, [])]))])
+    processor = ShardProcessor(settings, topology, tmp_path / "shard2" if state == "disk" else None)
+    try:
+        with pytest.raises(BandRecordGoneError, match=r"no longer holds the band record at offset 9"):
+            processor._restore(0)
     finally:
         processor.close()

@@ -545,7 +545,8 @@ def cmd_stage(role: str, settings: Settings) -> int:
     if settings.state_dir is not None and role == "prepare":
         raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
-    topology = Topology(app, settings.shards, settings.decide_partitions, tuple(settings.input_topics))
+    topology = Topology(app, settings.shards, settings.decide_partitions, tuple(settings.input_topics),
+                        keep_bands=retention_ms is None)
     instance = settings.instance or socket.gethostname()
     stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
     from neardup.metrics import StageMetrics

@@ -55,9 +55,11 @@ class AheadOfTopicError(Exception):
     deleted and created again, and the store describes the old one."""
 
 
-def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) -> Iterator[list[Message]]:
+def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0,
+                until: int | None = None) -> Iterator[list[Message]]:
     """Chunks of the committed records of one partition (``read_committed``), from offset
-    ``start`` (or the first record, if later) to the end at the time of reading.
+    ``start`` (or the first record, if later) to the end at the time of reading, or to
+    offset ``until`` (excluded; the chunk that reaches it may hold records beyond).
 
     Raises:
         KafkaException: a consume error other than the partition's end.
@@ -68,6 +70,8 @@ def read_to_end(settings: Settings, topic: str, partition: int, start: int = 0) 
         low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
         if start > high:
             raise AheadOfTopicError(f"position {start} is beyond the end of {topic}[{partition}] ({high})")
+        if until is not None:
+            high = min(high, until)
         if high <= max(low, start):
             return
         reader.assign([TopicPartition(topic, partition, start if start > low else OFFSET_BEGINNING)])

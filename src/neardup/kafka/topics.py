@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from neardup.kafka.limits import TopicLimits, input_limits, output_max_bytes
 
@@ -118,6 +118,19 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
                  _count(topic.replication_factor),
                  ", " + ", ".join(f"{k}={v}" for k, v in sorted(topic.config.items())) if topic.config else "")
     return created
+
+
+def keeps_records(admin: AdminClient, topic: str, timeout_s: float = 30.0) -> bool:
+    """Whether ``topic`` keeps its records for good: ``cleanup.policy=delete`` without a
+    time or size limit (``retention.ms`` and ``retention.bytes`` -1).
+
+    Raises:
+        KafkaException: the broker did not answer, or refused the request.
+    """
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    config = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s + 1)
+    return (config["cleanup.policy"].value == "delete" and config["retention.ms"].value == "-1"
+            and config["retention.bytes"].value == "-1")
 
 
 def sized_outputs(limits: TopicLimits, input_topics: list[str], outputs: list[str],

@@ -283,6 +283,18 @@ class ChangelogLayoutError(ValueError):
                          "this version reads it no more: start the deduplication under a new --app")
 
 
+class BandRecordGoneError(ValueError):
+    """A shard changelog's member refers to a band record the band topic no longer holds
+    (its retention was set after the member was logged, or the topic was deleted): the
+    shard's state cannot be restored."""
+
+    def __init__(self, topic: str, partition: int, offset: int, order: bytes) -> None:
+        super().__init__(f"{topic}[{partition}] no longer holds the band record at offset {offset} (member "
+                         f"{order.hex()}), which the shard changelog refers to: the band topic must keep its "
+                         "records (retention.ms=-1) while the shards keep every member; start the deduplication "
+                         "under a new --app")
+
+
 def engine_digest(settings: object) -> bytes:
     """The digest (xxh64, hex) of the engine settings' ``repr``: every stage of one
     deduplication must run with the same settings (a band cut with other rows, or a
@@ -397,12 +409,17 @@ class BandRecord:
         id: the document's external id.
         buckets: uint64, shape (k,): its bucket ids in the bands this shard owns.
         fingerprints: uint32, sorted distinct: its shingle set.
+        offset: the band-topic offset of the record it was read from (-1: not read from
+            the band topic).
+        entry: its index among that record's documents (-1: as ``offset``).
     """
 
     order: bytes
     id: str
     buckets: np.ndarray
     fingerprints: np.ndarray
+    offset: int = -1
+    entry: int = -1
 
     def value(self) -> bytes:
         """The record's value (the layout above)."""
@@ -557,9 +574,10 @@ def band_orders(value: bytes) -> list[bytes]:
     return [value[_COUNT.size + ORDER.size * i:_COUNT.size + ORDER.size * (i + 1)] for i in range(n)]
 
 
-def parse_bands(value: bytes) -> list[BandRecord]:
+def parse_bands(value: bytes, offset: int = -1) -> list[BandRecord]:
     """``bands_value``'s inverse: one ``BandRecord`` per document, its arrays read-only
-    views of ``value``.
+    views of ``value``; ``offset``: the band-topic offset of the record (each
+    ``BandRecord`` carries it and its index, ``entry``).
 
     Raises:
         ValueError (struct.error, UnicodeDecodeError): a record of another layout.
@@ -584,8 +602,8 @@ def parse_bands(value: bytes) -> list[BandRecord]:
         ids = [text[a:b] for a, b in zip(i_at, i_at[1:])]
     else:
         ids = [raw_ids[a:b].decode("utf-8") for a, b in zip(i_at, i_at[1:])]
-    return [BandRecord(order, doc_id, buckets[ka:kb], fps[fa:fb])
-            for order, doc_id, ka, kb, fa, fb in zip(orders, ids, k_at, k_at[1:], f_at, f_at[1:])]
+    return [BandRecord(order, doc_id, buckets[ka:kb], fps[fa:fb], offset, i)
+            for i, (order, doc_id, ka, kb, fa, fb) in enumerate(zip(orders, ids, k_at, k_at[1:], f_at, f_at[1:]))]
 
 
 def le_bytes(values: np.ndarray, dtype: str) -> bytes:

@@ -89,21 +89,27 @@ import heapq
 import logging
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
 from neardup.core.settings import EngineSettings
-from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
+from neardup.kafka.bounded import discard
+from neardup.kafka.clients import admin_config
+from neardup.kafka.partition_log import AheadOfTopicError, catch_up, read_to_end, with_retries
+from neardup.kafka.topics import keeps_records
 from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     EMPTY_FINDING_BYTES,
     ENGINE_HEADER,
+    BandRecordGoneError,
     ChangelogLayoutError,
     EngineMismatchError,
     FINDINGS_KIND,
@@ -127,9 +133,13 @@ from neardup.sharded.records import (
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
+    MemberRef,
     ShardStore,
+    is_refs_value,
     joined_member_value,
     member_parts,
+    member_refs,
+    member_refs_value,
     members_of,
     members_parts,
     members_value,
@@ -143,11 +153,25 @@ FINDINGS_RECORD_BYTES = 512 << 10
 #: The largest ``N`` record produced (a batch's members on one shard partition), bytes
 #: (split above it).
 MEMBERS_RECORD_BYTES = 512 << 10
+#: Members whose band records a restore reads at a time (``_resolve``): the band records
+#: of a group are held in memory until its members are made.
+RESOLVE_MEMBERS = 1 << 17
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
 #: A shard batch holds about this many times ``batch_size`` documents (``batch_messages``):
 #: what a batch costs apart from its documents (a ``P`` record per partition, the findings
 #: records, the transaction) is spread over many.
 BATCH_DOCUMENTS_PER_SIZE = 10
+
+
+#: A member joined in a batch: its order key, its ``member_value`` (None when only its
+#: reference is logged, without a store), its reference (None when its value is logged).
+_Joined = tuple[bytes, "bytes | None", "MemberRef | None"]
+
+
+def _ref_bytes(member: _Joined) -> int:
+    """About the bytes of a member's reference in an ``N`` record (``member_refs_value``)."""
+    _, _, (_, _, _, some, copies) = member  # type: ignore[misc]
+    return 40 + (0 if some is None else 2 * len(some)) + 20 * len(copies)
 
 
 @dataclass
@@ -271,6 +295,9 @@ class ShardProcessor(StageHooks):
         self.topology = topology
         self.shards: dict[int, _Shard] = {}
         self._ensured = False
+        # members logged as references to their band records (``member_refs_value``): no
+        # retention window, and a band topic that keeps its records (``check``)
+        self._refs = False
         # documents per band record (``batch_messages``); at first as many as a band record
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
@@ -297,8 +324,25 @@ class ShardProcessor(StageHooks):
         if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
             with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
+        refs = self.retention_ms is None and with_retries("reading the band topic's settings", self._bands_kept)
+        if refs != self._refs:
+            log.info("members logged %s", "as references to their band records (the band topic keeps its records)"
+                     if refs else "with their sets (the band topic does not keep its records for good)")
+        self._refs = refs
         for _, p in partitions:
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
+
+    def _bands_kept(self) -> bool:
+        """Whether the band topic keeps its records for good (``keeps_records``).
+
+        Raises:
+            KafkaException: the broker did not answer.
+        """
+        admin = AdminClient(admin_config(self.settings))
+        try:
+            return keeps_records(admin, self.topology.bands)
+        finally:
+            discard(admin)
 
     def revoked(self, partitions: set[TP]) -> None:
         """The partitions' state is dropped (their stores closed)."""
@@ -381,17 +425,20 @@ class ShardProcessor(StageHooks):
                 elif kind == b"E" and value is not None:
                     engine = value
         self._check_state(p, engine, bool(members))
-        for key, value in members.items():
-            if key[:1] == b"M":
-                self._member(shard.index, key[1:], value)
-                continue
-            try:
-                batch = members_parts(value)
-            except (ValueError, struct.error) as exc:
-                raise ChangelogLayoutError(self.topology.shard_changelog, p, f"a members record ({exc})") from exc
-            for order, member in batch:
-                self._member(shard.index, order, member)
-            shard.batches.add(key[1:])
+        for group in self._expanded(p, list(members.items())):
+            for key, value, batch in group:
+                if key[:1] == b"M":
+                    self._member(shard.index, key[1:], value)
+                    continue
+                if batch is None:
+                    try:
+                        batch = members_parts(value)
+                    except (ValueError, struct.error) as exc:
+                        raise ChangelogLayoutError(self.topology.shard_changelog, p,
+                                                   f"a members record ({exc})") from exc
+                for order, member in batch:
+                    self._member(shard.index, order, member)
+                shard.batches.add(key[1:])
         self._resume(shard)
         if records:
             log.info("shard %d restored from %s: %d records, %d members, in %.1f s", p,
@@ -413,11 +460,16 @@ class ShardProcessor(StageHooks):
             store.wipe()
             store.apply([], position=0)
 
+        def apply(chunk: list[Message]) -> None:  # the members referred to made whole, a group at a time
+            at = 0
+            for group in self._expanded(p, [(m.key(), m.value()) for m in chunk]):
+                at += len(group)
+                store.apply([(key, value if batch is None else members_value(batch)) for key, value, batch in group],
+                            position=chunk[at - 1].offset() + 1)
+
         try:
-            start, records = catch_up(
-                self.settings, self.topology.shard_changelog, p, store.position(),
-                lambda chunk: store.apply([(m.key(), m.value()) for m in chunk], position=chunk[-1].offset() + 1),
-                wipe, store.position_age_ms())
+            start, records = catch_up(self.settings, self.topology.shard_changelog, p, store.position(), apply,
+                                      wipe, store.position_age_ms())
         except BaseException:
             store.close()
             raise
@@ -437,6 +489,71 @@ class ShardProcessor(StageHooks):
                  f"from changelog offset {start}" if start is not None else "restored in full", records,
                  time.perf_counter() - started)
         return shard
+
+    def _expanded(self, p: int, records: list[tuple[bytes, bytes | None]]
+                  ) -> Iterator[list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]]]:
+        """Changelog records of partition ``p`` (in changelog order) in groups of at most
+        about ``RESOLVE_MEMBERS`` members referred to: each as (key, value, the members of
+        an ``N`` record of references, made whole from the band records it refers to: (order
+        key, ``member_value``); None for any other record).
+
+        Raises:
+            ChangelogLayoutError: an ``N`` record of references that cannot be read.
+            BandRecordGoneError: a band record referred to is gone.
+            KafkaException: the band topic could not be read.
+        """
+        group: list[tuple[bytes, bytes | None, list[MemberRef] | None]] = []
+        size = 0
+        for key, value in records:
+            refs = None
+            if key[:1] == b"N" and value is not None and is_refs_value(value):
+                try:
+                    refs = member_refs(value)
+                except (ValueError, struct.error) as exc:
+                    raise ChangelogLayoutError(self.topology.shard_changelog, p,
+                                               f"a members record of references ({exc})") from exc
+                size += len(refs)
+            group.append((key, value, refs))
+            if size >= RESOLVE_MEMBERS:
+                yield self._resolve(p, group)
+                group, size = [], 0
+        if group:
+            yield self._resolve(p, group)
+
+    def _resolve(self, p: int, group: list[tuple[bytes, bytes | None, list[MemberRef] | None]]
+                 ) -> list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]]:
+        """``_expanded``'s group with its references made whole: one read of band partition
+        ``p`` over the offsets they name."""
+        wanted: dict[int, set[int]] = {}
+        for _, _, refs in group:
+            for _, offset, entry, _, _ in refs or ():
+                wanted.setdefault(offset, set()).add(entry)
+        got: dict[tuple[int, int], BandRecord] = {}
+        if wanted:
+            try:
+                for chunk in read_to_end(self.settings, self.topology.bands, p, min(wanted), max(wanted) + 1):
+                    for m in chunk:
+                        entries = wanted.get(m.offset())
+                        if entries is None:
+                            continue
+                        recs = parse_bands(m.value() or b"", m.offset())
+                        got.update(((m.offset(), e), recs[e]) for e in entries if e < len(recs))
+            except AheadOfTopicError:  # the band topic created again: none of them is there
+                pass
+        out: list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]] = []
+        for key, value, refs in group:
+            if refs is None:
+                out.append((key, value, None))
+                continue
+            members = []
+            for order, offset, entry, joined, copies in refs:
+                rec = got.get((offset, entry))
+                if rec is None or rec.order != order:
+                    raise BandRecordGoneError(self.topology.bands, p, offset, order)
+                buckets = rec.buckets if joined is None else rec.buckets[joined]
+                members.append((order, joined_member_value(copies, rec.id, buckets, rec.fingerprints)))
+            out.append((key, value, members))
+        return out
 
     def _check_state(self, p: int, engine: bytes | None, held: bool) -> None:
         """Whether partition ``p``'s restored state was indexed with this stage's engine
@@ -475,9 +592,10 @@ class ShardProcessor(StageHooks):
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
         # decide partition -> its documents' findings without a candidate: order keys, shard partitions
         empty: dict[int, tuple[list[bytes], list[int]]] = {}
-        members: dict[int, list[tuple[bytes, bytes]]] = {}  # shard partition -> its members joined
+        members: dict[int, list[_Joined]] = {}  # shard partition -> its members joined
         store_only: dict[int, list[tuple[bytes, None]]] = {}  # the members expired, for the stores
         touched: set[int] = set()
+        whole: dict[tuple[int, bytes], bytes] = {}  # the N records of references as the stores take them
         # shard partition -> the band records consumed in this batch, not late and not held
         # before (order key -> (record, offset), in the order consumed): released at its end
         # if the limit allows, held only if not (a record held and released in one batch
@@ -497,7 +615,7 @@ class ShardProcessor(StageHooks):
                     watermarks += 1
                     continue
             try:
-                records = parse_bands(m.value() or b"")
+                records = parse_bands(m.value() or b"", m.offset())
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
                 self._malformed(m, exc, found, stats)
                 continue
@@ -548,7 +666,7 @@ class ShardProcessor(StageHooks):
             if ready:
                 shard.index.prefetch(np.concatenate([rec.buckets for rec in ready]))
             self._release(p, shard, ready, joined, found, empty, stats)
-            self._members_records(p, shard, joined, out)
+            self._members_records(p, shard, joined, out, whole)
             gone = shard.index.expired()
             if gone:  # out of the retention window: deleted from the index, the stores and the changelog
                 shard.index.remove(gone)
@@ -581,7 +699,7 @@ class ShardProcessor(StageHooks):
         if self.state_dir is not None:  # for the stores, once the batch has committed
             for topic, part, key, value, _ in out:
                 if topic == t.shard_changelog:
-                    changes.setdefault(part, []).append((key, value))  # type: ignore[arg-type]
+                    changes.setdefault(part, []).append((key, whole.get((part, key), value)))  # type: ignore[arg-type]
             for part, deleted in store_only.items():
                 changes.setdefault(part, []).extend(deleted)
         self._uncommitted.append((changes, held))
@@ -612,25 +730,29 @@ class ShardProcessor(StageHooks):
             found.setdefault(decide_partition(key, self.topology.decide_partitions), []).append(
                 found_value(key, m.partition(), [], f"malformed_band_record: {exc}"))
 
-    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[tuple[bytes, bytes]],
+    def _release(self, p: int, shard: _Shard, records: list[BandRecord], members: list[_Joined],
                  found: dict[int, list[bytes]], empty: dict[int, tuple[list[bytes], list[int]]],
                  stats: ShardWritten) -> None:
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
         decide partition; those without a candidate to ``empty``, as columns), the members
-        they made to ``members`` (order key, ``member_value``)."""
+        they made to ``members`` (``_Joined``)."""
         t = self.topology
         index = shard.index
         add, alone, id_of, parts = index.add, index.add_alone, index.id_of, t.decide_partitions
+        refs, whole = self._refs, not self._refs or self.state_dir is not None
         for rec in records:
             order = rec.order
             seq = order_seq(order)
             q = decide_partition(order, parts)
+            some = None  # the indices of the buckets it joined, when not all
             if alone(seq, rec.buckets.tolist(), rec.fingerprints, rec.id):  # met no one, joined every bucket
                 checked, joined, copies = (), rec.buckets, ()
             else:
                 finding, joins = add(seq, rec.buckets, rec.fingerprints, rec.id)
                 checked, joined = finding.checked, None if joins.empty else joins.buckets
                 copies = [seq_order(c) for c in joins.copies] if joins.copies else ()
+                if refs and joined is not None and len(joined) != len(rec.buckets):
+                    some = np.flatnonzero(np.isin(rec.buckets, joined))
             if checked:
                 found.setdefault(q, []).append(found_value(
                     order, p, [(seq_order(c.seq), id_of(c.seq), c.jaccard, c.containment, c.similarity)
@@ -642,18 +764,33 @@ class ShardProcessor(StageHooks):
                 columns[0].append(order)
                 columns[1].append(p)
             if joined is not None:
-                members.append((order, joined_member_value(copies, rec.id, joined, rec.fingerprints)))
+                members.append((order, joined_member_value(copies, rec.id, joined, rec.fingerprints) if whole else None,
+                                (order, rec.offset, rec.entry, some, copies) if refs else None))
             if order > shard.last:
                 shard.last = order
         stats.released += len(records)
 
-    def _members_records(self, p: int, shard: _Shard, members: list[tuple[bytes, bytes]], out: list[Record]) -> None:
+    def _members_records(self, p: int, shard: _Shard, members: list[_Joined], out: list[Record],
+                         whole: dict[tuple[int, bytes], bytes]) -> None:
         """The ``N`` records of ``members`` (shard partition ``p``'s, in the order they
-        joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to ``shard.batches``."""
-        for chunk in split_runs(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
-            key = max(order for order, _ in chunk)
-            out.append((self.topology.shard_changelog, p, b"N" + key, members_value(chunk), []))
+        joined) to ``out``, split above ``MEMBERS_RECORD_BYTES``; their keys to
+        ``shard.batches``. Of records of references, the same with the members' values,
+        what the store takes, to ``whole`` (by partition and key; with a ``state_dir``)."""
+        if not members:
+            return
+        if members[0][2] is None:  # the members' values
+            for chunk in split_runs(members, lambda member: len(member[1]), MEMBERS_RECORD_BYTES):
+                key = max(order for order, _, _ in chunk)
+                out.append((self.topology.shard_changelog, p, b"N" + key,
+                            members_value([(order, value) for order, value, _ in chunk]), []))
+                shard.batches.add(key)
+            return
+        for chunk in split_runs(members, _ref_bytes, MEMBERS_RECORD_BYTES):
+            key = max(order for order, _, _ in chunk)
+            out.append((self.topology.shard_changelog, p, b"N" + key, member_refs_value([ref for _, _, ref in chunk]), []))
             shard.batches.add(key)
+            if self.state_dir is not None:
+                whole[(p, b"N" + key)] = members_value([(order, value) for order, value, _ in chunk])
 
     def write(self, work: tuple[list[Record], ShardWritten], producer: Producer) -> ShardWritten:
         """Produce the batch's findings and changelog records into the open transaction.

@@ -37,12 +37,18 @@ class Topology:
         decide_partitions: partitions of the findings topic and of decide's changelog.
         sources: the input topics the prepare stage reads (``--input-topic``): the
             internal topics are created large enough for their records' shingle sets.
+        keep_bands: create the band topic keeping its records for good (``retention.ms``
+            and ``retention.bytes`` -1): a deduplication without a retention window, whose
+            shards keep every member; their changelog then refers to the band records
+            instead of copying each member's set (``neardup.sharded.shard_stage``). With a
+            window the band topic keeps the broker's default retention.
     """
 
     app: str
     shards: int
     decide_partitions: int
     sources: tuple[str, ...] = ()
+    keep_bands: bool = False
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.decide_partitions < 1:
@@ -76,8 +82,9 @@ class Topology:
         large = {"max.message.bytes": str(max_bytes)}
         deleted = {"cleanup.policy": "delete", **large}
         compacted = {"cleanup.policy": "compact", **large}
+        kept = {"retention.ms": "-1", "retention.bytes": "-1"} if self.keep_bands else {}
         return {
-            self.bands: (self.shards, deleted),
+            self.bands: (self.shards, {**deleted, **kept}),
             self.findings: (self.decide_partitions, deleted),
             self.decisions: (1, compacted),
             self.shard_changelog: (self.shards, compacted),

@@ -126,6 +126,80 @@ def members_value(members: Sequence[tuple[bytes, bytes]]) -> bytes:
     return b"".join(parts)
 
 
+#: The first 4 bytes of an ``N`` value of member references (``member_refs_value``); read
+#: as the member count of a ``members_value`` they would be over 4 billion members.
+REFS_MAGIC = b"\xffREF"
+#: A member reference: its order key, the band-topic offset of the band record that holds
+#: it, its index there, the buckets it joined (their count; ``ALL_JOINED``: all of the
+#: record's) and the copy buckets it joined (their count).
+_REF = np.dtype([("order", "V20"), ("offset", ">i8"), ("entry", ">u4"), ("joined", ">u2"), ("copies", ">u2")])
+ALL_JOINED = 0xFFFF
+#: (order key, band-topic offset, index in that record, indices of the record's buckets it
+#: joined or None for all of them, order keys of the copy buckets it joined)
+MemberRef = tuple[bytes, int, int, "Sequence[int] | None", Sequence[bytes]]
+
+
+def member_refs_value(refs: Sequence[MemberRef]) -> bytes:
+    """An ``N`` record's value of references: a batch's members on one shard partition as
+    where the band topic holds them, not their sets (the band record is the member's
+    value, as a Kafka Streams source-topic changelog is the table's). ``REFS_MAGIC``,
+    ``">I"`` n, n ``_REF`` rows, then the joined buckets' indices (``">u2"`` each) of the
+    rows that did not join all, then the copy buckets' order keys (20 bytes each), both in
+    row order.
+
+    Raises:
+        ValueError: a member of over 65,534 buckets or 65,535 copy buckets.
+    """
+    orders, offsets, entries, joined, copies = zip(*refs) if refs else ((),) * 5
+    table = np.empty(len(refs), dtype=_REF)
+    table["order"] = np.frombuffer(b"".join(orders), dtype="V20")
+    table["offset"] = offsets
+    table["entry"] = entries
+    table["joined"] = [ALL_JOINED if j is None else len(j) for j in joined]
+    table["copies"] = [len(c) for c in copies]
+    if any(j is not None and len(j) >= ALL_JOINED for j in joined) or any(len(c) > 0xFFFF for c in copies):
+        raise ValueError("a member of over 65,534 buckets or 65,535 copy buckets")
+    picked = [j for j in joined if j is not None]
+    return b"".join((REFS_MAGIC, _N.pack(len(refs)), table.tobytes(),
+                     np.concatenate(picked).astype(">u2").tobytes() if picked else b"",
+                     *(c for cs in copies for c in cs)))
+
+
+def is_refs_value(value: bytes) -> bool:
+    """Whether an ``N`` value holds member references (``member_refs_value``)."""
+    return value[:4] == REFS_MAGIC
+
+
+def member_refs(value: bytes) -> list[MemberRef]:
+    """``member_refs_value``'s inverse.
+
+    Raises:
+        ValueError (struct.error): a value of another layout.
+    """
+    if not is_refs_value(value):
+        raise ValueError("not a members record of references")
+    (n,) = _N.unpack_from(value, 4)
+    at = 4 + _N.size
+    table = np.frombuffer(value, dtype=_REF, count=n, offset=at)
+    at += _REF.itemsize * n
+    counts = np.where(table["joined"] == ALL_JOINED, 0, table["joined"]).astype(np.int64)
+    picked = np.frombuffer(value, dtype=">u2", count=int(counts.sum()), offset=at).astype(np.int64)
+    at += 2 * len(picked)
+    n_copies = table["copies"].astype(np.int64)
+    if len(value) != at + ORDER_BYTES * int(n_copies.sum()):
+        raise ValueError("members record of references of the wrong length")
+    out: list[MemberRef] = []
+    j_at = c_at = 0
+    for row, count, c in zip(table.tolist(), counts.tolist(), n_copies.tolist()):
+        order, offset, entry, flag, _ = row
+        joined = None if flag == ALL_JOINED else picked[j_at:j_at + count]
+        j_at += count
+        out.append((bytes(order), offset, entry, joined,
+                    [value[at + ORDER_BYTES * (c_at + i):at + ORDER_BYTES * (c_at + i + 1)] for i in range(c)]))
+        c_at += c
+    return out
+
+
 def members_parts(value: bytes) -> list[tuple[bytes, bytes]]:
     """``members_value``'s inverse: (order key, ``member_value``) per member.
 
