@@ -57,6 +57,17 @@ Changelog records (key -> value; a null value deletes):
   16 shards a document joins about 14 partitions, and a record each cost a produce call
   and librdkafka's work per record. An earlier version wrote ``b"M" + order key`` ->
   one ``member_value``; a restore still reads those.
+
+  Without a retention window, and with a band topic that keeps its records for good
+  (``retention.ms`` and ``retention.bytes`` -1, as the stages create it then:
+  ``Topology.keep_bands``), the ``N`` record holds references instead
+  (``neardup.state.shard_store.member_refs_value``): per member its order key, the
+  band-topic offset of its band record and its index there, the buckets it joined when
+  not all, its copy buckets. The band record is the member's value, as a Kafka Streams
+  source topic is the changelog of its table; a restore reads the band records named
+  (``_expanded``, ``RESOLVE_MEMBERS`` members at a time) and one no longer there stops it
+  with one line (``BandRecordGoneError``). A store takes the members' values as before.
+  Whether the band topic keeps its records is read at every assignment.
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
