@@ -118,10 +118,13 @@ def band_messages(docs: int, shards: int, topology: Topology, digest: bytes) -> 
 
 
 def run(messages: list[_Message], shards: int, per_batch: int, settings: Settings,
-        topology: Topology, state: Path | None = None) -> tuple[str, int, float, float]:
+        topology: Topology, state: Path | None = None, refs: bool = True) -> tuple[str, int, float, float]:
     """(digest, records produced, CPU seconds of the ``compute`` calls and of the commits
-    to the stores). ``state``: a directory for the stores (None: in memory)."""
+    to the stores). ``state``: a directory for the stores (None: in memory); ``refs``: the
+    members logged as references to their band records (the stage without a retention
+    window, its band topic kept), else with their values."""
     processor = ShardProcessor(settings, topology, state)
+    processor._refs = refs
     for p in range(shards):
         if state is None:
             processor.shards[p] = _Shard(ShardIndex(processor.engine))
@@ -157,6 +160,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--state", choices=["memory", "disk"], default="memory",
                     help="the shard partitions' state: in memory, or a RocksDB store each")
+    ap.add_argument("--members", choices=["refs", "values"], default="refs",
+                    help="the members' changelog records: references to their band records (the stage without "
+                         "a retention window) or their values (with one, or a band topic not kept)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     settings = Settings(bootstrap_servers="unused:9092", group_id="shard-compute")
@@ -171,12 +177,14 @@ def main() -> None:
         for r in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="neardup-shard-compute-") as tmp:
                 found, records, seconds, committing = run(messages, shards, args.per_batch, settings, topology,
-                                                          Path(tmp) if args.state == "disk" else None)
+                                                          Path(tmp) if args.state == "disk" else None,
+                                                          refs=args.members == "refs")
             total = seconds + committing
             print(f"{shards} shards: {len(messages):,} messages, {docs:,} documents, {records:,} records "
                   f"(digest {found}), CPU {total:.2f} s, {1e6 * total / docs:.0f} µs per document"
                   + (f" (commits to the stores {committing:.2f} s)" if args.state == "disk" else ""))
-            report["runs"].append({"shards": shards, "round": r, "state": args.state, "messages": len(messages),
+            report["runs"].append({"shards": shards, "round": r, "state": args.state, "members": args.members,
+                                   "messages": len(messages),
                                    "documents": docs, "records": records, "digest": found,
                                    "cpu_seconds": total, "commit_cpu_seconds": committing,
                                    "us_per_document": 1e6 * total / docs})
