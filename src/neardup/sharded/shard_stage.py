@@ -100,7 +100,7 @@ import heapq
 import logging
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -177,6 +177,12 @@ BATCH_DOCUMENTS_PER_SIZE = 10
 #: A member joined in a batch: its order key, its ``member_value`` (None when only its
 #: reference is logged, without a store), its reference (None when its value is logged).
 _Joined = tuple[bytes, "bytes | None", "MemberRef | None"]
+
+
+#: A changelog record as a restore reads it (``ShardProcessor._expanded``): key, value, and
+#: for an ``N`` record of references its members (order key, band record entry, buckets
+#: joined, copy buckets' order keys).
+_Expanded = tuple[bytes, "bytes | None", "list[tuple[bytes, BandRecord, np.ndarray, Sequence[bytes]]] | None"]
 
 
 def _ref_bytes(member: _Joined) -> int:
@@ -441,13 +447,17 @@ class ShardProcessor(StageHooks):
                 if key[:1] == b"M":
                     self._member(shard.index, key[1:], value)
                     continue
-                if batch is None:
-                    try:
-                        batch = members_parts(value)
-                    except (ValueError, struct.error) as exc:
-                        raise ChangelogLayoutError(self.topology.shard_changelog, p,
-                                                   f"a members record ({exc})") from exc
-                for order, member in batch:
+                if batch is not None:  # references: each member from its band record's entry
+                    for order, rec, buckets, copies in batch:
+                        shard.index.apply(order_seq(order), rec.id, Joins(buckets, tuple(map(order_seq, copies))),
+                                          rec.fingerprints)
+                    shard.batches.add(key[1:])
+                    continue
+                try:
+                    values = members_parts(value)
+                except (ValueError, struct.error) as exc:
+                    raise ChangelogLayoutError(self.topology.shard_changelog, p, f"a members record ({exc})") from exc
+                for order, member in values:
                     self._member(shard.index, order, member)
                 shard.batches.add(key[1:])
         self._resume(shard)
@@ -475,7 +485,9 @@ class ShardProcessor(StageHooks):
             at = 0
             for group in self._expanded(p, [(m.key(), m.value()) for m in chunk]):
                 at += len(group)
-                store.apply([(key, value if batch is None else members_value(batch)) for key, value, batch in group],
+                store.apply([(key, value if batch is None else members_value(
+                    [(order, joined_member_value(copies, rec.id, buckets, rec.fingerprints))
+                     for order, rec, buckets, copies in batch])) for key, value, batch in group],
                             position=chunk[at - 1].offset() + 1)
 
         try:
@@ -501,12 +513,12 @@ class ShardProcessor(StageHooks):
                  time.perf_counter() - started)
         return shard
 
-    def _expanded(self, p: int, records: list[tuple[bytes, bytes | None]]
-                  ) -> Iterator[list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]]]:
+    def _expanded(self, p: int, records: list[tuple[bytes, bytes | None]]) -> Iterator[list[_Expanded]]:
         """Changelog records of partition ``p`` (in changelog order) in groups of at most
         about ``RESOLVE_MEMBERS`` members referred to: each as (key, value, the members of
-        an ``N`` record of references, made whole from the band records it refers to: (order
-        key, ``member_value``); None for any other record).
+        an ``N`` record of references, read from the band records it refers to: (order
+        key, its band record's entry, the buckets it joined, the order keys of its copy
+        buckets); None for any other record).
 
         Raises:
             ChangelogLayoutError: an ``N`` record of references that cannot be read.
@@ -531,8 +543,7 @@ class ShardProcessor(StageHooks):
         if group:
             yield self._resolve(p, group)
 
-    def _resolve(self, p: int, group: list[tuple[bytes, bytes | None, list[MemberRef] | None]]
-                 ) -> list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]]:
+    def _resolve(self, p: int, group: list[tuple[bytes, bytes | None, list[MemberRef] | None]]) -> list[_Expanded]:
         """``_expanded``'s group with its references made whole: one read of band partition
         ``p`` over the offsets they name."""
         wanted: dict[int, set[int]] = {}
@@ -551,7 +562,7 @@ class ShardProcessor(StageHooks):
                         got.update(((m.offset(), e), recs[e]) for e in entries if e < len(recs))
             except AheadOfTopicError:  # the band topic created again: none of them is there
                 pass
-        out: list[tuple[bytes, bytes | None, list[tuple[bytes, bytes]] | None]] = []
+        out: list[_Expanded] = []
         for key, value, refs in group:
             if refs is None:
                 out.append((key, value, None))
@@ -562,7 +573,7 @@ class ShardProcessor(StageHooks):
                 if rec is None or rec.order != order:
                     raise BandRecordGoneError(self.topology.bands, p, offset, order)
                 buckets = rec.buckets if joined is None else rec.buckets[joined]
-                members.append((order, joined_member_value(copies, rec.id, buckets, rec.fingerprints)))
+                members.append((order, rec, buckets, copies))
             out.append((key, value, members))
         return out
 
