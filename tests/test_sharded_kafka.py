@@ -1372,7 +1372,8 @@ def test_a_shard_restores_members_logged_as_references_to_their_band_records(kaf
     topic keeps its records) restore the members from the band records they name: all
     buckets or some, with their copy buckets, beside ``N`` records of values; a reference
     to a band record the topic no longer holds stops the restore with one line."""
-    from neardup.sharded.records import BandRecord, BandRecordGoneError, bands_value, order_key, order_seq
+    from neardup.sharded.records import (BandRecord, BandRecordGoneError, BandTopicNotKeptError, bands_value,
+                                         order_key, order_seq)
     from neardup.sharded.shard_stage import ShardProcessor
     from neardup.state.shard_store import member_refs_value, member_value, members_value
 
@@ -1419,5 +1420,20 @@ def test_a_shard_restores_members_logged_as_references_to_their_band_records(kaf
     try:
         with pytest.raises(BandRecordGoneError, match=r"no longer holds the band record at offset 9"):
             processor._restore(0)
+    finally:
+        processor.close()
+    # the band topic given a retention: a shard assigned the partition stops before any
+    # record referred to is deleted, naming the setting (and logs no more references)
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    resource = ConfigResource(ResourceType.TOPIC, topology.bands, incremental_configs=[
+        ConfigEntry("retention.ms", "604800000", incremental_operation=AlterConfigOpType.SET)])
+    admin.incremental_alter_configs([resource])[resource].result(30)
+    processor = ShardProcessor(settings, topology, tmp_path / "shard3" if state == "disk" else None)
+    try:
+        with pytest.raises(BandTopicNotKeptError, match=r"no longer keeps its records for good; set it back"):
+            processor.check(None, [(topology.bands, 0)])
+        assert not processor._refs
     finally:
         processor.close()

@@ -295,6 +295,17 @@ class BandRecordGoneError(ValueError):
                          "under a new --app")
 
 
+class BandTopicNotKeptError(ValueError):
+    """A shard changelog holds members logged as references to their band records, and the
+    band topic no longer keeps its records for good: they would be lost once deleted."""
+
+    def __init__(self, bands: str, changelog: str, partition: int) -> None:
+        super().__init__(f"{changelog}[{partition}] holds members logged as references to the records of {bands}, "
+                         f"which no longer keeps its records for good; set it back with kafka-configs.sh --alter "
+                         f"--entity-type topics --entity-name {bands} --add-config retention.ms=-1,retention.bytes=-1 "
+                         "before its records are deleted")
+
+
 def engine_digest(settings: object) -> bytes:
     """The digest (xxh64, hex) of the engine settings' ``repr``: every stage of one
     deduplication must run with the same settings (a band cut with other rows, or a

@@ -67,7 +67,9 @@ Changelog records (key -> value; a null value deletes):
   source topic is the changelog of its table; a restore reads the band records named
   (``_expanded``, ``RESOLVE_MEMBERS`` members at a time) and one no longer there stops it
   with one line (``BandRecordGoneError``). A store takes the members' values as before.
-  Whether the band topic keeps its records is read at every assignment.
+  Whether the band topic keeps its records is read at every assignment; references met
+  while it does not stop the stage with one line (``BandTopicNotKeptError``), before the
+  records they name are deleted.
 - ``b"P"`` -> ``">qq"`` the watermark (ms) and the consumed offset (the band partition's
   offset after the last record of the batch), then the last order key released (none
   yet: empty).
@@ -106,7 +108,7 @@ from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from neardup.config import Settings
@@ -121,6 +123,7 @@ from neardup.sharded.records import (
     EMPTY_FINDING_BYTES,
     ENGINE_HEADER,
     BandRecordGoneError,
+    BandTopicNotKeptError,
     ChangelogLayoutError,
     EngineMismatchError,
     FINDINGS_KIND,
@@ -315,6 +318,7 @@ class ShardProcessor(StageHooks):
         # members logged as references to their band records (``member_refs_value``): no
         # retention window, and a band topic that keeps its records (``check``)
         self._refs = False
+        self._kept: bool | None = None  # whether the band topic keeps its records (None: not known)
         # documents per band record (``batch_messages``); at first as many as a band record
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
@@ -341,7 +345,8 @@ class ShardProcessor(StageHooks):
         if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
             with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
-        refs = self.retention_ms is None and with_retries("reading the band topic's settings", self._bands_kept)
+        self._kept = with_retries("reading the band topic's settings", self._bands_kept)
+        refs = self.retention_ms is None and self._kept is True
         if refs != self._refs:
             log.info("members logged %s", "as references to their band records (the band topic keeps its records)"
                      if refs else "with their sets (the band topic does not keep its records for good)")
@@ -349,8 +354,9 @@ class ShardProcessor(StageHooks):
         for _, p in partitions:
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
-    def _bands_kept(self) -> bool:
-        """Whether the band topic keeps its records for good (``keeps_records``).
+    def _bands_kept(self) -> bool | None:
+        """Whether the band topic keeps its records for good (``keeps_records``); None when
+        this stage may not read the topic's settings (logged: members then keep their values).
 
         Raises:
             KafkaException: the broker did not answer.
@@ -358,6 +364,12 @@ class ShardProcessor(StageHooks):
         admin = AdminClient(admin_config(self.settings))
         try:
             return keeps_records(admin, self.topology.bands)
+        except KafkaException as exc:
+            if exc.args[0].code() not in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+                raise
+            log.warning("cannot read the settings of %s (%s): members are logged with their sets", self.topology.bands,
+                        exc.args[0].str())
+            return None
         finally:
             discard(admin)
 
@@ -522,6 +534,8 @@ class ShardProcessor(StageHooks):
 
         Raises:
             ChangelogLayoutError: an ``N`` record of references that cannot be read.
+            BandTopicNotKeptError: there are references, and the band topic no longer
+                keeps its records.
             BandRecordGoneError: a band record referred to is gone.
             KafkaException: the band topic could not be read.
         """
@@ -536,6 +550,8 @@ class ShardProcessor(StageHooks):
                     raise ChangelogLayoutError(self.topology.shard_changelog, p,
                                                f"a members record of references ({exc})") from exc
                 size += len(refs)
+                if self._kept is False:
+                    raise BandTopicNotKeptError(self.topology.bands, self.topology.shard_changelog, p)
             group.append((key, value, refs))
             if size >= RESOLVE_MEMBERS:
                 yield self._resolve(p, group)
