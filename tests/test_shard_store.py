@@ -274,3 +274,31 @@ def test_a_joined_member_is_encoded_as_the_member_value_of_its_band_value(copies
         rec = BandRecord.parse(order, band)
         assert (keys, rec.id, rec.buckets.tolist(), rec.fingerprints.tolist()) == (
             copy_keys, "doc-é", buckets.tolist(), fp.tolist())
+
+
+def test_member_references_read_back_as_written_and_name_the_buckets_joined() -> None:
+    """``member_refs_value`` / ``member_refs`` round trip (all buckets joined, some, copy
+    buckets, none), and the stage's indices of the buckets joined are those of each
+    joined bucket in the record's order, duplicates of a bucket id included."""
+    from neardup.sharded.shard_stage import _picked
+
+    rng = np.random.default_rng(7)
+    refs = []
+    for i in range(300):
+        some = None if i % 3 else sorted(rng.choice(8, size=int(rng.integers(0, 8)), replace=False).tolist())
+        copies = [order_key(1_700_000_000_000 + j, 1, j) for j in range(int(rng.integers(0, 3)))]
+        refs.append((order_key(1_700_000_000_000 + i, 0, i), int(rng.integers(0, 1 << 40)), i % 2001, some, copies))
+    value = shard_store.member_refs_value(refs)
+    assert shard_store.is_refs_value(value) and not shard_store.is_refs_value(shard_store.members_value([]))
+    back = shard_store.member_refs(value)
+    assert [(o, off, e, None if j is None else list(j), list(c)) for o, off, e, j, c in back] == [
+        (o, off, e, j, c) for o, off, e, j, c in refs]
+    assert shard_store.member_refs(shard_store.member_refs_value([])) == []
+    with pytest.raises(ValueError):
+        shard_store.member_refs(value[:-1])
+    for _ in range(200):
+        buckets = rng.integers(0, 6, size=int(rng.integers(1, 9))).tolist()  # ids may repeat
+        keep = rng.random(len(buckets)) < 0.5
+        joined = [b for b, k in zip(buckets, keep) if k]
+        picked = _picked(buckets, joined)
+        assert [buckets[i] for i in picked] == joined
