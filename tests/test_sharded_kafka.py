@@ -1437,3 +1437,24 @@ def test_a_shard_restores_members_logged_as_references_to_their_band_records(kaf
         assert not processor._refs
     finally:
         processor.close()
+
+
+def test_a_shard_with_a_window_warns_of_a_band_topic_kept_for_good_and_logs_values(kafka_bootstrap, caplog):
+    """A band topic created without a window (by a stage started without --retention)
+    keeps its records for good; a shard with a window logs its members' values and says
+    once that the topic would grow without bound."""
+    from neardup.sharded.shard_stage import ShardProcessor
+
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1, keep_bands=True)
+    topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-window"], group_id=topology.app)
+    processor = ShardProcessor(settings, topology, None, retention_ms=3_600_000)
+    try:
+        with caplog.at_level("WARNING", logger="neardup.sharded.shard_stage"):
+            processor.check(None, [])
+            processor.check(None, [])
+        assert not processor._refs
+        warned = [r for r in caplog.records if "grows without bound" in r.getMessage()]
+        assert len(warned) == 1 and topology.bands in warned[0].getMessage()
+    finally:
+        processor.close()

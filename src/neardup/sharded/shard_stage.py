@@ -332,6 +332,7 @@ class ShardProcessor(StageHooks):
         # retention window, and a band topic that keeps its records (``check``)
         self._refs = False
         self._kept: bool | None = None  # whether the band topic keeps its records (None: not known)
+        self._warned_kept = False
         # documents per band record (``batch_messages``); at first as many as a band record
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
@@ -360,6 +361,12 @@ class ShardProcessor(StageHooks):
             self._ensured = True
         self._kept = with_retries("reading the band topic's settings", self._bands_kept)
         refs = self.retention_ms is None and self._kept is True
+        if self.retention_ms is not None and self._kept and not self._warned_kept:
+            self._warned_kept = True
+            log.warning("%s keeps its records for good, but this shard keeps a retention window: the topic grows "
+                        "without bound (a stage started without --retention created it); give every stage the same "
+                        "--retention, and give the topic a retention.ms once no shard changelog refers to it",
+                        self.topology.bands)
         if refs != self._refs:
             log.info("members logged %s", "as references to their band records (the band topic keeps its records)"
                      if refs else "with their sets (the band topic does not keep its records for good)")
