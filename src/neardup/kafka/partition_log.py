@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+from confluent_kafka.admin import AdminClient
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
 from neardup.kafka.clients import admin_config
 from neardup.kafka.rdkafka_log import rdkafka_logger
+from neardup.kafka.topics import topic_config
 
 log = logging.getLogger(__name__)
 CHUNK = 10_000
@@ -152,10 +153,7 @@ def delete_retention_ms(settings: Settings, topic: str) -> int:
     cached = _DELETE_RETENTION.get(key)
     if cached is not None and time.monotonic() - cached[0] < DELETE_RETENTION_TTL_S:
         return cached[1]
-    admin = AdminClient(admin_config(settings))
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    value = int(admin.describe_configs([resource], request_timeout=30)[resource].result(timeout=31)[
-        "delete.retention.ms"].value)
+    value = int(topic_config(AdminClient(admin_config(settings)), topic)["delete.retention.ms"])
     _DELETE_RETENTION[key] = (time.monotonic(), value)
     return value
 

@@ -120,6 +120,17 @@ def create_missing(admin: AdminClient, topics: list[NewTopic], timeout_s: float 
     return created
 
 
+def topic_config(admin: AdminClient, topic: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """``topic``'s settings as the broker reports them (its own and the defaults).
+
+    Raises:
+        KafkaException: the broker did not answer, or refused the request.
+    """
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s + 1)
+    return {name: entry.value for name, entry in entries.items()}
+
+
 def keeps_records(admin: AdminClient, topic: str, timeout_s: float = 30.0) -> bool:
     """Whether ``topic`` keeps its records for good: ``cleanup.policy=delete`` without a
     time or size limit (``retention.ms`` and ``retention.bytes`` -1).
@@ -127,10 +138,8 @@ def keeps_records(admin: AdminClient, topic: str, timeout_s: float = 30.0) -> bo
     Raises:
         KafkaException: the broker did not answer, or refused the request.
     """
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    config = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s + 1)
-    return (config["cleanup.policy"].value == "delete" and config["retention.ms"].value == "-1"
-            and config["retention.bytes"].value == "-1")
+    config = topic_config(admin, topic, timeout_s)
+    return config["cleanup.policy"] == "delete" and config["retention.ms"] == config["retention.bytes"] == "-1"
 
 
 def sized_outputs(limits: TopicLimits, input_topics: list[str], outputs: list[str],

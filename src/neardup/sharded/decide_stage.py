@@ -91,6 +91,7 @@ from neardup.sharded.records import (
     decisions_entry_bytes,
     decisions_value,
     engine_digest,
+    fields_seq,
     order_seq,
     parse_decisions,
     parse_findings_columns,
@@ -675,7 +676,7 @@ class DecideProcessor(StageHooks):
                     continue
                 items = []
                 for ts, p, o, cid, jac, con, sim in checked:
-                    c = order_seq(ORDER.pack(ts, p, o))
+                    c = fields_seq(ts, p, o)
                     if c >= seq:  # a later document (a shard of another rule): never waited for
                         continue
                     names[c] = cid

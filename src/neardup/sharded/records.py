@@ -266,8 +266,12 @@ def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
 
 def order_seq(key: bytes) -> int:
     """The order key as one integer, ordered like the keys (timestamp, partition, offset)."""
-    ts, partition, offset = ORDER.unpack(key)
-    return (ts << 96) | (partition << 64) | offset
+    return fields_seq(*ORDER.unpack(key))
+
+
+def fields_seq(timestamp_ms: int, partition: int, offset: int) -> int:
+    """``order_seq`` of the order key of these fields, without packing it."""
+    return (timestamp_ms << 96) | (partition << 64) | offset
 
 
 class EngineMismatchError(ValueError):

@@ -147,6 +147,7 @@ from neardup.sharded.records import (
 )
 from neardup.sharded.shard import Joins, ShardIndex, StoredShardIndex
 from neardup.state.shard_store import (
+    REF_BYTES,
     MemberRef,
     ShardStore,
     is_refs_value,
@@ -204,7 +205,7 @@ def _picked(buckets: list[int], joined: list[int]) -> list[int]:
 def _ref_bytes(member: _Joined) -> int:
     """About the bytes of a member's reference in an ``N`` record (``member_refs_value``)."""
     _, _, (_, _, _, some, copies) = member  # type: ignore[misc]
-    return 40 + (0 if some is None else 2 * len(some)) + 20 * len(copies)
+    return REF_BYTES + (0 if some is None else 2 * len(some)) + ORDER.size * len(copies)
 
 
 @dataclass

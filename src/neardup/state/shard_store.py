@@ -134,6 +134,7 @@ REFS_MAGIC = b"\xffREF"
 #: record's) and the copy buckets it joined (their count).
 _REF = np.dtype([("order", "V20"), ("offset", ">i8"), ("entry", ">u4"), ("joined", ">u2"), ("copies", ">u2")])
 ALL_JOINED = 0xFFFF
+REF_BYTES = _REF.itemsize  # a member's reference without its joined buckets' indices and copy buckets
 #: (order key, band-topic offset, index in that record, indices of the record's buckets it
 #: joined or None for all of them, order keys of the copy buckets it joined)
 MemberRef = tuple[bytes, int, int, "Sequence[int] | None", Sequence[bytes]]
@@ -151,15 +152,16 @@ def member_refs_value(refs: Sequence[MemberRef]) -> bytes:
         ValueError: a member of over 65,534 buckets or 65,535 copy buckets.
     """
     orders, offsets, entries, joined, copies = zip(*refs) if refs else ((),) * 5
+    picked = [j for j in joined if j is not None]
+    n_copies = [len(c) for c in copies]
+    if max(map(len, picked), default=0) >= ALL_JOINED or max(n_copies, default=0) > 0xFFFF:
+        raise ValueError("a member of over 65,534 buckets or 65,535 copy buckets")
     table = np.empty(len(refs), dtype=_REF)
     table["order"] = np.frombuffer(b"".join(orders), dtype="V20")
     table["offset"] = offsets
     table["entry"] = entries
     table["joined"] = [ALL_JOINED if j is None else len(j) for j in joined]
-    table["copies"] = [len(c) for c in copies]
-    if any(j is not None and len(j) >= ALL_JOINED for j in joined) or any(len(c) > 0xFFFF for c in copies):
-        raise ValueError("a member of over 65,534 buckets or 65,535 copy buckets")
-    picked = [j for j in joined if j is not None]
+    table["copies"] = n_copies
     return b"".join((REFS_MAGIC, _N.pack(len(refs)), table.tobytes(),
                      np.concatenate(picked).astype(">u2").tobytes() if picked else b"",
                      *(c for cs in copies for c in cs)))
