@@ -51,7 +51,10 @@ starts a new producer with the same ``transactional.id``, rewinds and retries th
 way; after ``MAX_PRODUCER_RESETS`` such errors without a committed batch in between (a
 live second instance with the same id), ``run`` raises. A commit or abort that still
 times out after ``TRANSACTION_RETRY_S`` (a producer wedged by an outage) fails the batch
-the same way, and the abort then starts a new producer. Every transactional call
+the same way, and the abort then starts a new producer; so does a batch failing when
+batches have failed with the same producer for longer than ``TRANSACTION_RETRY_S`` (seen
+after an outage: ``send_offsets_to_transaction`` timing out on every batch while each
+abort succeeds). Every transactional call
 (``init_transactions``, ``begin_transaction``, ``send_offsets_to_transaction``,
 ``commit_transaction``, ``abort_transaction``) is waited for at most ``CALL_WAIT_S`` and
 every wait for step 5's thread at most ``STEP5_WAIT_S``; past that the producer is
@@ -145,11 +148,11 @@ log = logging.getLogger(__name__)
 #: ``run`` gives up: a live second instance with the same transactional.id would
 #: otherwise fence this one back and forth.
 MAX_PRODUCER_RESETS = 3
-#: Seconds ``commit_transaction`` or ``abort_transaction`` is retried before the producer
-#: is replaced: after a broker outage librdkafka's request to the transaction coordinator
-#: can stay queued and time out forever; a new producer of the same transactional.id
-#: fences the old one and has the broker abort its transaction. Well below
-#: max.poll.interval.ms (300 s).
+#: Seconds ``commit_transaction`` or ``abort_transaction`` is retried, and batches may
+#: fail in a row with one producer, before the producer is replaced: after a broker
+#: outage librdkafka's request to the transaction coordinator can stay queued and time
+#: out forever; a new producer of the same transactional.id fences the old one and has
+#: the broker abort its transaction. Well below max.poll.interval.ms (300 s).
 TRANSACTION_RETRY_S = 60.0
 #: Longest wait for step 5's thread, seconds: its calls are bounded one by one
 #: (``neardup.kafka.bounded``), this is a backstop above their sum.
@@ -530,6 +533,7 @@ class StageRuntime:
         self._pending: _Pending | None = None  # the batch whose transaction is committing
         self._unsettled: list[Message] = []  # messages of a batch whose commit failed
         self._backoff, self._resets = 0.5, 0
+        self._failing_since: float | None = None  # time.monotonic() of this producer's first failed batch in a row
         self._input_failed = False  # a batch of messages failed since one last committed
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
@@ -689,6 +693,7 @@ class StageRuntime:
                 del producer
                 continue
             self.producer = producer
+            self._failing_since = None
             log.info("transactional producer %s ready", self.transactional_id)
             return
 
@@ -1098,6 +1103,7 @@ class StageRuntime:
             self.progress.committed(more_in_hand)
             self._input_failed = False
         self._backoff, self._resets = 0.5, 0
+        self._failing_since = None
         self.batches += 1
         self._broker_answered()
         if self.on_batch:
@@ -1121,6 +1127,8 @@ class StageRuntime:
         if why is None and not isinstance(exc, ProducerWedged) and self.producer is not None:
             why = self._transaction_error(exc)
         level = logging.WARNING if self.progress.failed(f"{why} ({exc})" if why else exc) == 1 else logging.DEBUG
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
         if isinstance(exc, ProducerWedged) or self.producer is None:
             # librdkafka's own timeout did not hold (a broker restarted under a call):
             # the producer is dropped uncalled; a new one fences it and the broker aborts
@@ -1135,6 +1143,14 @@ class StageRuntime:
             if self._resets > MAX_PRODUCER_RESETS:
                 raise exc
             log.warning("producer failed fatally (%s); starting a new one", exc)
+            self._new_producer()
+        elif time.monotonic() - self._failing_since > TRANSACTION_RETRY_S:
+            # Seen after a broker outage: a request to the transaction coordinator stays
+            # queued on a connection that never comes back, and every batch's
+            # send_offsets_to_transaction times out while its abort succeeds. A new
+            # producer fences this one and connects afresh.
+            log.warning("batches have failed for %.0f s with this producer (%s); starting a new producer",
+                        time.monotonic() - self._failing_since, exc)
             self._new_producer()
         else:
             log.log(level, "batch failed (%s); aborting and retrying in %.1f s", exc, self._backoff)
