@@ -327,3 +327,33 @@ def test_a_document_that_meets_no_one_joins_as_add_would_have_it(shards):
         assert a.sets.keys() == b.sets.keys() and all(np.array_equal(a.sets[k], b.sets[k]) for k in a.sets)
     assert taken > 0 and met > 0, (taken, met)
     assert any(isinstance(m, list) and len(set(m)) < len(m) for m in by_alone[0].buckets.values())
+
+
+def test_a_shard_partition_purges_below_what_its_live_members_records_and_held_documents_need():
+    """``_Shard.purge_point``: the lowest of the offsets its live ``N`` records of
+    references name, its earliest record held and its consumed offset; records of values
+    name none; one ``N`` record whose references are not known (a store of an earlier
+    version) stops it."""
+    from neardup.sharded.records import BandRecord
+    from neardup.sharded.shard import ShardIndex
+    from neardup.sharded.shard_stage import _Shard
+
+    shard = _Shard(ShardIndex(EngineSettings()))
+    shard.consumed = 50
+    assert shard.purge_point() == 50
+    for key, floor in ((b"a", 30), (b"b", None), (b"c", 12), (b"gone", 3)):
+        shard.logged(key, floor)
+    shard.dropped([b"gone"])
+    assert shard.purge_point() == 12
+    shard.hold(BandRecord(b"k" * 20, "d", np.zeros(1, np.uint64), np.zeros(1, np.uint32)), 7)
+    assert shard.purge_point() == 7
+    shard.held.clear()
+    shard.dropped([b"c"])
+    assert shard.purge_point() == 30
+    shard.logged(b"a", 40)  # logged again (a batch computed anew): its latest offset counts
+    assert shard.purge_point() == 40
+    shard.batches.add(b"old")  # a store's record of an earlier version: its references not known
+    shard.unknown_floors.add(b"old")
+    assert shard.purge_point() is None
+    shard.dropped([b"old"])
+    assert shard.purge_point() == 40

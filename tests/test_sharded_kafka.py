@@ -1439,22 +1439,47 @@ def test_a_shard_restores_members_logged_as_references_to_their_band_records(kaf
         processor.close()
 
 
-def test_a_shard_with_a_window_warns_of_a_band_topic_kept_for_good_and_logs_values(kafka_bootstrap, caplog):
-    """A band topic created without a window (by a stage started without --retention)
-    keeps its records for good; a shard with a window logs its members' values and says
-    once that the topic would grow without bound."""
+def test_a_shard_with_a_window_logs_references_and_deletes_the_band_records_no_longer_needed(kafka_bootstrap):
+    """A shard with a window over a band topic kept for good logs its members as
+    references, and deletes a band partition's records below the point a committed batch
+    gives (``_purge``: never below 1, where the admin API's -1 would delete them all;
+    never back)."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
     from neardup.sharded.shard_stage import ShardProcessor
 
-    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=1, decide_partitions=1, keep_bands=True)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1, keep_bands=True)
     topology.ensure(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for p in (0, 1):
+        for i in range(10):
+            producer.produce(topology.bands, value=b"x%d" % i, partition=p)
+    assert producer.flush(30) == 0
     settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-window"], group_id=topology.app)
     processor = ShardProcessor(settings, topology, None, retention_ms=3_600_000)
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"low-{uuid.uuid4().hex[:8]}"})
+
+    def low(p: int) -> int:
+        return c.get_watermark_offsets(TopicPartition(topology.bands, p), timeout=10)[0]
+
+    def settled(want: dict[int, int]) -> bool:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if {p: low(p) for p in want} == want:
+                return True
+            time.sleep(0.2)
+        return False
+
     try:
-        with caplog.at_level("WARNING", logger="neardup.sharded.shard_stage"):
-            processor.check(None, [])
-            processor.check(None, [])
-        assert not processor._refs
-        warned = [r for r in caplog.records if "grows without bound" in r.getMessage()]
-        assert len(warned) == 1 and topology.bands in warned[0].getMessage()
+        processor.check(None, [])
+        assert processor._refs and processor._purging
+        processor._purge({0: 4, 1: 0})
+        assert settled({0: 4, 1: 0})
+        processor._purged_at = float("-inf")  # as once PURGE_INTERVAL_S has passed
+        processor._purge({0: 3, 1: -1})  # neither back nor everything
+        processor._purged_at = float("-inf")
+        processor._purge({1: 7})
+        assert settled({0: 4, 1: 7})
     finally:
         processor.close()
+        c.close()

@@ -168,21 +168,25 @@ def _produce_stamped(bootstrap: str, topic: str, docs: list[Document]) -> None:
 
 
 def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[
-        int, int, dict[tuple[int, bytes], bytes], dict[tuple[int, bytes], bool]]:
+        int, int, dict[tuple[int, bytes], bytes], dict[tuple[int, bytes], bool], dict[tuple[int, bytes], int]]:
     """(members put, members deleted, the members live as (partition, order key) -> the key
-    of their ``N`` record, whether each ``N`` record (partition, key) was deleted) of a
-    shard changelog topic, read to its end (read_committed); a
+    of their ``N`` record, whether each ``N`` record (partition, key) was deleted, the
+    lowest band-topic offset each ``N`` record of references refers to) of a
+    shard changelog topic, read to its end (read_committed); records of references and of
+    values in one run, a
     members record put or deleted twice, or a member put twice, in one partition is a
     defect."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from neardup.state.shard_store import members_parts
+    from neardup.state.shard_store import is_refs_value, member_refs, members_parts
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"changelog-{time.time_ns()}",
                   "isolation.level": "read_committed", "enable.auto.commit": False})
     put: Counter[tuple[int, bytes]] = Counter()
     deleted: Counter[tuple[int, bytes]] = Counter()
     members: dict[tuple[int, bytes], list[bytes]] = {}  # (partition, N key) -> its members' order keys
+    kinds: Counter[bool] = Counter()  # N records of references (True) and of values
+    floors: dict[tuple[int, bytes], int] = {}
     try:
         for p in range(partitions):
             _, end = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
@@ -197,7 +201,14 @@ def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[
                     if m.key()[:1] == b"N":
                         (deleted if m.value() is None else put)[(p, m.key())] += 1
                         if m.value() is not None:
-                            members[(p, m.key())] = [order for order, _ in members_parts(m.value())]
+                            refs = is_refs_value(m.value())
+                            kinds[refs] += 1
+                            if refs:
+                                named = member_refs(m.value())
+                                members[(p, m.key())] = [ref[0] for ref in named]
+                                floors[(p, m.key())] = min(ref[1] for ref in named)
+                            else:
+                                members[(p, m.key())] = [order for order, _ in members_parts(m.value())]
                 if c.position([TopicPartition(topic, p)])[0].offset >= end:
                     break
     finally:
@@ -206,7 +217,19 @@ def _changelog_members(bootstrap: str, topic: str, partitions: int) -> tuple[
     each = Counter((p, order) for (p, _), orders in members.items() for order in orders)
     assert max(each.values(), default=1) == 1
     live = {(p, order): key for (p, key), orders in members.items() if (p, key) not in deleted for order in orders}
-    return len(each), sum(len(members[k]) for k in deleted), live, {k: k in deleted for k in members}
+    assert not (kinds[True] and kinds[False]), kinds  # one kind of N record for the whole run
+    return len(each), sum(len(members[k]) for k in deleted), live, {k: k in deleted for k in members}, floors
+
+
+def _low_watermarks(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    """Each partition's first offset (records before it deleted)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"watermarks-{time.time_ns()}"})
+    try:
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[0] for p in range(partitions)}
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("state", ["memory", "disk"])
@@ -216,7 +239,9 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     mid-stream: restored from its changelog, or reopened at its store's position) give
     every message once, with the verdicts of the sharded rules run in one process with
     the window; the shards deleted their expired members (changelog deletions, stores
-    holding about the window)."""
+    holding about the window), logged the members as references to their band records,
+    and deleted the band records none refers to any more (a restart after that restores
+    from the rest)."""
     import uuid
 
     from kafka_util import read_all
@@ -278,7 +303,8 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     assert sum(v.is_duplicate for v in unbounded.values()) > sum(v.is_duplicate for v in reference.values()) + 20
 
     # the shards deleted their expired members, in the changelog and the stores
-    puts, deletes, live, records = _changelog_members(kafka_bootstrap, topology.shard_changelog, topology.shards)
+    puts, deletes, live, records, floors = _changelog_members(kafka_bootstrap, topology.shard_changelog,
+                                                              topology.shards)
     print(f"{state}: {len(docs)} documents; changelog: {puts} members, {deletes} deleted, {len(live)} live, "
           f"{len(records)} members records, {sum(records.values())} deleted")
     assert len(live) == puts - deletes
@@ -292,6 +318,16 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     assert all(records[k] for k in records if key_ms[k] < floor[k[0]] - 3000 / 8 - 100), "expired, not deleted"
     assert not any(records[k] for k in records if key_ms[k] >= latest_ms - 3000 + 100), "deleted in the window"
     assert deletes >= puts / 3  # of a stream spanning more than 3 windows
+    # the members are references to their band records (the stages create the band topic
+    # kept for good), and the shards deleted the band records no live N record refers to:
+    # every partition's start is past some records, and at or below what is referred to
+    assert set(floors) == set(records)
+    low = _low_watermarks(kafka_bootstrap, topology.bands, topology.shards)
+    print(f"{state}: band topic starts at {low}")
+    assert all(low[p] > 0 for p in low), low
+    for (p, key), floor in floors.items():
+        if not records[(p, key)]:
+            assert low[p] <= floor, (p, low[p], floor)
     latest = latest_ms / 1000
     if disk:  # a store drops each member as it expires: what it holds is live, and in the window
         stored: set[tuple[int, bytes]] = set()

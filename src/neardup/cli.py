@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--text-field", action="append", help="prepare: JSON field holding text, dotted path; repeat to join several (default: the whole message value)")
     r.add_argument("--id-field", help="prepare: JSON field holding the document id (default: the message key, else topic/partition/offset)")
     r.add_argument("--batch-size", type=int, help=f"messages per batch ({_d('batch_size')})")
-    g = stage.add_argument_group("retention (every process of every stage needs the same window: shard and decide apply it, and whichever stage starts first creates the band topic by it, kept for good without one)")
+    g = stage.add_argument_group("retention (every shard and decide process needs the same window: both apply it, and the shards delete the band records their expired members no longer need)")
     g.add_argument("--retention", metavar="DURATION", help="documents whose record timestamp is older than this, against the latest one a shard has processed, stop being candidates and are removed from the shards' state, e.g. 72h, 7d, 30m; none: keep everything (the default)")
     g.add_argument("--future-tolerance", metavar="DURATION", help="a record timestamp later than now plus this does not move a shard's window beyond now: one record stamped in the future cannot expire the window early; 0 allows none (default 1h)")
     g.add_argument("--retention-documents", metavar="N", help="refused: a window of the last N documents needs one count of every document, which no shard keeps; use --retention")
@@ -546,7 +546,7 @@ def cmd_stage(role: str, settings: Settings) -> int:
         raise ValueError("--state-dir is for the shard and decide stages; the prepare stage keeps no state")
     app = settings.app or settings.group_id
     topology = Topology(app, settings.shards, settings.decide_partitions, tuple(settings.input_topics),
-                        keep_bands=retention_ms is None)
+                        keep_bands=True)
     instance = settings.instance or socket.gethostname()
     stage_settings = settings.model_copy(update={"group_id": f"{app}.{role}"})
     from neardup.metrics import StageMetrics

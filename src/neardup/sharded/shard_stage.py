@@ -58,9 +58,9 @@ Changelog records (key -> value; a null value deletes):
   and librdkafka's work per record. An earlier version wrote ``b"M" + order key`` ->
   one ``member_value``; a restore still reads those.
 
-  Without a retention window, and with a band topic that keeps its records for good
-  (``retention.ms`` and ``retention.bytes`` -1, as the stages create it then:
-  ``Topology.keep_bands``), the ``N`` record holds references instead
+  With a band topic that keeps its records for good (``retention.ms`` and
+  ``retention.bytes`` -1, as the stages create it: ``Topology.keep_bands``), the ``N``
+  record holds references instead
   (``neardup.state.shard_store.member_refs_value``): per member its order key, the
   band-topic offset of its band record and its index there, the buckets it joined when
   not all, its copy buckets. The band record is the member's value, as a Kafka Streams
@@ -94,6 +94,17 @@ the state held stays about 9/8 of the window, in memory and on disk, and the com
 changelog that plus about a batch per partition. (``M`` records of an earlier version
 are not deleted from the changelog: a restore adds them and the window drops them.) The shard's mark after a restore is the time of the last record
 released (``P``).
+
+With a window and references, the shard also deletes the band records no longer needed,
+as Kafka Streams purges a repartition topic once its records are processed: once a batch
+has committed, band partition p's records below its ``_Shard.purge_point`` (the lowest
+offset a live ``N`` record refers to, the earliest record held, the consumed offset) are
+deleted (``AdminClient.delete_records``, at most every ``PURGE_INTERVAL_S``). The point
+of a committed batch is only ever past records that no committed state needs: a restore,
+a failed batch or another owner after a rebalance read from there on. Each ``N`` record's
+lowest offset is kept in memory beside its key (``_Shard.ref_floors``), read back from its
+references by a restore, and kept in a store as an ``R`` record; a store of an earlier
+version, without them, purges nothing until its ``N`` records of then have expired.
 """
 
 from __future__ import annotations
@@ -106,6 +117,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -189,6 +201,21 @@ _Joined = tuple[bytes, "bytes | None", "MemberRef | None"]
 _Expanded = tuple[bytes, "bytes | None", "list[tuple[bytes, BandRecord, np.ndarray, Sequence[bytes]]] | None"]
 
 
+#: An ``R`` store record's value: the lowest band-topic offset an ``N`` record's members
+#: refer to (empty: a record of values, referring to none).
+_FLOOR = struct.Struct(">q")
+#: Seconds between two purges of the band topic (``ShardProcessor._purge``).
+PURGE_INTERVAL_S = 10.0
+
+
+def _floor_value(floor: int | None) -> bytes:
+    return b"" if floor is None else _FLOOR.pack(floor)
+
+
+def _floor_of(value: bytes) -> int | None:
+    return _FLOOR.unpack(value)[0] if value else None
+
+
 def _picked(buckets: list[int], joined: list[int]) -> list[int]:
     """The indices in ``buckets`` of ``joined``, a subsequence of it (``ShardIndex.add``
     keeps the buckets a document joins in its order). In Python: ``np.isin`` costs some
@@ -226,6 +253,13 @@ class _Shard:
     batches: set[bytes] = field(default_factory=set)  # the keys (order keys) of its ``N`` records not deleted
     watermark: int = -(1 << 62)
     consumed: int = -1  # band-topic offset after the last record of the batches logged (P)
+    # per ``N`` key (without its prefix): the lowest band-topic offset its members refer
+    # to, None for a record of values (``logged``); the same as a heap, (offset, key), with
+    # stale entries; the live keys whose offsets are not known (a store of an earlier
+    # version): nothing is purged while there are any (``purge_point``)
+    ref_floors: dict[bytes, int | None] = field(default_factory=dict)
+    floor_heap: list[tuple[int, bytes]] = field(default_factory=list)
+    unknown_floors: set[bytes] = field(default_factory=set)
     watermarks: Watermarks = field(default_factory=Watermarks)  # from the watermark records read
 
     def hold(self, rec: BandRecord, offset: int) -> None:
@@ -250,6 +284,33 @@ class _Shard:
     def first_held(self) -> int | None:
         """The band-topic offset of the earliest record held (None: none is)."""
         return next(iter(self.held.values()))[1] if self.held else None
+
+    def logged(self, key: bytes, floor: int | None) -> None:
+        """An ``N`` record of key ``key`` (without its prefix), its members referring to
+        band records from offset ``floor`` on (None: a record of values)."""
+        self.batches.add(key)
+        self.ref_floors[key] = floor
+        if floor is not None:
+            heapq.heappush(self.floor_heap, (floor, key))
+
+    def dropped(self, keys: list[bytes]) -> None:
+        """``N`` records deleted (every member expired)."""
+        self.batches.difference_update(keys)
+        for key in keys:
+            self.ref_floors.pop(key, None)
+            self.unknown_floors.discard(key)
+
+    def purge_point(self) -> int | None:
+        """The band-topic offset below which no record is needed any more: none of its
+        documents is held or still to be consumed, and no live ``N`` record refers to it
+        (None: not known, an ``N`` record's references not known)."""
+        if self.unknown_floors:
+            return None
+        heap, floors = self.floor_heap, self.ref_floors
+        while heap and floors.get(heap[0][1]) != heap[0][0]:  # deleted since (or logged again)
+            heapq.heappop(heap)
+        first = self.first_held()
+        return min([self.consumed] + ([] if not heap else [heap[0][0]]) + ([] if first is None else [first]))
 
     def progress(self, value: bytes, where: tuple[str, int]) -> None:
         """Take a ``P`` record's value (watermark, consumed offset, last released) of
@@ -320,20 +381,31 @@ class ShardProcessor(StageHooks):
         self.retention_ms = retention_ms
         # per batch computed and not yet committed, in order: its changelog records per
         # shard partition (what the stores take once it is committed; with a state_dir),
-        # and the change to the documents held of each partition it touched (``_Shard.changes``)
+        # the change to the documents held of each partition it touched (``_Shard.changes``),
+        # and with a window, the band records no longer needed once it has committed
+        # (``_Shard.purge_point`` per partition it touched)
         self._uncommitted: list[tuple[dict[int, list[tuple[bytes, bytes | None]]],
                                       dict[int, tuple[_Shard, list[tuple[bytes, tuple[BandRecord, int]]],
-                                                      list[bytes]]]]] = []
+                                                      list[bytes]]],
+                                      dict[int, int | None]]] = []
         self.engine: EngineSettings = settings.engine()
         self.digest = engine_digest(self.engine)
         self.topology = topology
         self.shards: dict[int, _Shard] = {}
         self._ensured = False
-        # members logged as references to their band records (``member_refs_value``): no
-        # retention window, and a band topic that keeps its records (``check``)
+        # members logged as references to their band records (``member_refs_value``): a
+        # band topic that keeps its records (``check``)
         self._refs = False
         self._kept: bool | None = None  # whether the band topic keeps its records (None: not known)
-        self._warned_kept = False
+        # with a window and references, the band records no longer needed are deleted
+        # (``_purge``): per band partition, the offset to delete below once due, and the
+        # offset deleted below last
+        self._purging = False
+        self._purge_due: dict[int, int] = {}
+        self._purged: dict[int, int] = {}
+        self._purged_at = float("-inf")  # time.monotonic() of the last purge
+        self._purge_refused = False
+        self._admin: AdminClient | None = None
         # documents per band record (``batch_messages``); at first as many as a band record
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
@@ -361,17 +433,13 @@ class ShardProcessor(StageHooks):
             with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
             self._ensured = True
         self._kept = with_retries("reading the band topic's settings", self._bands_kept)
-        refs = self.retention_ms is None and self._kept is True
-        if self.retention_ms is not None and self._kept and not self._warned_kept:
-            self._warned_kept = True
-            log.warning("%s keeps its records for good, but this shard keeps a retention window: the topic grows "
-                        "without bound (a stage started without --retention created it); give every stage the same "
-                        "--retention, and give the topic a retention.ms once no shard changelog refers to it",
-                        self.topology.bands)
+        refs = self._kept is True
         if refs != self._refs:
             log.info("members logged %s", "as references to their band records (the band topic keeps its records)"
                      if refs else "with their sets (the band topic does not keep its records for good)")
         self._refs = refs
+        # with a window, the shard deletes the band records its members no longer need
+        self._purging = refs and self.retention_ms is not None
         for _, p in partitions:
             self.shards[p] = with_retries(f"restoring shard {p}", lambda p=p: self._restore(p))
 
@@ -419,7 +487,7 @@ class ShardProcessor(StageHooks):
         only the later batches' members."""
         written.seconds = seconds
         if self._uncommitted:
-            batch, held = self._uncommitted.pop(0)
+            batch, held, points = self._uncommitted.pop(0)
             for p, (owner, added, removed) in held.items():
                 if self.shards.get(p) is owner:  # not a shard restored since (its own batches hold it)
                     owner.commit(added, removed)
@@ -430,19 +498,68 @@ class ShardProcessor(StageHooks):
                 shard.store.apply(records, written.positions.get(p))
                 assert isinstance(shard.index, StoredShardIndex)
                 shard.index.forget()
-                for later, _ in self._uncommitted:
+                for later, _, _ in self._uncommitted:
                     for key, value in members_of(later.get(p, ())):
                         if key[:1] == b"M" and value is not None:
                             self._member(shard.index, key[1:], value)
                         elif key[:1] == b"M":
                             shard.index.remove([order_seq(key[1:])])
+            self._purge(points)
         return written
+
+    def _purge(self, points: dict[int, int | None]) -> None:
+        """Delete the band records below a committed batch's ``points`` (per band partition:
+        ``_Shard.purge_point`` after it), at most every ``PURGE_INTERVAL_S`` (the later
+        points of the partitions due wait for the next): the records of documents
+        processed whose members have expired, as Kafka Streams purges a repartition topic.
+        A refusal is logged (once as an error when not authorized: the topic then grows)
+        and the partition is tried again with its next point."""
+        for p, point in points.items():
+            if point is not None and point > max(0, self._purged.get(p, 0)):  # never 0 or -1 (OFFSET_END: all)
+                self._purge_due[p] = point
+        now = time.monotonic()
+        if not self._purge_due or now - self._purged_at < PURGE_INTERVAL_S:
+            return
+        self._purged_at = now
+        if self._admin is None:
+            self._admin = AdminClient(admin_config(self.settings))
+        due, self._purge_due = self._purge_due, {}
+        try:
+            futures = self._admin.delete_records([TopicPartition(self.topology.bands, p, point)
+                                                  for p, point in sorted(due.items())], request_timeout=30)
+        except KafkaException as exc:
+            log.warning("could not delete the band records no longer needed (%s); tried again later", exc)
+            return
+        for tp, future in futures.items():
+            future.add_done_callback(lambda f, p=tp.partition, point=tp.offset: self._deleted(p, point, f))
+
+    def _deleted(self, p: int, point: int, future: Any) -> None:
+        """The outcome of a purge of band partition ``p`` below ``point`` (the admin
+        client's thread)."""
+        exc = future.exception()
+        if exc is None:
+            self._purged[p] = max(point, self._purged.get(p, 0))
+            return
+        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if err is not None and err.code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                                              KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+            if not self._purge_refused:
+                self._purge_refused = True
+                log.error("may not delete the records of %s (%s): the band topic keeps what the shards no longer "
+                          "need and grows; allow this stage to delete its records (the DELETE operation on the "
+                          "topic)", self.topology.bands, err.str())
+            return
+        log.warning("deleting the records of %s[%d] below offset %d failed (%s); tried again later",
+                    self.topology.bands, p, point, exc)
 
     def close(self) -> None:
         for shard in self.shards.values():
             if shard.store is not None:
                 shard.store.close()
         self.shards = {}
+        if self._admin is not None:
+            discard(self._admin)
+            self._admin = None
 
     @staticmethod
     def _member(index: ShardIndex, order: bytes, value: bytes) -> None:
@@ -484,7 +601,7 @@ class ShardProcessor(StageHooks):
                     for order, rec, buckets, copies in batch:
                         shard.index.apply(order_seq(order), rec.id, Joins(buckets, tuple(map(order_seq, copies))),
                                           rec.fingerprints)
-                    shard.batches.add(key[1:])
+                    shard.logged(key[1:], min((rec.offset for _, rec, _, _ in batch), default=None))
                     continue
                 try:
                     values = members_parts(value)
@@ -492,7 +609,7 @@ class ShardProcessor(StageHooks):
                     raise ChangelogLayoutError(self.topology.shard_changelog, p, f"a members record ({exc})") from exc
                 for order, member in values:
                     self._member(shard.index, order, member)
-                shard.batches.add(key[1:])
+                shard.logged(key[1:], None)
         self._resume(shard)
         if records:
             log.info("shard %d restored from %s: %d records, %d members, in %.1f s", p,
@@ -518,10 +635,15 @@ class ShardProcessor(StageHooks):
             at = 0
             for group in self._expanded(p, [(m.key(), m.value()) for m in chunk]):
                 at += len(group)
-                store.apply([(key, value if batch is None else members_value(
-                    [(order, joined_member_value(copies, rec.id, buckets, rec.fingerprints))
-                     for order, rec, buckets, copies in batch])) for key, value, batch in group],
-                            position=chunk[at - 1].offset() + 1)
+                records: list[tuple[bytes, bytes | None]] = []
+                for key, value, batch in group:
+                    records.append((key, value if batch is None else members_value(
+                        [(order, joined_member_value(copies, rec.id, buckets, rec.fingerprints))
+                         for order, rec, buckets, copies in batch])))
+                    if key[:1] == b"N":  # its references' floor (``_Shard.ref_floors``)
+                        records.append((b"R" + key[1:], None if value is None else _floor_value(
+                            None if batch is None else min((rec.offset for _, rec, _, _ in batch), default=None))))
+                store.apply(records, position=chunk[at - 1].offset() + 1)
 
         try:
             start, records = catch_up(self.settings, self.topology.shard_changelog, p, store.position(), apply,
@@ -530,7 +652,13 @@ class ShardProcessor(StageHooks):
             store.close()
             raise
         shard = _Shard(StoredShardIndex(self.engine, store, self.retention_ms), store)
-        shard.batches = {key for key, _ in store.prefixed(b"N")}
+        floors = {key: _floor_of(value) for key, value in store.prefixed(b"R")}
+        for key, _ in store.prefixed(b"N"):
+            if key in floors:
+                shard.logged(key, floors[key])
+            else:  # a store of an earlier version
+                shard.batches.add(key)
+                shard.unknown_floors.add(key)
         progress = store.get(b"P")
         try:
             self._check_state(p, store.get(b"E"), progress is not None)
@@ -732,7 +860,7 @@ class ShardProcessor(StageHooks):
                 store_only[p] = [(b"M" + seq_order(seq), None) for seq in gone]
                 floor = shard.index.floor()
                 done = sorted(key for key in shard.batches if order_time(key) < floor)  # every member expired
-                shard.batches.difference_update(done)
+                shard.dropped(done)
                 out += [(t.shard_changelog, p, b"N" + key, None, []) for key in done]
                 stats.expired += len(gone)
             shard.consumed = max(shard.consumed, end[p])
@@ -759,9 +887,14 @@ class ShardProcessor(StageHooks):
             for topic, part, key, value, _ in out:
                 if topic == t.shard_changelog:
                     changes.setdefault(part, []).append((key, whole.get((part, key), value)))  # type: ignore[arg-type]
+                    if key[:1] == b"N":  # its references' floor, as ``R`` (the store keeps the values)
+                        changes[part].append((b"R" + key[1:], None if value is None else _floor_value(
+                            self.shards[part].ref_floors.get(key[1:]))))
             for part, deleted in store_only.items():
                 changes.setdefault(part, []).extend(deleted)
-        self._uncommitted.append((changes, held))
+        # with a window, the band records no longer needed once this batch has committed
+        points = {p: self.shards[p].purge_point() for p in touched} if self._purging else {}
+        self._uncommitted.append((changes, held, points))
         return out, stats
 
     @staticmethod
@@ -842,12 +975,12 @@ class ShardProcessor(StageHooks):
                 key = max(order for order, _, _ in chunk)
                 out.append((self.topology.shard_changelog, p, b"N" + key,
                             members_value([(order, value) for order, value, _ in chunk]), []))
-                shard.batches.add(key)
+                shard.logged(key, None)
             return
         for chunk in split_runs(members, _ref_bytes, MEMBERS_RECORD_BYTES):
             key = max(order for order, _, _ in chunk)
             out.append((self.topology.shard_changelog, p, b"N" + key, member_refs_value([ref for _, _, ref in chunk]), []))
-            shard.batches.add(key)
+            shard.logged(key, min(ref[1] for _, _, ref in chunk))  # type: ignore[index]
             if self.state_dir is not None:
                 whole[(p, b"N" + key)] = members_value([(order, value) for order, value, _ in chunk])
 

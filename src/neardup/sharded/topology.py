@@ -38,10 +38,11 @@ class Topology:
         sources: the input topics the prepare stage reads (``--input-topic``): the
             internal topics are created large enough for their records' shingle sets.
         keep_bands: create the band topic keeping its records for good (``retention.ms``
-            and ``retention.bytes`` -1): a deduplication without a retention window, whose
-            shards keep every member; their changelog then refers to the band records
-            instead of copying each member's set (``neardup.sharded.shard_stage``). With a
-            window the band topic keeps the broker's default retention.
+            and ``retention.bytes`` -1; the stages do): the shards' changelog then refers
+            to the band records instead of copying each member's set, and shards with a
+            retention window delete the band records their members no longer need
+            (``neardup.sharded.shard_stage``). Without it the band topic keeps the
+            broker's default retention, and the changelog the members' sets.
     """
 
     app: str

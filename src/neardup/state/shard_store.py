@@ -38,6 +38,10 @@ byte order is the documents' order):
   the bucket's list (read first);
 - ``b"C" + order key`` -> the order keys of the documents that joined that document's copy
   bucket, concatenated;
+- ``b"R" + order key`` -> the lowest band-topic offset the members of that ``N`` record
+  refer to (``">q"``; empty: a record of values): what a shard with a retention window
+  may delete of its band partition (``neardup.sharded.shard_stage``); written by the
+  shard beside the ``N`` records, deleted with them;
 - ``b"O"`` -> the position: ``">q"`` changelog offset;
 - ``b"V"`` -> the layout (``LAYOUT``): a store of another layout is wiped when it opens
   (and restored from the changelog).
