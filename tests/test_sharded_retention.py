@@ -328,6 +328,24 @@ def test_stages_with_a_window_give_the_reference_verdicts_and_shrink_the_shards(
     for (p, key), floor in floors.items():
         if not records[(p, key)]:
             assert low[p] <= floor, (p, low[p], floor)
+    # and every shard partition restores in full from what is left, in memory and on a new
+    # disk (read in changelog order, a deleted N record names band records deleted since)
+    from neardup.config import Settings
+    from neardup.sharded.records import seq_order
+    from neardup.sharded.shard_stage import ShardProcessor
+
+    settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=[topic], group_id=topology.app)
+    for state_dir in (None, tmp_path / "restored"):
+        processor = ShardProcessor(settings, topology, state_dir, retention_ms=3000)
+        try:
+            processor.check(None, [(topology.bands, p) for p in range(topology.shards)])
+            for p in range(topology.shards):
+                shard = processor.shards[p]
+                got = {seq_order(seq) for seq in shard.index.sets} if state_dir is None else \
+                    {order for order, _ in shard.store.prefixed(b"M")}
+                assert got == {order for q, order in live if q == p}, (state_dir, p)
+        finally:
+            processor.close()
     latest = latest_ms / 1000
     if disk:  # a store drops each member as it expires: what it holds is live, and in the window
         stored: set[tuple[int, bytes]] = set()

@@ -295,7 +295,7 @@ class BandRecordGoneError(ValueError):
     def __init__(self, topic: str, partition: int, offset: int, order: bytes) -> None:
         super().__init__(f"{topic}[{partition}] no longer holds the band record at offset {offset} (member "
                          f"{order.hex()}), which the shard changelog refers to: the band topic must keep its "
-                         "records (retention.ms=-1) while the shards keep every member; start the deduplication "
+                         "records (retention.ms=-1) while a shard changelog names them; start the deduplication "
                          "under a new --app")
 
 

@@ -631,9 +631,12 @@ class ShardProcessor(StageHooks):
             store.wipe()
             store.apply([], position=0)
 
+        # ``N`` records whose band records were gone when read: each must be deleted later
+        gone: dict[bytes, tuple[int, bytes]] = {}
+
         def apply(chunk: list[Message]) -> None:  # the members referred to made whole, a group at a time
             at = 0
-            for group in self._expanded(p, [(m.key(), m.value()) for m in chunk]):
+            for group in self._expanded(p, [(m.key(), m.value()) for m in chunk], gone):
                 at += len(group)
                 records: list[tuple[bytes, bytes | None]] = []
                 for key, value, batch in group:
@@ -648,6 +651,10 @@ class ShardProcessor(StageHooks):
         try:
             start, records = catch_up(self.settings, self.topology.shard_changelog, p, store.position(), apply,
                                       wipe, store.position_age_ms())
+            live = sorted(key for key, _ in store.prefixed(b"N") if key in gone)
+            if live:  # a live N record whose band records are gone: restored in full again next time
+                wipe()
+                raise BandRecordGoneError(self.topology.bands, p, *gone[live[0]])
         except BaseException:
             store.close()
             raise
@@ -674,7 +681,8 @@ class ShardProcessor(StageHooks):
                  time.perf_counter() - started)
         return shard
 
-    def _expanded(self, p: int, records: list[tuple[bytes, bytes | None]]) -> Iterator[list[_Expanded]]:
+    def _expanded(self, p: int, records: list[tuple[bytes, bytes | None]],
+                  gone: dict[bytes, tuple[int, bytes]] | None = None) -> Iterator[list[_Expanded]]:
         """Changelog records of partition ``p`` (in changelog order) in groups of at most
         about ``RESOLVE_MEMBERS`` members referred to: each as (key, value, the members of
         an ``N`` record of references, read from the band records it refers to: (order
@@ -703,14 +711,26 @@ class ShardProcessor(StageHooks):
                     raise BandTopicNotKeptError(self.topology.bands, self.topology.shard_changelog, p)
             group.append((key, value, refs))
             if size >= RESOLVE_MEMBERS:
-                yield self._resolve(p, group)
+                yield self._resolve(p, group, gone)
                 group, size = [], 0
         if group:
-            yield self._resolve(p, group)
+            yield self._resolve(p, group, gone)
 
-    def _resolve(self, p: int, group: list[tuple[bytes, bytes | None, list[MemberRef] | None]]) -> list[_Expanded]:
+    def _resolve(self, p: int, group: list[tuple[bytes, bytes | None, list[MemberRef] | None]],
+                 gone: dict[bytes, tuple[int, bytes]] | None = None) -> list[_Expanded]:
         """``_expanded``'s group with its references made whole: one read of band partition
-        ``p`` over the offsets they name."""
+        ``p`` over the offsets they name.
+
+        Args:
+            gone: None: a band record gone raises. Else an ``N`` record naming one that is
+                gone comes with no member, its key put here (without its prefix) with the
+                first record missing (offset, order key): read in changelog order, a record
+                deleted later (every member expired, its band records deleted since) is
+                read before its deletion, and the caller checks that each was deleted.
+
+        Raises:
+            BandRecordGoneError: a band record referred to is gone (``gone`` None).
+        """
         wanted: dict[int, set[int]] = {}
         for _, _, refs in group:
             for _, offset, entry, _, _ in refs or ():
@@ -736,7 +756,11 @@ class ShardProcessor(StageHooks):
             for order, offset, entry, joined, copies in refs:
                 rec = got.get((offset, entry))
                 if rec is None or rec.order != order:
-                    raise BandRecordGoneError(self.topology.bands, p, offset, order)
+                    if gone is None:
+                        raise BandRecordGoneError(self.topology.bands, p, offset, order)
+                    gone.setdefault(key[1:], (offset, order))
+                    members = []
+                    break
                 buckets = rec.buckets if joined is None else rec.buckets[joined]
                 members.append((order, rec, buckets, copies))
             out.append((key, value, members))
