@@ -51,10 +51,10 @@ starts a new producer with the same ``transactional.id``, rewinds and retries th
 way; after ``MAX_PRODUCER_RESETS`` such errors without a committed batch in between (a
 live second instance with the same id), ``run`` raises. A commit or abort that still
 times out after ``TRANSACTION_RETRY_S`` (a producer wedged by an outage) fails the batch
-the same way, and the abort then starts a new producer; so does a batch failing when
-batches have failed with the same producer for longer than ``TRANSACTION_RETRY_S`` (seen
-after an outage: ``send_offsets_to_transaction`` timing out on every batch while each
-abort succeeds). Every transactional call
+the same way, and the abort then starts a new producer; so does a batch timing out
+locally when batches have failed with the same producer for longer than
+``TRANSACTION_RETRY_S`` (seen after an outage: ``send_offsets_to_transaction`` timing out
+on every batch while each abort succeeds). Every transactional call
 (``init_transactions``, ``begin_transaction``, ``send_offsets_to_transaction``,
 ``commit_transaction``, ``abort_transaction``) is waited for at most ``CALL_WAIT_S`` and
 every wait for step 5's thread at most ``STEP5_WAIT_S``; past that the producer is
@@ -391,6 +391,12 @@ def _offsets_unfetched(err: KafkaError | None) -> bool:
 
 def _names(tps: list[TP]) -> str:
     return ", ".join(f"{t}[{p}]" for t, p in tps)
+
+
+def _timed_out(exc: KafkaException) -> bool:
+    """A call that timed out locally: librdkafka got no answer in time."""
+    err = exc.args[0] if exc.args else None
+    return isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT
 
 
 def fatal(exc: KafkaException) -> bool:
@@ -1144,11 +1150,12 @@ class StageRuntime:
                 raise exc
             log.warning("producer failed fatally (%s); starting a new one", exc)
             self._new_producer()
-        elif time.monotonic() - self._failing_since > TRANSACTION_RETRY_S:
+        elif _timed_out(exc) and time.monotonic() - self._failing_since > TRANSACTION_RETRY_S:
             # Seen after a broker outage: a request to the transaction coordinator stays
             # queued on a connection that never comes back, and every batch's
             # send_offsets_to_transaction times out while its abort succeeds. A new
-            # producer fences this one and connects afresh.
+            # producer fences this one and connects afresh. (Not for errors the broker
+            # returns: a refused record, a transaction still being aborted.)
             log.warning("batches have failed for %.0f s with this producer (%s); starting a new producer",
                         time.monotonic() - self._failing_since, exc)
             self._new_producer()

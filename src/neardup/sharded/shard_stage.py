@@ -99,7 +99,8 @@ With a window and references, the shard also deletes the band records no longer 
 as Kafka Streams purges a repartition topic once its records are processed: once a batch
 has committed, band partition p's records below its ``_Shard.purge_point`` (the lowest
 offset a live ``N`` record refers to, the earliest record held, the consumed offset) are
-deleted (``AdminClient.delete_records``, at most every ``PURGE_INTERVAL_S``). The point
+deleted (``AdminClient.delete_records``, at most every ``PURGE_INTERVAL_S``, and what is
+due when the shard closes). The point
 of a committed batch is only ever past records that no committed state needs: a restore,
 a failed batch or another owner after a rebalance read from there on. Each ``N`` record's
 lowest offset is kept in memory beside its key (``_Shard.ref_floors``), read back from its
@@ -109,6 +110,7 @@ version, without them, purges nothing until its ``N`` records of then have expir
 
 from __future__ import annotations
 
+import concurrent.futures
 import heapq
 import logging
 import struct
@@ -206,6 +208,8 @@ _Expanded = tuple[bytes, "bytes | None", "list[tuple[bytes, BandRecord, np.ndarr
 _FLOOR = struct.Struct(">q")
 #: Seconds between two purges of the band topic (``ShardProcessor._purge``).
 PURGE_INTERVAL_S = 10.0
+#: Longest wait, seconds, for the purges a closing shard sends (those not yet due).
+PURGE_CLOSE_WAIT_S = 10.0
 
 
 def _floor_value(floor: int | None) -> bytes:
@@ -518,9 +522,12 @@ class ShardProcessor(StageHooks):
             if point is not None and point > max(0, self._purged.get(p, 0)):  # never 0 or -1 (OFFSET_END: all)
                 self._purge_due[p] = point
         now = time.monotonic()
-        if not self._purge_due or now - self._purged_at < PURGE_INTERVAL_S:
-            return
-        self._purged_at = now
+        if self._purge_due and now - self._purged_at >= PURGE_INTERVAL_S:
+            self._purged_at = now
+            self._delete_due()
+
+    def _delete_due(self) -> list[Any]:
+        """Send the purges due (``_purge``); their futures (none if the call failed)."""
         if self._admin is None:
             self._admin = AdminClient(admin_config(self.settings))
         due, self._purge_due = self._purge_due, {}
@@ -529,9 +536,10 @@ class ShardProcessor(StageHooks):
                                                   for p, point in sorted(due.items())], request_timeout=30)
         except KafkaException as exc:
             log.warning("could not delete the band records no longer needed (%s); tried again later", exc)
-            return
+            return []
         for tp, future in futures.items():
             future.add_done_callback(lambda f, p=tp.partition, point=tp.offset: self._deleted(p, point, f))
+        return list(futures.values())
 
     def _deleted(self, p: int, point: int, future: Any) -> None:
         """The outcome of a purge of band partition ``p`` below ``point`` (the admin
@@ -557,6 +565,8 @@ class ShardProcessor(StageHooks):
             if shard.store is not None:
                 shard.store.close()
         self.shards = {}
+        if self._purge_due:  # the last committed batches' purges, not yet due by the interval
+            concurrent.futures.wait(self._delete_due(), timeout=PURGE_CLOSE_WAIT_S)
         if self._admin is not None:
             discard(self._admin)
             self._admin = None
