@@ -213,6 +213,19 @@ def stage_times(bootstrap: str, app: str, sent: dict[bytes, tuple[int, int, int]
     return {stage: benchlib.quantiles(v) for stage, v in parts.items()}
 
 
+def topic_starts(bootstrap: str, topic: str) -> tuple[int, int]:
+    """(offsets deleted from the start of ``topic``'s partitions, their end offsets), summed:
+    a shard with a retention window deletes the band records it no longer needs, so
+    ``topic_totals`` counts what the topic still holds, not what was written."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"starts-{uuid.uuid4().hex[:8]}"})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        marks = [c.get_watermark_offsets(TopicPartition(topic, q), timeout=10) for q in parts]
+        return sum(low for low, _ in marks), sum(high for _, high in marks)
+    finally:
+        c.close()
+
+
 def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
     """(records, key + value bytes) committed in every partition of ``topic``."""
     records = size = 0
@@ -367,6 +380,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     keys = Counter(key for key, _ in reader.records)
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
+    bands_deleted, bands_end = topic_starts(bootstrap, f"{app}.bands")
     result: dict[str, object] = {
         "processes_per_stage": k, "chaos": args.chaos, "in_turn": args.in_turn, "longest_output_stall_seconds": stall,
         "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": len(messages) / seconds,
@@ -375,6 +389,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         "peak_rss_mb_per_process": rss,
         "records_per_document": {t: r / n for t, (r, _) in topics.items()},
         "bytes_per_document": {t: b / n for t, (_, b) in topics.items()},
+        "band_offsets_deleted": bands_deleted, "band_offsets_end": bands_end,
         "load_before": load_before, "load_after": load_after,
     }
     if paced:
@@ -582,6 +597,9 @@ def main() -> None:
               + "".join(f"; {role} state on disk {b / 1e6:,.1f} MB" for role, b in r["state_bytes"].items()))
         print("  records / bytes per document: " + ", ".join(
             f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
+        if r.get("band_offsets_deleted"):
+            print(f"  the band topic as it stands at the end: the shards deleted {r['band_offsets_deleted']:,} of its "
+                  f"{r['band_offsets_end']:,} offsets (records no longer needed, with a retention window)")
         if "run" in r:
             print(f"  neardup run over the same topic right after: {r['run']['messages_per_second']:,.0f} messages/s "
                   f"({r['run']['seconds']:.1f} s from launch), CPU {r['run']['cpu_us_per_document']:,.0f} µs per document "
