@@ -220,6 +220,12 @@ def _floor_of(value: bytes) -> int | None:
     return _FLOOR.unpack(value)[0] if value else None
 
 
+def _lowest_offset(members: list[tuple[bytes, BandRecord, np.ndarray, Sequence[bytes]]]) -> int | None:
+    """The lowest band-topic offset of an ``N`` record's members as ``_resolve`` read them
+    (None: none, a record whose band records were gone)."""
+    return min((rec.offset for _, rec, _, _ in members), default=None)
+
+
 def _picked(buckets: list[int], joined: list[int]) -> list[int]:
     """The indices in ``buckets`` of ``joined``, a subsequence of it (``ShardIndex.add``
     keeps the buckets a document joins in its order). In Python: ``np.isin`` costs some
@@ -611,7 +617,7 @@ class ShardProcessor(StageHooks):
                     for order, rec, buckets, copies in batch:
                         shard.index.apply(order_seq(order), rec.id, Joins(buckets, tuple(map(order_seq, copies))),
                                           rec.fingerprints)
-                    shard.logged(key[1:], min((rec.offset for _, rec, _, _ in batch), default=None))
+                    shard.logged(key[1:], _lowest_offset(batch))
                     continue
                 try:
                     values = members_parts(value)
@@ -655,7 +661,7 @@ class ShardProcessor(StageHooks):
                          for order, rec, buckets, copies in batch])))
                     if key[:1] == b"N":  # its references' floor (``_Shard.ref_floors``)
                         records.append((b"R" + key[1:], None if value is None else _floor_value(
-                            None if batch is None else min((rec.offset for _, rec, _, _ in batch), default=None))))
+                            None if batch is None else _lowest_offset(batch))))
                 store.apply(records, position=chunk[at - 1].offset() + 1)
 
         try:
