@@ -72,9 +72,11 @@ from confluent_kafka.admin import AdminClient, NewTopic
 import benchlib
 from kafka_e2e import encode, start_broker
 
+from neardup.core.retention import Retention
 from neardup.core.settings import EngineSettings
 from neardup.core.types import Document
 from neardup.detector import Detector
+from neardup.sharded.reference import ShardedReference
 from neardup.sharded.records import FINDINGS_KIND, KIND_HEADER, WATERMARK_KIND, order_key, parse_bands, parse_findings
 from neardup.state.memory import MemoryStateStore
 
@@ -235,8 +237,16 @@ def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
     return records, size
 
 
-def one_process(docs: list[Document], cluster_policy: str = "canonical") -> dict[str, tuple[str, str | None, str]]:
+def one_process(docs: list[Document], cluster_policy: str = "canonical", shards: int = 1,
+                retention_s: float = 0.0) -> dict[str, tuple[str, str | None, str]]:
+    """Verdict, match and cluster by id of ``docs`` (in order-key order) in one process;
+    with ``retention_s``, the sharded rules with that window on their times
+    (``ShardedReference``, which the tests hold the stages to)."""
     settings = EngineSettings(cluster_policy=cluster_policy)
+    if retention_s:
+        ref = ShardedReference(settings, shards, Retention(seconds=retention_s))
+        return {v.id: (v.verdict, v.match, v.cluster) for v in ref.process(docs) if hasattr(v, "verdict")}
+    docs = [Document(d.id, d.text) for d in docs]
     detector = Detector(settings, MemoryStateStore(settings.state_shape()))
     out = {}
     for i in range(0, len(docs), 2000):
@@ -299,7 +309,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
              "--reorder-window-ms", str(args.reorder_window_ms), "--from-beginning",
              "--text-field", "text", "--id-field", "id", "--batch-size", str(args.batch_size),
              *(["--batch-max-ms", str(args.batch_max_ms)] if args.batch_max_ms else []),
-             "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *args.stage_arg, *extra],
+             "--cluster-policy", args.cluster_policy, "--log-level", "WARNING", *args.stage_arg, *extra,
+             *(["--retention", f"{args.retention_s:g}s"] if args.retention_s else [])],
             stdout=log, stderr=subprocess.STDOUT)
         if args.profile is not None:  # sampled from outside; it writes its profile when the stage exits
             args.profile.mkdir(parents=True, exist_ok=True)
@@ -398,8 +409,8 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         order = sorted([*messages, *paced], key=lambda kv: where[kv[0]])
         import json
 
-        docs = [Document(str(json.loads(v)["id"]), json.loads(v)["text"]) for _, v in order]
-        truth = one_process(docs, args.cluster_policy)
+        docs = [Document(str(json.loads(v)["id"]), json.loads(v)["text"], where[k][0] / 1000) for k, v in order]
+        truth = one_process(docs, args.cluster_policy, args.shards, args.retention_s)
         got = {key.decode(): (h["neardup-verdict"].decode(), h["neardup-match"].decode() or None,
                               h["neardup-cluster"].decode()) for key, h in reader.records if "neardup-verdict" in h}
         differ = [i for i in truth if got.get(i) != truth[i]]
@@ -408,7 +419,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         result["cluster_agreement"] = sum(got.get(i, ("", "", ""))[2] == truth[i][2] for i in truth) / len(truth)
         result["differing"] = differ[:20]
     if args.with_run:
-        result["run"] = one_run(bootstrap, topic, n, args.batch_size)
+        result["run"] = one_run(bootstrap, topic, n, args.batch_size, args.retention_s)
     return result
 
 
@@ -485,7 +496,7 @@ def paced_phase(args: argparse.Namespace, bootstrap: str, topic: str, app: str, 
             "load_before": load_before, "load_after": load_after}
 
 
-def one_run(bootstrap: str, topic: str, n: int, batch_size: int) -> dict[str, float]:
+def one_run(bootstrap: str, topic: str, n: int, batch_size: int, retention_s: float = 0.0) -> dict[str, float]:
     """``neardup run`` over the same input topic right after the stages, as a whole
     process (a group of its own, from the beginning, state on disk): its seconds from
     launch to the commit of every input offset, and its CPU per document."""
@@ -500,6 +511,7 @@ def one_run(bootstrap: str, topic: str, n: int, batch_size: int) -> dict[str, fl
          "--group-id", group, "--from-beginning", "--text-field", "text", "--id-field", "id",
          "--unique-topic", f"{topic}.run-unique", "--duplicate-topic", f"{topic}.run-duplicates",
          "--dlq-topic", f"{topic}.run-dlq", "--batch-size", str(batch_size), "--state-dir", str(state),
+         *(["--retention", f"{retention_s:g}s"] if retention_s else []),
          "--metrics-port", "0", "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while True:
@@ -527,6 +539,10 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--decide-partitions", type=int, default=4)
     ap.add_argument("--reorder-window-ms", type=int, default=500)
+    ap.add_argument("--retention-s", type=float, default=0.0,
+                    help="every stage (and --with-run's neardup run) with --retention of this many seconds; the "
+                         "agreement is then with the sharded rules run in one process with that window, on the "
+                         "record timestamps (0: no window)")
     ap.add_argument("--spacing-ms", type=int, default=0,
                     help="record timestamps this many ms apart (a backlog spanning docs x spacing of record time); "
                          "0: the producer's clock")

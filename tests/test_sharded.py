@@ -329,31 +329,29 @@ def test_a_document_that_meets_no_one_joins_as_add_would_have_it(shards):
     assert any(isinstance(m, list) and len(set(m)) < len(m) for m in by_alone[0].buckets.values())
 
 
-def test_a_shard_partition_purges_below_what_its_live_members_records_and_held_documents_need():
+def test_a_shard_partition_purges_below_what_its_live_members_records_and_its_restart_need():
     """``_Shard.purge_point``: the lowest of the offsets its live ``N`` records of
-    references name, its earliest record held and its consumed offset; records of values
-    name none; one ``N`` record whose references are not known (a store of an earlier
-    version) stops it."""
-    from neardup.sharded.records import BandRecord
+    references name and the offset the batch commits (where a restart reads again);
+    records of values name none; one ``N`` record whose references are not known (a store
+    of an earlier version) stops it."""
     from neardup.sharded.shard import ShardIndex
     from neardup.sharded.shard_stage import _Shard
 
     shard = _Shard(ShardIndex(EngineSettings()))
-    shard.consumed = 50
-    assert shard.purge_point() == 50
+    shard.consumed = 50  # a P record's consumed offset past what a restart reads again: no bound
+    assert shard.purge_point(50) == 50
+    assert shard.purge_point(20) == 20
     for key, floor in ((b"a", 30), (b"b", None), (b"c", 12), (b"gone", 3)):
         shard.logged(key, floor)
     shard.dropped([b"gone"])
-    assert shard.purge_point() == 12
-    shard.hold(BandRecord(b"k" * 20, "d", np.zeros(1, np.uint64), np.zeros(1, np.uint32)), 7)
-    assert shard.purge_point() == 7
-    shard.held.clear()
+    assert shard.purge_point(50) == 12
+    assert shard.purge_point(7) == 7  # the earliest record held, committed for a restart
     shard.dropped([b"c"])
-    assert shard.purge_point() == 30
+    assert shard.purge_point(50) == 30
     shard.logged(b"a", 40)  # logged again (a batch computed anew): its latest offset counts
-    assert shard.purge_point() == 40
+    assert shard.purge_point(50) == 40
     shard.batches.add(b"old")  # a store's record of an earlier version: its references not known
     shard.unknown_floors.add(b"old")
-    assert shard.purge_point() is None
+    assert shard.purge_point(50) is None
     shard.dropped([b"old"])
-    assert shard.purge_point() == 40
+    assert shard.purge_point(50) == 40

@@ -98,7 +98,7 @@ released (``P``).
 With a window and references, the shard also deletes the band records no longer needed,
 as Kafka Streams purges a repartition topic once its records are processed: once a batch
 has committed, band partition p's records below its ``_Shard.purge_point`` (the lowest
-offset a live ``N`` record refers to, the earliest record held, the consumed offset) are
+offset a live ``N`` record refers to, and the offset the batch commits for p) are
 deleted (``AdminClient.delete_records``, at most every ``PURGE_INTERVAL_S``, and what is
 due when the shard closes). The point
 of a committed batch is only ever past records that no committed state needs: a restore,
@@ -310,17 +310,19 @@ class _Shard:
             self.ref_floors.pop(key, None)
             self.unknown_floors.discard(key)
 
-    def purge_point(self) -> int | None:
-        """The band-topic offset below which no record is needed any more: none of its
-        documents is held or still to be consumed, and no live ``N`` record refers to it
-        (None: not known, an ``N`` record's references not known)."""
+    def purge_point(self, resume: int) -> int | None:
+        """The band-topic offset below which no record is needed any more: below
+        ``resume``, the offset the batch commits for the partition (a restart reads again
+        from there: the earliest record held, or the batch's end; not the ``P`` record's
+        consumed offset, which after a restart lies past records still to be read again),
+        and below every offset a live ``N`` record refers to (None: not known, an ``N``
+        record's references not known)."""
         if self.unknown_floors:
             return None
         heap, floors = self.floor_heap, self.ref_floors
         while heap and floors.get(heap[0][1]) != heap[0][0]:  # deleted since (or logged again)
             heapq.heappop(heap)
-        first = self.first_held()
-        return min([self.consumed] + ([] if not heap else [heap[0][0]]) + ([] if first is None else [first]))
+        return min(resume, heap[0][0]) if heap else resume
 
     def progress(self, value: bytes, where: tuple[str, int]) -> None:
         """Take a ``P`` record's value (watermark, consumed offset, last released) of
@@ -933,7 +935,7 @@ class ShardProcessor(StageHooks):
             for part, deleted in store_only.items():
                 changes.setdefault(part, []).extend(deleted)
         # with a window, the band records no longer needed once this batch has committed
-        points = {p: self.shards[p].purge_point() for p in touched} if self._purging else {}
+        points = {tp.partition: self.shards[tp.partition].purge_point(tp.offset) for tp in ends} if self._purging else {}
         self._uncommitted.append((changes, held, points))
         return out, stats
 
