@@ -6,32 +6,43 @@ from __future__ import annotations
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
+from collections import Counter
+from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from kafka_util import create_topic, excerpt, produce, start_run, stop, unique, wait_committed
+from kafka_util import committed_offset, create_topic, excerpt, produce, start_run, stop, unique, wait_committed
+from neardup.state import codec
 from test_kafka_run import JSON_FIELDS, _assert_once_with_dedup_verdicts, _edited_copies, _json_messages
 
 BATCHES = ["--batch-size", "100"]
 
 
-def _changelog_records(bootstrap: str, topic: str) -> int:
-    """Committed records of the changelog topic, read from its start to its end."""
+def _changelog_keys(bootstrap: str, topic: str) -> list[bytes]:
+    """The keys of the committed records of the changelog topic, read from its start to
+    its end."""
     reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "changelog-count",
                        "enable.auto.commit": False, "enable.partition.eof": True,
                        "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
     try:
         reader.assign([TopicPartition(topic, 0, 0)])
-        count = 0
+        keys: list[bytes] = []
         while True:
             for m in reader.consume(10_000, timeout=10):
                 if m.error() is None:
-                    count += 1
+                    keys.append(m.key())
                 elif m.error().code() == KafkaError._PARTITION_EOF:
-                    return count
+                    return keys
     finally:
         reader.close()
+
+
+def _changelog_records(bootstrap: str, topic: str) -> int:
+    """Committed records of the changelog topic, read from its start to its end."""
+    return len(_changelog_keys(bootstrap, topic))
 
 
 def _run_to_end(bootstrap, topic, group, state, log, total, *extra) -> str:
@@ -192,6 +203,37 @@ def test_a_state_from_before_the_changelog_is_written_to_it(kafka_bootstrap, kaf
     produce(kafka_bootstrap, topic, _json_messages(records[1200:]))
     out = _run_to_end(kafka_bootstrap, topic, group, state, tmp_path / "third.log", len(records))
     assert "restored 1200 documents" in out, out[-3000:]
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+
+
+def test_the_outcomes_of_messages_stay_out_of_the_changelog(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """Each message's outcome is stored until the next batch commits, to answer the replay
+    of a batch whose transaction did not commit from the same directory
+    (``test_crash_at_each_step_of_the_protocol``). The changelog does not carry it: its
+    records go into the batch's own transaction, so a restore holds the committed
+    batches only, and no message of theirs is read again. A crash after the state commit
+    of the third batch, then a restore into a new directory: the changelog holds the two
+    committed batches and no outcome of a message, the third batch is processed anew,
+    and every message comes out once with the verdicts of a plain run."""
+    records = _edited_copies(excerpt(300), rounds=2)  # 600 messages, 6 batches of 100
+    topic = kafka_topic_factory("cl-outcomes")
+    produce(kafka_bootstrap, topic, _json_messages(records))
+    group = unique("g-cl-outcomes")
+    crashed = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "crash_run.py"), "after_state_commit", "3",
+         kafka_bootstrap, topic, group, str(tmp_path / "a")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert crashed.returncode == 9, crashed.stderr[-2000:]
+    assert committed_offset(kafka_bootstrap, group, topic) == 200
+    families = Counter()
+    for key in _changelog_keys(kafka_bootstrap, f"{group}.neardup-changelog"):
+        family, stored = codec.split_changelog_key(key)
+        families[family if family != "verdicts" or stored.startswith(b"\0") else "outcomes"] += 1
+    assert families["documents"] == 200 and families["verdicts"] == 1, families  # the topic id
+    assert families["outcomes"] == 0, families
+    out = _run_to_end(kafka_bootstrap, topic, group, tmp_path / "b", tmp_path / "second.log", len(records))
+    assert "restored 200 documents" in out, out[-3000:]
     _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
 
 

@@ -533,6 +533,7 @@ class DedupProcessor:
             if part.position is not None:
                 update.positions[part.source] = part.position
         update.verdict_deletes = self._committed_keys
+        update.local_verdicts = True  # only a replay of this store reads them (``StateUpdate``)
         if self.changelog is None:
             self.store.commit(update)
         else:

@@ -45,6 +45,12 @@ class StateUpdate:
         positions: input source -> next position to read (line, offset, ...).
         verdicts: opaque per-input records (key -> bytes) kept for replay after a crash.
         verdict_deletes: keys of ``verdicts`` records no longer needed.
+        local_verdicts: ``verdicts`` and ``verdict_deletes`` are written to this store
+            only, never to its changelog: records that answer the replay of a batch whose
+            Kafka transaction did not commit. A restore from the changelog never needs
+            them, since it holds the state of committed transactions only (the
+            changelog's records go into the batch's own transaction), and after one no
+            message of theirs is read again.
         meta: the runtime's metadata (name -> bytes), in the default family under
             ``b"meta:" + name``; read back with ``get_meta``.
     """
@@ -63,6 +69,7 @@ class StateUpdate:
     positions: dict[str, int] = field(default_factory=dict)
     verdicts: dict[bytes, bytes] = field(default_factory=dict)
     verdict_deletes: list[bytes] = field(default_factory=list)
+    local_verdicts: bool = False
     meta: dict[bytes, bytes] = field(default_factory=dict)
 
     @property

@@ -8,7 +8,9 @@ of expired documents, the settings and retention written at open, ``expire()``) 
 passes its records to ``log``, then is applied; if ``log`` raises, it is not. The records
 come in the order the write applies them: a range delete's tombstones (one per key it
 removes, read before the write), then the deletes, then the puts; a later record of a key
-wins. The caller produces them inside the batch's Kafka transaction.
+wins. The caller produces them inside the batch's Kafka transaction. A commit with
+``StateUpdate.local_verdicts`` leaves its ``verdicts`` records out (applied, not logged):
+each message's outcome, kept for a replay from this store only.
 
 Unconfirmed keys (an outbox). The changelog keys written since the last ``confirm()`` are
 stored in the same atomic write as the data (``codec.UNCONFIRMED_KEY``). The caller calls

@@ -82,16 +82,19 @@ class KeyValueStateStore(ChangelogMixin):
         raise NotImplementedError
 
     # --- shared logic --------------------------------------------------------------
-    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None) -> None:
+    def _write(self, puts: Puts, deletes: Deletes | None = None, ranges: Ranges | None = None,
+               unlogged: frozenset[str] = frozenset()) -> None:
         """Apply ``ranges`` (range deletes), ``deletes`` then ``puts`` atomically. With a
         changelog (``log`` set), first pass their records to ``log`` (the write is not
-        applied if it raises), and write the unconfirmed changelog keys in the same write."""
+        applied if it raises), and write the unconfirmed changelog keys in the same write;
+        the puts and deletes of the families in ``unlogged`` are applied, not logged."""
         if self.log is None:
             self._write_batch(puts, deletes, ranges)
             return
         puts = {family: list(pairs) for family, pairs in puts.items()}  # generators, read once
         deletes = {family: list(keys) for family, keys in (deletes or {}).items()}
-        records = self._records(puts, deletes, ranges or {})
+        records = self._records({f: v for f, v in puts.items() if f not in unlogged},
+                                {f: v for f, v in deletes.items() if f not in unlogged}, ranges or {})
         unconfirmed = self._unconfirmed | {key for key, _ in records}
         puts["default"] = [*puts.get("default", []), (codec.UNCONFIRMED_KEY, codec.encode_key_set(unconfirmed))]
         self.log(records)
@@ -380,7 +383,8 @@ class KeyValueStateStore(ChangelogMixin):
         self._times.extend(update.first_seq, times)  # undone below if the write fails
         removal = self._removal(update.next_seq, watermark, update.first_seq, nodes, puts, deletes)
         try:
-            self._write(puts, deletes, removal.ranges if removal else None)
+            self._write(puts, deletes, removal.ranges if removal else None,
+                        frozenset({"verdicts"}) if update.local_verdicts else frozenset())
         except BaseException:
             self._times.drop_after(update.first_seq)
             raise
