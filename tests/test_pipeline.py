@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -31,6 +32,51 @@ def test_small_input_starts_no_worker() -> None:
     for _batch, _prepared in prepared_ahead(_batches(3), PrepareTexts(), SETTINGS, parallel=True, worker_after=3):
         children.extend(multiprocessing.active_children())
     assert children == []
+
+
+def test_small_input_is_prepared_in_a_thread_as_inline() -> None:
+    """Before a worker is worth starting, batches are prepared in one thread of this
+    process, ahead of the caller: the same arrays as inline, in order."""
+    batches = _batches(6)
+    inline = [p for _, p in prepared_ahead(batches, PrepareTexts(), SETTINGS, parallel=False)]
+    threads = set()
+    piped = []
+    for batch, prepared in prepared_ahead(batches, PrepareTexts(), SETTINGS, parallel=True, worker_after=6):
+        threads |= {t.name for t in threading.enumerate() if t.name.startswith("neardup-prepare")}
+        piped.append((batch, prepared))
+        assert multiprocessing.active_children() == []
+    assert threads
+    assert [b for b, _ in piped] == batches
+    for a, (_, b) in zip(inline, piped):
+        assert np.array_equal(a.buckets, b.buckets) and np.array_equal(a.fingerprints, b.fingerprints)
+    time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("neardup-prepare")]
+
+
+class _FailsAt(PrepareTexts):
+    """Fails on the batch whose first document has id ``bad``."""
+
+    def __init__(self, bad: str) -> None:
+        self.bad = bad
+
+    def run(self, texts, preparer):  # type: ignore[no-untyped-def]
+        if texts and texts[0].startswith(self.bad):
+            raise ValueError("broken batch")
+        return super().run(texts, preparer)
+
+
+def test_an_error_in_the_preparing_thread_is_raised_at_its_batch() -> None:
+    batches = _batches(6)
+    job = _FailsAt("story 3 ")
+    seen = []
+    try:
+        for batch, _ in prepared_ahead(batches, job, SETTINGS, parallel=True, worker_after=6):
+            seen.append(batch)
+    except ValueError as exc:
+        assert str(exc) == "broken batch"
+    else:
+        raise AssertionError("the error was not raised")
+    assert seen == batches[:3]
 
 
 def test_worker_batches_equal_inline_ones() -> None:
