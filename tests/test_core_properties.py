@@ -263,6 +263,34 @@ def test_shingle_counts_and_hashes_match_reference_ngrams(texts: list[str], sh: 
             assert by_hash.setdefault(h, gram) == gram  # different n-grams, different hashes
 
 
+@FAST
+@given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=12), max_size=6), st.integers(1, 7))
+def test_ngram_hashes_fold_each_window_with_combine(docs: list[list[int]], n: int) -> None:
+    """The compiled fold of token hashes into n-gram hashes is ``hashing.combine`` folded
+    left over each window (the whole text when it has fewer than n tokens, none for an
+    empty one), at the offsets given."""
+    from neardup.core.hashing import combine
+    from neardup.core.xxh3 import _ngram_hashes, ngram_hashes
+
+    expected: list[int] = []
+    counts = []
+    for tokens in docs:
+        width = min(n, len(tokens))
+        windows = [tokens[i : i + width] for i in range(len(tokens) - width + 1)] if tokens else []
+        counts.append(len(windows))
+        for window in windows:
+            acc = np.array([window[0]], dtype=np.uint64)
+            for h in window[1:]:
+                acc = combine(acc, np.array([h], dtype=np.uint64))
+            expected.append(int(acc[0]))
+    tokens = np.array([h for doc in docs for h in doc], dtype=np.uint64)
+    token_offsets = np.concatenate([[0], np.cumsum([len(doc) for doc in docs])]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    assert ngram_hashes(tokens, token_offsets, offsets, n).tolist() == expected
+    if not hasattr(_ngram_hashes, "signatures"):  # built at install: no call went to numba
+        assert _ngram_hashes.fallbacks == 0
+
+
 @pytest.mark.parametrize(
     ("text", "n", "count"),
     [("a b c d e f g", 5, 3), ("a b c d e", 5, 1), ("a b", 5, 1), ("x", 5, 1), ("", 5, 0),

@@ -4,8 +4,8 @@ A document's shingles are its word n-grams over Unicode word tokens (``\\w+``) o
 character n-grams. Word tokens are found for the whole batch at once (a table of the
 code points ``\\w`` matches, applied with numpy) and hashed once each with xxh3-64 of
 their UTF-8 bytes (compiled, ``neardup.core.xxh3``); character shingles use the code points. An n-gram's hash is the
-order-sensitive ``combine`` of its n token hashes, computed with n - 1 vectorised passes
-over the whole batch. A document with fewer than n
+order-sensitive ``combine`` of its n token hashes, folded left, in one compiled pass over
+the whole batch (``neardup.core.xxh3.ngram_hashes``). A document with fewer than n
 tokens gives one shingle of all its tokens; a document with no token gives none (callers
 reject it).
 """
@@ -176,34 +176,17 @@ def shingle_batch(texts: Sequence[str], shingling: Shingling = Shingling()) -> S
     Returns:
         A ``ShingleBatch``; a text without any token has zero shingles.
     """
+    from neardup.core.xxh3 import ngram_hashes  # as in _token_hashes: numba only where text is hashed
+
     tokens, toff = _token_hashes(texts, shingling)
     n = shingling.n
     m = np.diff(toff)  # tokens per document
     n_shingles = np.where(m >= n, m - n + 1, np.minimum(m, 1))
-    short = np.flatnonzero((m > 0) & (m < n))
-    short_hashes = np.empty(len(short), dtype=np.uint64)
-    ones = short[m[short] == 1]
-    short_hashes[np.searchsorted(short, ones)] = tokens[toff[ones]]
-
-    acc = tokens
-    for k in range(1, n):
-        width = max(len(tokens) - k, 0)  # n-grams of length k + 1 start at 0 .. width - 1
-        acc = combine(acc[:width], tokens[k : k + width])
-        done = short[m[short] == k + 1]
-        if len(done):
-            short_hashes[np.searchsorted(short, done)] = acc[toff[done]]
-
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(n_shingles, out=offsets[1:])
-    total = int(offsets[-1])
-    doc_of_slot = np.repeat(np.arange(len(texts)), n_shingles)
-    source = np.arange(total, dtype=np.int64) - offsets[doc_of_slot] + toff[doc_of_slot]
-    out = np.empty(total, dtype=np.uint64)
-    full = m[doc_of_slot] >= n
-    out[full] = acc[source[full]]
-    out[offsets[short]] = short_hashes
+    out = ngram_hashes(tokens, toff, offsets, n)
     if shingling.multiset:
-        out = _number_repeats(out, doc_of_slot)
+        out = _number_repeats(out, np.repeat(np.arange(len(texts)), n_shingles))
     return ShingleBatch(hashes=out, offsets=offsets)
 
 

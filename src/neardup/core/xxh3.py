@@ -1,4 +1,5 @@
-"""XXH3-64 (seed 0, default secret) of many byte spans at once, compiled with numba.
+"""XXH3-64 (seed 0, default secret) of many byte spans at once, compiled with numba; and
+the fold of token hashes into n-gram hashes (``ngram_hashes``).
 
 The shingle hash of a word token is xxh3-64 of its UTF-8 bytes (``xxhash.xxh3_64_intdigest``).
 Called once per token from Python, the library costs about 50 ns of call overhead per
@@ -18,6 +19,9 @@ import numpy as np
 import xxhash
 from neardup.core.aot import kernel
 from neardup.core.arrays import read_only
+from neardup.core.hashing import _K as _FOLD_K
+from neardup.core.hashing import M1 as _FOLD_M1
+from neardup.core.hashing import M2 as _FOLD_M2
 
 #: The compiled paths cover spans up to this many bytes.
 MAX_SHORT = 128
@@ -194,3 +198,54 @@ def xxh3_spans(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nda
     for i in np.flatnonzero(ends - starts > MAX_SHORT).tolist():
         out[i] = xxhash.xxh3_64_intdigest(data[starts[i] : ends[i]].tobytes())
     return out
+
+
+@kernel
+def _fold(acc: np.uint64, h: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """``neardup.core.hashing.combine`` of two scalars: SplitMix64's finaliser of
+    ``acc * K + h``."""
+    x = acc * _FOLD_K + h
+    x = x ^ (x >> np.uint64(30))
+    x = x * _FOLD_M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _FOLD_M2
+    return x ^ (x >> np.uint64(31))
+
+
+@kernel("uint64[::1](uint64[::1], int64[::1], int64[::1], int64)")
+def _ngram_hashes(tokens: np.ndarray, token_offsets: np.ndarray, offsets: np.ndarray,
+                  n: int) -> np.ndarray:  # pragma: no cover - compiled
+    out = np.empty(offsets[-1], dtype=np.uint64)
+    for d in range(len(token_offsets) - 1):
+        start = token_offsets[d]
+        m = token_offsets[d + 1] - start
+        at = offsets[d]
+        width = n if m >= n else m  # a text shorter than n: its one shingle is all its tokens
+        for i in range(m - width + 1 if m > 0 else 0):
+            acc = tokens[start + i]
+            for k in range(1, width):
+                acc = _fold(acc, tokens[start + i + k])
+            out[at + i] = acc
+    return out
+
+
+def ngram_hashes(tokens: np.ndarray, token_offsets: np.ndarray, offsets: np.ndarray, n: int) -> np.ndarray:
+    """The hashes of every text's token n-grams, in one compiled pass: each n-gram's hash
+    is its token hashes folded left by ``neardup.core.hashing.combine`` (the first token's
+    hash alone for n = 1); a text of 1 to n - 1 tokens has one shingle, all its tokens
+    folded; a text of none has none.
+
+    Args:
+        tokens: uint64, shape (n_tokens,): the token hashes of all the texts, in order.
+        token_offsets: int64, shape (n_texts + 1,): text d's tokens are
+            ``tokens[token_offsets[d]:token_offsets[d + 1]]``.
+        offsets: int64, shape (n_texts + 1,): where each text's shingles go in the result
+            (``max(m - n + 1, min(m, 1))`` for a text of m tokens).
+        n: the n-gram length, at least 1.
+
+    Returns:
+        uint64, shape (offsets[-1],).
+    """
+    return _ngram_hashes(np.ascontiguousarray(tokens, dtype=np.uint64),
+                         np.ascontiguousarray(token_offsets, dtype=np.int64),
+                         np.ascontiguousarray(offsets, dtype=np.int64), int(n))
