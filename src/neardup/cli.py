@@ -86,7 +86,7 @@ def _record_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--id-field", help=f"JSON field holding the document id (dedup default: {FILE_ID_FIELD}, else the line number; run default: the message key, else topic/partition/offset)")
     g.add_argument("--text-format", choices=["plain", "html"], help=f"html: the text (each --text-field, or run's whole message value) is an HTML page and only its main text is deduplicated, without navigation, related links and footers; a page with none is rejected (dedup) or dead-lettered (run); needs pip install 'neardup[html]' ({_d('text_format')})")
     g.add_argument("--batch-size", type=int, help=f"documents per batch ({_d('batch_size')})")
-    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help=f"prepare the next batch (normalise, shingle, MinHash) in a second process while the current one is checked and written; run: when a backlog fills whole batches ({_d('pipeline')})")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None, help=f"prepare the next batch (normalise, shingle, MinHash) while the current one is checked and written, in a second process (dedup: in a thread for the first 24 batches of an input under 64 MiB); run: when a backlog fills whole batches ({_d('pipeline')})")
     g.add_argument("--state-dir", type=Path, help=f"RocksDB state directory, kept between runs (run default ./{DEFAULT_STATE_DIR}; dedup default: state for the run only, in memory for inputs under {MEMORY_STATE_BYTES >> 20} MiB without a retention window, else in a temporary directory removed at the end)")
 
 
