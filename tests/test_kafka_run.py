@@ -378,6 +378,34 @@ def test_sigterm_then_restart_has_no_gap_and_no_repeat(kafka_bootstrap, kafka_to
     assert {k: v for k, v in ((o.key.decode(), _verdict_of(o)) for o in outs)} == _expected(records)
 
 
+def test_a_restart_deletes_the_outcomes_its_last_run_kept(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """Each message's outcome is kept until the next batch commits; a stop (or a kill)
+    leaves the last batch's, for a replay. Once the group has committed past them, the
+    next run deletes them: over runs, the store keeps the outcomes of one batch, not one
+    batch per stop."""
+    records = _edited_copies(excerpt(300), rounds=2)  # 600 messages
+    topic = kafka_topic_factory("stale-outcomes")
+    group, state = unique("g-stale-outcomes"), tmp_path / "state"
+    batches = ["--batch-size", "100", *JSON_FIELDS]
+    for start, end, kill in ((0, 300, signal.SIGTERM), (300, 450, signal.SIGKILL), (450, 600, signal.SIGTERM)):
+        produce(kafka_bootstrap, topic, _json_messages(records[start:end]))
+        proc = start_run(kafka_bootstrap, topic, group, state, *batches, log=tmp_path / "run.log")
+        try:
+            wait_committed(kafka_bootstrap, group, topic, end, proc, log=tmp_path / "run.log")
+        finally:
+            assert stop(proc, kill) in (0, -signal.SIGKILL)
+    _assert_once_with_dedup_verdicts(kafka_bootstrap, topic, records)
+    settings = load_settings({"bootstrap_servers": kafka_bootstrap, "input_topics": [topic]})
+    store = RocksDBStateStore(state, settings.engine().state_shape())
+    try:
+        prefix = f"{topic}:0".encode() + b"\0"
+        kept = [int.from_bytes(key[len(prefix):], "big") for key in store.verdict_keys(prefix, prefix + b"\xff" * 9)]
+    finally:
+        store.close()
+    assert kept and len(kept) <= 100 and min(kept) >= 450, kept  # the last batch's only
+    assert "deleting the stored outcomes of" in (tmp_path / "run.log").read_text()
+
+
 @pytest.mark.parametrize("step", ["before_state_commit", "after_state_commit", "after_kafka_commit"])
 def test_crash_at_each_step_of_the_protocol(step, kafka_bootstrap, kafka_topic_factory, tmp_path):
     """A crash between any two steps of a batch: after restart, exactly once, same verdicts."""

@@ -305,10 +305,23 @@ class DedupProcessor:
             for t, n in partitions
         ]
         self._positions.update(state_check.check(self.store, facts, self.settings.reset_state))
+        self._committed_keys += self._stale_outcomes(committed)
         log.info("state checked against %s", ", ".join(p.name for p in facts))
         # a regex subscription matches the outputs too: theirs are never created (each
         # would be matched in turn, <input>.unique.unique and so on, until the broker refuses)
         self._create_outputs([t for t in topics if not self.is_output(t)])
+
+    def _stale_outcomes(self, committed: dict[TP, int]) -> list[bytes]:
+        """The stored outcomes of messages below their partition's committed offset: kept
+        for a replay that can no longer come (those of the last batch before a stop or a
+        kill, whose deletion came with the next batch), deleted by the next batch."""
+        stale: list[bytes] = []
+        for (topic, partition), offset in committed.items():
+            prefix = verdict_key_prefix(topic, partition)
+            stale += self.store.verdict_keys(prefix, prefix + OFFSET_BE.pack(offset))
+        if stale:
+            log.info("deleting the stored outcomes of %d messages committed before", len(stale))
+        return stale
 
     def _create_outputs(self, input_topics: list[str]) -> None:
         """Create the output topics of ``input_topics`` that are missing

@@ -143,6 +143,10 @@ class StateStore(Protocol):
         """The next position to read from ``source``, None if never read."""
         ...
 
+    def verdict_keys(self, begin: bytes, end: bytes) -> list[bytes]:
+        """The keys of the ``verdicts`` records in [begin, end), in order."""
+        ...
+
     def get_verdicts(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Stored per-input records (see ``StateUpdate.verdicts``)."""
         ...

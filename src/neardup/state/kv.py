@@ -331,6 +331,9 @@ class KeyValueStateStore(ChangelogMixin):
     def get_verdicts(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._get_many("verdicts", keys)
 
+    def verdict_keys(self, begin: bytes, end: bytes) -> list[bytes]:
+        return list(self._keys("verdicts", begin, end))
+
     def get_meta(self, name: bytes) -> bytes | None:
         """The runtime's metadata ``name`` (``StateUpdate.meta``), None if never written."""
         return self._get("default", codec.meta_key(name))
