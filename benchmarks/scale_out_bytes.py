@@ -62,6 +62,13 @@ Designs:
   with its original more often than not, so both sets are in one place; a shard sends
   candidates to the document's home partition only when it is another, as one record per
   (batch, shard, home partition), the keys as varint columns (``LAYOUTS``).
+- ``E``: the set written once to a set topic that every shard process reads whole (as a
+  Kafka Streams global table: each process keeps the sets of the documents touching its
+  partitions), so that a shard still verifies its own candidates: no exchange with a set
+  store, today's findings (``A``) to decide, ``D2``'s band records and member records (each
+  member record also naming the set record's offset, 8 bytes), the set topic kept like
+  today's band topic (no changelog of its own). Written once (the "set store" column),
+  and read once by every shard process.
 - ``D-doc``: ``D2`` with the input record's value left off the findings topic (decide
   would read it from the input topic by partition and offset): not proposed, shown to
   say what the copy of the input costs.
@@ -124,6 +131,8 @@ LAYOUTS = {
     "D3 candidates record": "one per (batch, shard partition, home partition): \">I\" n; the n order keys as "
                             "in a D2 band record; per document \">B\" m, then m × (the candidate's order key as "
                             "varints: timestamp difference, zigzag; partition; offset; \">B\" bands shared)",
+    "E set record": "as the B set record, written once to a topic every shard process reads; an E member "
+                    "record is a D2 member record and the set record's offset (8 B)",
     "B findings entry": "to decide, per document: order key, \">H\" count, then per verified candidate: "
                         "order key, \">ddd\", \">H\" id length, id (46 + L): 22 + Σ (46 + L)",
 }
@@ -222,7 +231,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
     fsize: dict[int, int] = {}
     limit = settings.max_candidates + settings.extra_candidates
     t: dict[str, dict[str, float]] = {d: defaultdict(float) for d in
-                                      ("A", "B-push", "B-pull", "C-varint", "C-zlib", "D", "D2", "D3", "D-doc")}
+                                      ("A", "B-push", "B-pull", "C-varint", "C-zlib", "D", "D2", "D3", "E", "D-doc")}
     stats = defaultdict(float)
     touched_total = 0
     for b in data["batches"]:
@@ -231,7 +240,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
         docs = b["docs"]
         # the input records, on the findings topic to decide (today's document record: key + value)
         doc_bytes = sum(len(inputs[i][0]) + len(inputs[i][1]) for i in b["all"])
-        for d in ("A", "B-push", "B-pull", "C-varint", "D", "D2", "D3"):
+        for d in ("A", "B-push", "B-pull", "C-varint", "D", "D2", "D3", "E"):
             t[d]["document"] += doc_bytes
         t["D-doc"]["document"] += sum(len(inputs[i][0]) + ORDER.size for i in b["all"])  # key and order key
         per_dp = defaultdict(list)
@@ -313,6 +322,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
                     checked[c] = (x.jaccard, x.containment, x.similarity)
                 f = found_value(orders[i], q, cands)
                 t["A"]["findings"] += len(f)
+                t["E"]["findings"] += len(f)
                 t["C-varint"]["findings"] += len(f)
                 found_by_dp[decide_partition(orders[i], decide_parts)].append(f)
                 if not joins.empty:
@@ -372,6 +382,7 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
             for d in ("D", "D2", "D3", "D-doc"):
                 t[d]["set store"] += set_record
                 t[d]["findings"] += findings_b
+            t["E"]["set store"] += set_record
             for x in b["buckets"][v].tolist():  # now an earlier document in all its buckets
                 lsh[x].append(i)
         # P records: one per shard partition touched by the batch (a shard batch taken as a prepare batch)
@@ -380,12 +391,14 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
         for es in entries3.values():  # D3: one candidates record per (batch, shard, home partition)
             t["D3"]["exchange"] += 4 + order_column_bytes([o for o, _ in es]) + sum(
                 1 + sum(1 + relative_key_bytes(o, orders[c]) for c in cs) for o, cs in es)
+        stats["member_records"] += len(joined_by_q)
         for ms in joined_by_q.values():  # D2: one member record per (batch, shard partition)
             t["D2"]["shard changelog"] += 1 + ORDER.size + 4 + order_column_bytes([o for o, _, _ in ms]) + sum(
                 2 + ORDER.size * c + 8 * k for _, c, k in ms)
         t["C-zlib"]["shard changelog"] += sum(len(zlib.compress(b"".join(ms), 6)) for ms in members_by_q.values())
         t["C-zlib"]["findings"] += sum(len(zlib.compress(findings_value(fs), 6)) for fs in found_by_dp.values())
         t["A"]["findings"] += 4 * len(found_by_dp)  # the findings records' counts
+        t["E"]["findings"] += 4 * len(found_by_dp)
         t["C-varint"]["findings"] += 4 * len(found_by_dp)
         if not b["counted"]:
             t = {d: defaultdict(float, x) for d, x in kept[0].items()}
@@ -393,6 +406,8 @@ def measure(data: dict, shards: int, settings: EngineSettings) -> dict[str, obje
     input_bytes = sum(len(inputs[i][0]) + len(inputs[i][1]) for b in counted for i in b["all"]) / n_docs
     for topic in ("bands", "shard changelog"):
         t["D3"][topic] = t["D2"][topic]
+    t["E"]["bands"] = t["D2"]["bands"]
+    t["E"]["shard changelog"] = t["D2"]["shard changelog"] + 8 * stats["member_records"]
     t["D-doc"] = {**t["D2"], "document": t["D-doc"]["document"]}  # D2 without the input's value to decide
     designs = {}
     for d, topics in t.items():
