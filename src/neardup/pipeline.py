@@ -326,18 +326,20 @@ def _prepared_in_thread(batches: Iterable[T], job: PrepareJob[T, R], preparer: P
     (reading the input there) was no faster on Reuters-21578: the thread is the busier
     of the two."""
     pending: deque[tuple[T, Future[tuple[Any, PreparedBatch]]]] = deque()
+
+    def oldest() -> tuple[R, PreparedBatch]:
+        done, future = pending.popleft()
+        made, prepared = future.result()
+        return job.finish(done, made), prepared
+
     with ThreadPoolExecutor(1, thread_name_prefix="neardup-prepare") as pool:
         try:
             for batch in batches:
                 pending.append((batch, pool.submit(job.run, job.payload(batch), preparer)))
                 if len(pending) > max(depth, 1):
-                    done, future = pending.popleft()
-                    made, prepared = future.result()
-                    yield job.finish(done, made), prepared
+                    yield oldest()
             while pending:
-                done, future = pending.popleft()
-                made, prepared = future.result()
-                yield job.finish(done, made), prepared
+                yield oldest()
         finally:  # the caller stopped early (or failed): what was not started never is
             for _, future in pending:
                 future.cancel()

@@ -305,7 +305,8 @@ class DedupProcessor:
             for t, n in partitions
         ]
         self._positions.update(state_check.check(self.store, facts, self.settings.reset_state))
-        self._committed_keys += self._stale_outcomes(committed)
+        # a new list: the one held may be the last written batch's own keys
+        self._committed_keys = [*self._committed_keys, *self._stale_outcomes(committed)]
         log.info("state checked against %s", ", ".join(p.name for p in facts))
         # a regex subscription matches the outputs too: theirs are never created (each
         # would be matched in turn, <input>.unique.unique and so on, until the broker refuses)
