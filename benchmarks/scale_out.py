@@ -95,13 +95,16 @@ def create(bootstrap: str, topics: dict[str, int]) -> None:
 
 def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]],
             spacing_ms: int = 0, partitions: int | None = None,
-            rate: float | None = None) -> dict[bytes, tuple[int, int, int]]:
+            rate: float | None = None, lag_ms: int = 0) -> dict[bytes, tuple[int, int, int]]:
     """Produce in order; the order key (timestamp, partition, offset) of each key. With
     ``spacing_ms``, record timestamps are set: ``spacing_ms`` apart, the last one now (a
     backlog spanning ``len(messages) * spacing_ms`` of record time). With ``partitions``,
     message i goes to partition i % ``partitions`` (else: the key's partition). With
     ``rate`` (messages/s), message i is produced ``i / rate`` s after the first, its record
-    timestamp the time of its ``produce()`` call (``spacing_ms`` 0)."""
+    timestamp the time of its ``produce()`` call (``spacing_ms`` 0). With ``lag_ms`` (and
+    ``spacing_ms`` and ``partitions``), partition k's records are stamped ``k * lag_ms``
+    earlier: a backlog whose partitions lie minutes apart in record time, though produced
+    side by side."""
     first = int(time.time() * 1000) - len(messages) * spacing_ms
     started = time.perf_counter()
     where: dict[bytes, tuple[int, int, int]] = {}
@@ -123,6 +126,8 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]],
         stamp = {"timestamp": first + i * spacing_ms} if spacing_ms else {}
         if partitions:
             stamp["partition"] = i % partitions
+            if lag_ms and spacing_ms:
+                stamp["timestamp"] -= (i % partitions) * lag_ms
         while True:
             try:
                 p.produce(topic, key=key, value=value, on_delivery=delivered, **stamp)
@@ -287,8 +292,10 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topic = f"bench-scale-{uuid.uuid4().hex[:8]}"
     app = f"bench-app-{uuid.uuid4().hex[:8]}"
     create(bootstrap, {topic: args.input_partitions, **{f"{topic}.{s}": 1 for s in ("unique", "duplicates", "dlq")}})
-    fed = args.input_partitions - args.idle_partitions if args.idle_partitions else None
-    where = produce(bootstrap, topic, messages, args.spacing_ms, partitions=fed)
+    fed = (args.input_partitions - args.idle_partitions if args.idle_partitions
+           else args.input_partitions if args.partition_lag_s else None)
+    where = produce(bootstrap, topic, messages, args.spacing_ms, partitions=fed,
+                    lag_ms=round(args.partition_lag_s * 1000))
     reader = Outputs(bootstrap, [f"{topic}.unique", f"{topic}.duplicates", f"{topic}.dlq"],
                      fetch_wait_ms=10 if paced else 500)
     reader.start()
@@ -546,6 +553,10 @@ def main() -> None:
     ap.add_argument("--spacing-ms", type=int, default=0,
                     help="record timestamps this many ms apart (a backlog spanning docs x spacing of record time); "
                          "0: the producer's clock")
+    ap.add_argument("--partition-lag-s", type=float, default=0.0,
+                    help="with --spacing-ms: input partition k's records stamped k times this many seconds earlier "
+                         "(message i to partition i %% partitions), so that partitions read side by side lie "
+                         "minutes apart in record time (0: none)")
     ap.add_argument("--batch-size", type=int, default=500)
     ap.add_argument("--stage-arg", action="append", default=[],
                     help="an argument passed to every stage process as is (repeat it, e.g. --stage-arg=-X "
@@ -585,6 +596,8 @@ def main() -> None:
         ap.error("--idle-partitions must be at least 0 and below --input-partitions")
     if args.paced < 0 or args.rate <= 0:
         ap.error("--paced must be at least 0 and --rate positive")
+    if args.partition_lag_s and not args.spacing_ms:
+        ap.error("--partition-lag-s needs --spacing-ms (record timestamps set by the producer)")
     if args.paced and (args.chaos or args.spacing_ms):
         ap.error("--paced goes with neither --chaos nor --spacing-ms")
     if args.in_turn and (args.chaos or args.paced or args.processes != [1]):
@@ -648,6 +661,7 @@ def main() -> None:
                                     "input_partitions": args.input_partitions, "shards": args.shards,
                                     "decide_partitions": args.decide_partitions,
                                     "reorder_window_ms": args.reorder_window_ms, "spacing_ms": args.spacing_ms,
+                                    "partition_lag_s": args.partition_lag_s,
                                     "paced": args.paced, "rate": args.rate, "idle_partitions": args.idle_partitions,
                                     "runs": runs})
 
