@@ -20,12 +20,18 @@ from neardup.sharded.records import (
     band_values,
     bands_value,
     batch_bands,
+    DOCUMENTS_FIXED_BYTES,
+    DocumentEntry,
     decisions_value,
+    document_entry_bytes,
+    documents_count,
+    documents_value,
     findings_value,
     found_value,
     order_key,
     parse_bands,
     parse_decisions,
+    parse_documents,
     parse_findings,
     parse_findings_columns,
 )
@@ -252,6 +258,26 @@ def test_decisions_records_read_back_as_written():
     for cut in (value[:-1], value + b"x", value[:30]):
         with pytest.raises((ValueError, struct.error)):
             parse_decisions(cut)
+
+
+def test_documents_records_read_back_as_written():
+    keys = [order_key(1_700_000_000_000 + i, i % 3, i) for i in range(4)]
+    entries = [
+        DocumentEntry(keys[0], 14, b"k0", b'{"id": "a", "text": "x"}', [], "wire", "a", None, None),
+        DocumentEntry(keys[1], 0, None, b"not json", [("trace", b"t1"), ("empty", None), ("ünï", b"")], "wire.b",
+                      "", "bad_json: Expecting value", None),
+        DocumentEntry(keys[2], 3, b"", None, [], "wire", "c-é" * 40_000, None, 2_000_000),  # sent without its value
+        DocumentEntry(keys[3], 1, None, b"", [], "wire.b", "", None, None),
+    ]
+    value = documents_value(entries)
+    assert parse_documents(value) == entries
+    assert documents_count(value) == 4
+    for e in entries:  # what a split counts on
+        assert len(documents_value([e])) == DOCUMENTS_FIXED_BYTES + 2 + len(e.topic.encode()) + document_entry_bytes(e)
+    assert parse_documents(documents_value([])) == []
+    for cut in (value[:-1], value + b"x", value[:30], value[:2]):
+        with pytest.raises((ValueError, struct.error)):
+            parse_documents(cut)
 
 
 @pytest.mark.parametrize("shards", [1, 4, 16, 64, 1024])

@@ -28,7 +28,6 @@ from neardup.detector import Preparer
 from neardup.sharded.prepare_stage import PrepareStage
 from neardup.sharded.topology import Topology, TopologyMismatchError
 from neardup.sharded.records import (
-    ERROR_HEADER,
     ID_HEADER,
     KIND_HEADER,
     ORDER,
@@ -92,12 +91,17 @@ def _wait_committed(bootstrap: str, group: str, topic: str, ends: dict[int, int]
 
 
 def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[int, int]) -> None:
-    """Every input message exactly once as a document record, with its band records."""
+    """Every input message exactly once in a documents record, with its band records."""
+    from neardup.sharded.records import DOCUMENTS_KIND, parse_documents
+
     out = read_all(bootstrap, [topology.bands, topology.findings])
-    documents = [o for o in out if o.topic == topology.findings]
+    records = [o for o in out if o.topic == topology.findings]
+    assert all(o.headers.get(KIND_HEADER) == DOCUMENTS_KIND for o in records)
+    documents = [entry for o in records for entry in parse_documents(o.value)]
     marks = [o for o in out if o.topic == topology.bands and o.headers.get(KIND_HEADER) == WATERMARK_KIND]
     bands = [o for o in out if o.topic == topology.bands and o.headers.get(KIND_HEADER) != WATERMARK_KIND]
-    keys = [ORDER.unpack(o.headers[ORDER_HEADER])[1:] for o in documents]
+    keys = [ORDER.unpack(d.order)[1:] for d in documents]
+    assert all(d.topic == topic for d in documents)
     # watermark records: every input partition's last one is at or past its last document
     last_mark: dict[int, bytes] = {}
     for o in marks:
@@ -105,18 +109,16 @@ def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[i
             assert t == topic and count == len(ends)
             last_mark[p] = max(last_mark.get(p, b""), mark)
     for p, end in ends.items():
-        last_doc = max((o.headers[ORDER_HEADER] for o in documents if ORDER.unpack(o.headers[ORDER_HEADER])[1] == p),
-                       default=b"")
+        last_doc = max((d.order for d in documents if ORDER.unpack(d.order)[1] == p), default=b"")
         assert last_mark[p] >= last_doc
     assert sorted(keys) == sorted((p, off) for p, end in ends.items() for off in range(end))
     band_count = Counter(rec.order for o in bands for rec in parse_bands(o.value))
-    assert len(band_count) == sum(int(o.headers[SHARDS_HEADER]) > 0 for o in documents)
+    assert len(band_count) == sum(d.shards > 0 for d in documents)
     errors = {}
-    for o in documents:
-        key = o.headers[ORDER_HEADER]
-        assert band_count.get(key, 0) == int(o.headers[SHARDS_HEADER])
-        if ERROR_HEADER in o.headers:
-            errors[o.key] = o.headers[ERROR_HEADER].decode()
+    for d in documents:
+        assert band_count.get(d.order, 0) == d.shards
+        if d.error is not None:
+            errors[d.key] = d.error
     assert set(errors) == {b"bad", b"empty"}
     assert errors[b"bad"].startswith("invalid_json") and errors[b"empty"].startswith("empty_text")
     return documents, bands
@@ -162,13 +164,15 @@ def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_
             assert all((shard_of(rec.buckets, 3) == part).all() for rec in parse_bands(value))
         else:
             assert decide_partition(key, 2) == part
-    assert {d.headers[ID_HEADER].decode() for d in documents if ID_HEADER in d.headers} == set(by_id) - {"empty"}
+    assert {d.doc_id for d in documents if d.error is None} == set(by_id) - {"empty"}
 
 
 def read_partitions(bootstrap: str, topology: Topology) -> list[tuple[tuple[str, int], bytes, bytes]]:
     """(topic, partition), routing key, value of every committed record of the topology
-    (the routing key of a document record is its order key)."""
+    (a documents record's, once per document: the document's order key)."""
     from confluent_kafka import Consumer
+
+    from neardup.sharded.records import parse_documents
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"parts-{uuid.uuid4().hex}",
                   "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
@@ -180,8 +184,10 @@ def read_partitions(bootstrap: str, topology: Topology) -> list[tuple[tuple[str,
                 last = time.monotonic()
                 if (KIND_HEADER, WATERMARK_KIND) in (m.headers() or ()):
                     continue
-                key = m.key() if m.topic() == topology.bands else dict(m.headers())[ORDER_HEADER]
-                out.append(((m.topic(), m.partition()), key, m.value()))
+                if m.topic() == topology.bands:
+                    out.append(((m.topic(), m.partition()), m.key(), m.value()))
+                else:  # each document of a documents record
+                    out += [((m.topic(), m.partition()), d.order, m.value()) for d in parse_documents(m.value())]
     c.close()
     return out
 
@@ -494,27 +500,58 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     assert sum(o.headers.get(KIND_HEADER) == b"findings" for o in findings) < len(messages) / 2
 
 
-def _findings_lag(bootstrap: str, topology: Topology) -> int:
-    """The most records of one findings partition that decide's group has not passed."""
-    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
-    from confluent_kafka.admin import OffsetSpec
+class _Undecided:
+    """Reads the most documents of one findings partition that decide's group has not
+    passed: those of the documents records from its committed offset to the end."""
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    tps = [TopicPartition(topology.findings, q) for q in range(topology.decide_partitions)]
-    [future] = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"{topology.app}.decide", tps)]).values()
-    committed = {tp.partition: tp.offset for tp in future.result(10).topic_partitions}
-    ends = {tp.partition: f.result(10).offset for tp, f in admin.list_offsets({tp: OffsetSpec.latest() for tp in tps}).items()}
-    return max(end - max(committed.get(q, 0), 0) for q, end in ends.items())
+    def __init__(self, bootstrap: str, topology: Topology) -> None:
+        from confluent_kafka import Consumer
+
+        self.topology = topology
+        self.admin = AdminClient({"bootstrap.servers": bootstrap})
+        self.reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"undecided-{uuid.uuid4()}",
+                                "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+
+    def __call__(self) -> int:
+        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+        from confluent_kafka.admin import OffsetSpec
+
+        from neardup.sharded.records import DOCUMENTS_KIND, KIND_HEADER, documents_count
+
+        t = self.topology
+        tps = [TopicPartition(t.findings, q) for q in range(t.decide_partitions)]
+        [future] = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"{t.app}.decide", tps)]).values()
+        committed = {tp.partition: max(tp.offset, 0) for tp in future.result(10).topic_partitions}
+        ends = {tp.partition: f.result(10).offset
+                for tp, f in self.admin.list_offsets({tp: OffsetSpec.latest() for tp in tps}).items()}
+        counts = dict.fromkeys(ends, 0)
+        todo = {q for q, end in ends.items() if committed.get(q, 0) < end}
+        self.reader.assign([TopicPartition(t.findings, q, committed.get(q, 0)) for q in todo])
+        deadline = time.monotonic() + 10
+        while todo and time.monotonic() < deadline:
+            for m in self.reader.consume(1000, timeout=0.2):
+                q = m.partition()
+                if m.error() is not None or q not in todo:
+                    continue
+                if m.offset() < ends[q] and (KIND_HEADER, DOCUMENTS_KIND) in (m.headers() or ()):
+                    counts[q] += documents_count(m.value())
+            # past the end (a transaction's last offset is its commit marker, never consumed)
+            todo -= {tp.partition for tp in self.reader.position([TopicPartition(t.findings, q) for q in todo])
+                     if tp.offset >= ends[tp.partition]}
+        self.reader.unassign()
+        return max(counts.values(), default=0)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 def test_a_backlog_does_not_grow_what_waits_for_decide_past_the_bound(kafka_bootstrap, kafka_topic_factory,
                                                                        tmp_path):
     """Prepare runs ahead of the shards in a backlog; with ``--max-undecided`` it holds
-    back once a findings partition has more records than that not yet decided (the
-    documents waiting in decide's memory), reading on as the shards release: what waits
-    stays near the bound (without it, it reached the whole backlog of a partition, 1,514
-    of 1,500 documents and their findings records, here), and every message comes out
-    once with the sharded verdicts."""
+    back once a findings partition has more documents than that not yet decided (waiting
+    in decide's memory), reading on as the shards release: what waits stays near the bound
+    (without it, what waits can grow to the whole backlog of a partition, about 1,000
+    documents here), and every message comes out once with the sharded verdicts."""
     from confluent_kafka import KafkaException
 
     bound = 150
@@ -537,12 +574,15 @@ def test_a_backlog_does_not_grow_what_waits_for_decide_past_the_bound(kafka_boot
         produce(kafka_bootstrap, topic, messages)
         done = threading.Event()
 
+        undecided = _Undecided(kafka_bootstrap, topology)
+
         def sample() -> None:
             while not done.wait(0.1):
                 try:
-                    lags.append(_findings_lag(kafka_bootstrap, topology))
+                    lags.append(undecided())
                 except KafkaException:  # a sample the broker did not answer in time
                     pass
+            undecided.close()
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -552,7 +592,7 @@ def test_a_backlog_does_not_grow_what_waits_for_decide_past_the_bound(kafka_boot
     finally:
         stages.stop()
     text = log.read_text()
-    print(f"findings records not yet decided, per sample: {lags}")
+    print(f"documents not yet decided, per sample: {lags}")
     _check_verdicts(kafka_bootstrap, topic, topology, out, dead_letters=set(), log=text)
     assert "holding back" in text and "no longer holding back" in text, text[-3000:]
     assert len(lags) > 20 and max(lags) <= 5 * bound, lags[:80]  # the bound, and what is in flight when it is met

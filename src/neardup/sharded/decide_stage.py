@@ -73,6 +73,7 @@ from neardup.sharded.records import (
     ChangelogLayoutError,
     DECISIONS_KEY,
     DECISIONS_RECORD_BYTES,
+    DOCUMENTS_KIND,
     DecisionEntry,
     ENGINE_HEADER,
     ERROR_HEADER,
@@ -94,6 +95,7 @@ from neardup.sharded.records import (
     fields_seq,
     order_seq,
     parse_decisions,
+    parse_documents,
     parse_findings_columns,
     seq_order,
     split_runs,
@@ -110,11 +112,11 @@ Record = ProducedRecord
 
 
 class _Document(NamedTuple):
-    """A document record as decide needs it, read once when it comes."""
+    """A document's record as decide needs it, read once when it comes."""
 
     key: bytes | None
     value: bytes | None
-    carried: list[tuple[str, bytes]]  # the input message's headers (neardup's sharded ones left out)
+    carried: list[tuple[str, bytes | None]]  # the input message's headers (neardup's sharded ones left out)
     topic: str  # its input topic
     doc_id: str
     error: bytes | None  # prepare's reason it is no document (its ``ERROR_HEADER``)
@@ -432,7 +434,26 @@ class DecideProcessor(StageHooks):
             if kind == WATERMARK_KIND:  # components: prepare's progress on this partition
                 self._watermark(m)
                 continue
-            if kind == b"document":
+            if kind == DOCUMENTS_KIND:
+                where = f"documents record {m.topic()}[{q}]@{offset}"
+                check_engine_value(named.get(ENGINE_HEADER), self.digest, where)
+                try:
+                    entries = parse_documents(m.value() or b"")
+                except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                    log.error("findings topic %s: not a documents record (%s); skipped", where, exc)
+                    continue
+                waiting, orders = self.partitions[q], touched.setdefault(q, set())
+                for e in entries:
+                    if listed is not None and e.order not in listed:
+                        continue
+                    w = self._changing(q, waiting, e.order, undo)
+                    w.record = _Document(e.key, e.value, e.carried, e.topic, e.doc_id,
+                                         None if e.error is None else e.error.encode("utf-8"),
+                                         None if e.value_bytes is None else str(e.value_bytes).encode())
+                    w.shards = e.shards
+                    self._first(q, e.order, w, offset)
+                    orders.add(e.order)
+            elif kind == b"document":  # one document's record (written by an earlier version)
                 check_engine_value(named.get(ENGINE_HEADER), self.digest, f"document record {m.topic()}[{q}]@{offset}")
                 order = named.get(ORDER_HEADER)
                 if listed is not None and order not in listed:

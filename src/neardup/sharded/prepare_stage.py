@@ -5,11 +5,11 @@ Per batch: decode the input messages, normalise, shingle, MinHash and band the d
 (``neardup.detector.Preparer``, as in one process), then produce, in the batch's
 transaction, to every shard partition one band record holding the batch's documents
 that have a bucket it owns (``neardup.sharded.routing``: their bucket ids there, ids and
-shingle sets, as columns) and, for each document, its document record to its decide
-partition (``neardup.sharded.records``). A message that is no document (``MessageError``,
-or no shingles after normalisation) gets a document record with its error and no band
-record, so that decide sends it to the dead-letter topic and every input message leaves
-through decide exactly once.
+shingle sets, as columns) and to every decide partition one documents record holding
+the batch's input records that go there (``neardup.sharded.records``). A message that is
+no document (``MessageError``, or no shingles after normalisation) goes in it with its
+error and in no band record, so that decide sends it to the dead-letter topic and every
+input message leaves through decide exactly once.
 
 Watermarks: with each batch, and every ``IDLE_MARK_S`` while no input arrives, prepare
 sends every shard partition a watermark record (``neardup.sharded.records``): for each
@@ -41,9 +41,10 @@ A bound on what waits downstream (``max_undecided``): in a backlog prepare runs 
 the shards (its work per document is a fraction of theirs), and every document it sends
 waits in decide's memory, its record there, until its findings come; documents past the
 watermark wait in the shards' memory too. A ``LeadMonitor`` thread reads, every
-``LEAD_CHECK_S``, how many records of each findings partition decide's consumer group has
-not passed (its committed offset is that of its earliest document still waiting) and, once
-one holds more than ``max_undecided``, the record time up to which the shards will
+``LEAD_CHECK_S``, decide's consumer group's committed offset of each findings partition
+(that of the record of its earliest document still waiting); the documents this process
+sent in records at or after it (their offsets from the delivery reports) are those not
+yet decided. Once a partition holds more than ``max_undecided`` of them, it reads the record time up to which the shards will
 release next: per band partition, that of the latest document of the band record at the
 shard group's committed offset (the record of the earliest document held, or the next to
 read; it may hold documents released before that one, and its latest is at or after the
@@ -65,6 +66,7 @@ needs no state here.
 
 from __future__ import annotations
 
+import collections
 import logging
 import struct
 import threading
@@ -89,21 +91,22 @@ from neardup.kafka.messages import MessageError, carried_headers, record_size, t
 from neardup.kafka.stage import StageHooks, StageRuntime, TP, next_offsets, produce
 from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
+    DOCUMENTS_FIXED_BYTES,
+    DOCUMENTS_KIND,
     ENGINE_HEADER,
-    ERROR_HEADER,
-    ID_HEADER,
     KIND_HEADER,
-    ORDER_HEADER,
-    SHARDS_HEADER,
-    TOPIC_HEADER,
-    VALUE_BYTES_HEADER,
     WATERMARK_KIND,
+    DocumentEntry,
     band_orders,
     batch_bands,
     decide_partition,
+    document_entry_bytes,
+    documents_count,
+    documents_value,
     engine_digest,
     order_key,
     order_time,
+    split_runs,
     time_mark,
     watermark_value,
 )
@@ -111,6 +114,25 @@ from neardup.sharded.routing import shard_bounds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+_DOCUMENTS_HEADER = (KIND_HEADER, DOCUMENTS_KIND)
+
+
+def _on_delivered(lead: LeadMonitor, documents: int) -> Callable[[KafkaError | None, Message], None]:
+    """A documents record's delivery report, for ``lead`` (one that failed: nothing; its
+    batch is aborted and sent again)."""
+    def delivered(err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            lead.delivered(msg.partition(), msg.offset(), documents)
+    return delivered
+
+
+def _entry_bytes(entry: DocumentEntry) -> int:
+    """An upper bound of ``entry``'s bytes in a documents record, its input topic's in
+    the record's table included."""
+    return document_entry_bytes(entry) + 2 + len(entry.topic.encode("utf-8"))
+
 
 #: A record to produce: (topic, partition, key, value, headers).
 Record = tuple[str, int, bytes | None, bytes | None, list[tuple[str, bytes]]]
@@ -158,10 +180,10 @@ def partition_offsets(reader: Consumer, tps: list[TopicPartition], which: int,
 
 
 class LeadMonitor:
-    """What waits downstream of prepare, read from the broker every ``LEAD_CHECK_S`` in a
-    thread of its own (see the module docstring), and added to by the stage's thread with
-    the document records it sends between two reads (``sent``), so that prepare holds
-    back at once rather than a read later.
+    """What waits downstream of prepare: the documents of the documents records this
+    process sent (``delivered``, from their delivery reports, in the stage's thread) at or
+    after decide's group's committed offset of their partition, that offset read from the
+    broker every ``LEAD_CHECK_S`` in a thread of its own (see the module docstring).
 
     A read that fails (the broker out) is logged at DEBUG and the last values kept; after
     ``UNREAD_WARN_S`` without one, a warning says the bound is not kept. Until the first
@@ -182,9 +204,13 @@ class LeadMonitor:
                         for role in ("decide", "shard")}
         self._probe = Consumer({**base, "group.id": f"neardup-lead-{app}", "isolation.level": "read_committed",
                                 "max.partition.fetch.bytes": 65536, "fetch.max.bytes": 1 << 20})
-        self.sent = [0] * topology.decide_partitions  # document records sent, per decide partition (stage thread)
-        # per decide partition, at the last read: records decide has not passed, and ``sent`` then
-        self._read_at: tuple[list[int], list[int]] | None = None
+        # per decide partition: (offset, documents) of the documents records sent, in
+        # offset order, those decide has passed dropped; and their documents in all
+        self._sent: list[collections.deque[tuple[int, int]]] = [collections.deque()
+                                                                 for _ in range(topology.decide_partitions)]
+        self._documents = [0] * topology.decide_partitions
+        self._lock = threading.Lock()  # over ``_sent`` and ``_documents``: the stage's thread and this one
+        self._committed: list[int] | None = None  # decide's group's offset per partition, at the last read
         self.released: int | None = None  # the record time (ms) up to which the shards release next
         self.over = False  # holding back (stage thread)
         self._stop = threading.Event()
@@ -198,14 +224,24 @@ class LeadMonitor:
             for consumer in (self._probe, *self._groups.values()):
                 consumer.close()
 
+    def delivered(self, q: int, offset: int, documents: int) -> None:
+        """A documents record of ``documents`` documents written at ``offset`` of decide
+        partition ``q`` (its delivery report)."""
+        with self._lock:
+            self._sent[q].append((offset, documents))
+            self._documents[q] += documents
+
     def undecided(self) -> int:
-        """The most records of one findings partition that decide has not passed: as read,
-        plus the document records sent since (-1 before the first read)."""
-        read_at = self._read_at
-        if read_at is None:
+        """The most documents of one findings partition, of those this process sent, that
+        decide's group has not passed (-1 before the first read)."""
+        committed = self._committed
+        if committed is None:
             return -1
-        behind, sent = read_at
-        return max(b + now - then for b, now, then in zip(behind, self.sent, sent))
+        with self._lock:
+            for sent, at, q in zip(self._sent, committed, range(len(committed))):
+                while sent and sent[0][0] < at:
+                    self._documents[q] -= sent.popleft()[1]
+            return max(self._documents)
 
     def holding_back(self) -> bool:
         """Whether prepare holds back now: over ``limit``, until under ``limit // 2``
@@ -248,9 +284,8 @@ class LeadMonitor:
 
     def _read(self) -> None:
         t = self.topology
-        sent = list(self.sent)  # before the offsets: a record sent meanwhile is counted twice, never missed
         behind = self._behind("decide", t.findings, t.decide_partitions)
-        self._read_at = ([behind[q][1] - behind[q][0] for q in range(t.decide_partitions)], sent)
+        self._committed = [behind[q][0] for q in range(t.decide_partitions)]
         if self.over or self.undecided() > self.limit // 2:
             self.released = self._releasing()
 
@@ -597,26 +632,26 @@ class PrepareProcessor(StageHooks):
                 continue
             by_message[i] = (doc.id, touched[v])
         out: list[Record] = []
+        headers = [_DOCUMENTS_HEADER, (ENGINE_HEADER, self.digest)]
+        room = self._findings_limit() - record_size(None, None, headers) - DOCUMENTS_FIXED_BYTES  # per record
+        documents: dict[int, list[DocumentEntry]] = {}  # decide partition -> its documents, in input order
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
             tp = (m.topic(), m.partition())
             if key > self._sent.get(tp, b""):
                 self._sent[tp] = key
-            headers = carried_headers(carried[i]) + [(KIND_HEADER, b"document"), (ORDER_HEADER, key),
-                                                      (TOPIC_HEADER, m.topic().encode("utf-8")),
-                                                      (ENGINE_HEADER, self.digest)]
             if i in by_message:
                 doc_id, touched = by_message[i]
-                headers += [(SHARDS_HEADER, str(touched).encode()), (ID_HEADER, doc_id.encode("utf-8"))]
+                entry = DocumentEntry(key, touched, m.key(), m.value(), carried_headers(carried[i]), m.topic(), doc_id,
+                                      None, None)
             else:
-                headers += [(SHARDS_HEADER, b"0"), (ERROR_HEADER, batch.errors[i].encode("utf-8"))]
-            value = m.value()
-            if record_size(m.key(), value, headers) > self._findings_limit():  # its dead letter goes without it
-                headers.append((VALUE_BYTES_HEADER, str(len(value or b"")).encode()))
-                value = None
-            q = decide_partition(key, t.decide_partitions)
-            out.append((t.findings, q, m.key(), value, headers))
-            if self.lead is not None:
-                self.lead.sent[q] += 1
+                entry = DocumentEntry(key, 0, m.key(), m.value(), carried_headers(carried[i]), m.topic(), "",
+                                      batch.errors[i], None)
+            if _entry_bytes(entry) > room:  # its dead letter goes without it
+                entry = entry._replace(value=None, value_bytes=len(entry.value or b""))
+            documents.setdefault(decide_partition(key, t.decide_partitions), []).append(entry)
+        for q, entries in sorted(documents.items()):  # one documents record per decide partition, split if large
+            for chunk in split_runs(entries, _entry_bytes, room):
+                out.append((t.findings, q, None, documents_value(chunk), headers))
         # one band record per shard partition (split if large), built as columns
         for q, values in enumerate(batch_bands(orders, ids, grouped, bounds, p.fingerprints,
                                                 p.fingerprint_offsets, include)):
@@ -642,8 +677,12 @@ class PrepareProcessor(StageHooks):
         """
         batch, records = work
         band_records = band_bytes = document_bytes = 0
+        lead = self.lead
         for topic, partition, key, value, headers in records:
-            produce(producer, topic, key, value, headers, partition)
+            if lead is not None and topic == self.topology.findings and headers[0] == _DOCUMENTS_HEADER:
+                produce(producer, topic, key, value, headers, partition, _on_delivered(lead, documents_count(value)))
+            else:
+                produce(producer, topic, key, value, headers, partition)
             size = len(value or b"") + len(key or b"")
             if topic == self.topology.bands and headers[0][0] == ENGINE_HEADER:  # not a watermark record
                 band_records += 1

@@ -65,13 +65,29 @@ each record is read as many times as there are decide processes):
 order key, value JSON ``{"cluster": [ms, partition, offset], "cluster_id", "merged"}``;
 ``neardup.sharded.decide_stage`` reads both.)
 
-Document record (prepare -> decide; partition: ``decide_partition`` of the order key):
-the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``
-(the order key), ``TOPIC_HEADER`` (the input topic), ``SHARDS_HEADER`` (how many shards will answer, ASCII decimal),
-``ID_HEADER`` (the document id, UTF-8), ``ENGINE_HEADER`` (``engine_digest``; band
-records carry it too) and, for a record that is no document,
-``ERROR_HEADER`` (``kind: reason``); one too large for the findings topic goes without
-its value, its size in ``VALUE_BYTES_HEADER``.
+Documents record (prepare -> decide; key: none; headers ``KIND_HEADER``
+``b"documents"`` and ``ENGINE_HEADER``; partition: ``decide_partition`` of every order key
+in it): the input records of one prepare batch that go to one decide partition, in input
+order (one Kafka record per batch and decide partition, split above the findings topic's
+``max.message.bytes``, instead of one per document):
+
+    ">I" document count n; ">H" input topic count t, then per topic ">H" its length T
+    and the topic (T bytes, UTF-8);
+    per document: ``_DOCUMENT``: its order key (20 bytes), ">IHiiIiqH" how many shard
+    partitions will answer, its input topic's index in the table, its key's length (-1:
+    none), its value's length (-1: none), its id's length, its error's length (-1: it is
+    a document), its value's size when sent without it (-1: sent with it), its header
+    count h; then the key, the value, the id (UTF-8), the error (``kind: reason``, UTF-8),
+    and per header ">Ii" the name's length and the value's length (-1: none), the name
+    (UTF-8) and the value.
+
+A record that is no document (bad JSON, no text, no shingles) has its error and 0
+shards; one too large for the findings topic goes without its value, its size kept.
+(A topic written by an earlier version holds one document record per document instead:
+the input record's own key, value and headers, and neardup's headers ``ORDER_HEADER``,
+``TOPIC_HEADER``, ``SHARDS_HEADER`` (ASCII decimal), ``ID_HEADER``, ``ENGINE_HEADER``,
+``ERROR_HEADER`` and ``VALUE_BYTES_HEADER``; ``KIND_HEADER`` ``b"document"``; decide reads
+both.)
 """
 
 from __future__ import annotations
@@ -79,7 +95,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import xxhash
@@ -91,7 +107,7 @@ ORDER_HEADER = "neardup-sharded-order"
 SHARDS_HEADER = "neardup-sharded-shards"
 ID_HEADER = "neardup-sharded-id"
 ERROR_HEADER = "neardup-sharded-error"
-KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"document" or b"findings"
+KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"documents", b"findings" (b"document": earlier)
 TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
 ENGINE_HEADER = "neardup-sharded-engine"  # the engine settings' digest (``engine_digest``)
 VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent without its value
@@ -100,6 +116,11 @@ _MARKS = struct.Struct(">H")
 _MARK = struct.Struct(">ii")
 WATERMARK_KIND = b"watermark"  # the KIND_HEADER of a watermark record
 FINDINGS_KIND = b"findings"  # the KIND_HEADER of a findings record
+DOCUMENTS_KIND = b"documents"  # the KIND_HEADER of a documents record
+_DOCUMENT = struct.Struct(">20sIHiiIiqH")
+_DOC_HEADER = struct.Struct(">Ii")
+#: A documents record's bytes before its topics and documents: the count of each.
+DOCUMENTS_FIXED_BYTES = 6
 _FINDINGS = struct.Struct(">I")
 _FOUND = struct.Struct(">20siHH")
 _CANDIDATE = struct.Struct(">20sdddH")
@@ -257,6 +278,104 @@ def parse_findings_columns(value: bytes) -> tuple[list[tuple[bytes, int, list[Ca
     if at != len(value):
         raise ValueError("findings record of the wrong length")
     return out, orders, shards
+
+
+class DocumentEntry(NamedTuple):
+    """One input record as a documents record carries it to decide."""
+
+    order: bytes  # its order key (20 bytes)
+    shards: int  # how many shard partitions will answer (0: none, an error)
+    key: bytes | None
+    value: bytes | None  # None also when sent without it (``value_bytes``)
+    carried: list[tuple[str, bytes | None]]  # its headers as they go out (``carried_headers``)
+    topic: str  # its input topic
+    doc_id: str
+    error: str | None  # why it is no document (``kind: reason``)
+    value_bytes: int | None  # its value's size when sent without it
+
+
+def document_entry_bytes(entry: DocumentEntry) -> int:
+    """The bytes of ``entry`` in a documents record (the topic table aside)."""
+    size = _DOCUMENT.size + len(entry.key or b"") + len(entry.value or b"") + len(entry.doc_id.encode("utf-8"))
+    if entry.error is not None:
+        size += len(entry.error.encode("utf-8"))
+    for name, v in entry.carried:
+        size += _DOC_HEADER.size + len(name.encode("utf-8")) + len(v or b"")
+    return size
+
+
+def documents_value(entries: Sequence[DocumentEntry]) -> bytes:
+    """A documents record's value (the layout above) of ``entries``, in their order."""
+    topics = list(dict.fromkeys(entry.topic for entry in entries))
+    at = {topic: i for i, topic in enumerate(topics)}
+    parts = [struct.pack(">IH", len(entries), len(topics))]
+    for topic in topics:
+        raw = topic.encode("utf-8")
+        parts += [struct.pack(">H", len(raw)), raw]
+    for e in entries:
+        raw_id = e.doc_id.encode("utf-8")
+        raw_error = None if e.error is None else e.error.encode("utf-8")
+        parts.append(_DOCUMENT.pack(e.order, e.shards, at[e.topic], -1 if e.key is None else len(e.key),
+                                    -1 if e.value is None else len(e.value), len(raw_id),
+                                    -1 if raw_error is None else len(raw_error),
+                                    -1 if e.value_bytes is None else e.value_bytes, len(e.carried)))
+        parts += [e.key or b"", e.value or b"", raw_id, raw_error or b""]
+        for name, v in e.carried:
+            raw_name = name.encode("utf-8")
+            parts += [_DOC_HEADER.pack(len(raw_name), -1 if v is None else len(v)), raw_name, v or b""]
+    return b"".join(parts)
+
+
+def parse_documents(value: bytes) -> list[DocumentEntry]:
+    """``documents_value``'s inverse.
+
+    Raises:
+        ValueError (struct.error, UnicodeDecodeError): a record of another layout.
+    """
+    n, t = struct.unpack_from(">IH", value)
+    at = 6
+    topics = []
+    for _ in range(t):
+        (size,) = struct.unpack_from(">H", value, at)
+        topics.append(value[at + 2:at + 2 + size].decode("utf-8"))
+        at += 2 + size
+    out = []
+    unpack, fixed = _DOCUMENT.unpack_from, _DOCUMENT.size
+    for _ in range(n):
+        order, shards, topic, n_key, n_value, n_id, n_error, value_bytes, h = unpack(value, at)
+        at += fixed
+        key = None if n_key < 0 else value[at:at + n_key]
+        at += max(n_key, 0)
+        doc = None if n_value < 0 else value[at:at + n_value]
+        at += max(n_value, 0)
+        doc_id = value[at:at + n_id].decode("utf-8")
+        at += n_id
+        error = None if n_error < 0 else value[at:at + n_error].decode("utf-8")
+        at += max(n_error, 0)
+        carried: list[tuple[str, bytes | None]] = []
+        for _ in range(h):
+            n_name, n_header = _DOC_HEADER.unpack_from(value, at)
+            at += _DOC_HEADER.size
+            name = value[at:at + n_name].decode("utf-8")
+            at += n_name
+            carried.append((name, None if n_header < 0 else value[at:at + n_header]))
+            at += max(n_header, 0)
+        if at > len(value) or topic >= t:
+            raise ValueError("documents record of the wrong length")
+        out.append(DocumentEntry(order, shards, key, doc, carried, topics[topic], doc_id, error,
+                                 None if value_bytes < 0 else value_bytes))
+    if at != len(value):
+        raise ValueError("documents record of the wrong length")
+    return out
+
+
+def documents_count(value: bytes) -> int:
+    """The number of documents in a documents record (its first 4 bytes).
+
+    Raises:
+        struct.error: a record shorter than that.
+    """
+    return struct.unpack_from(">I", value)[0]
 
 
 def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
