@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(run)
 
     stage = sub.add_parser("stage", help="run one stage of a sharded deduplication over many processes (docs/scale-out.md)")
-    stage.add_argument("role", choices=["prepare", "shard", "decide"], help="prepare: input -> band and document records; shard: band buckets, verification; decide: verdicts to <input>.unique / .duplicates")
+    stage.add_argument("role", choices=["prepare", "shard", "decide"], help="prepare: input -> band and documents records; shard: band buckets, verification; decide: verdicts to <input>.unique / .duplicates")
     g = stage.add_argument_group("Kafka")
     g.add_argument("--bootstrap-servers", help="host:port[,host:port...]")
     g.add_argument("--input-topic", dest="input_topics", action="append", help="the input topic (prepare consumes it; every stage needs it); repeat for several")

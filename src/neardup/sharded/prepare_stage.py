@@ -601,7 +601,7 @@ class PrepareProcessor(StageHooks):
         return batch, out
 
     def _records(self, batch: PrepareBatch) -> list[Record]:
-        """The band and document records of the batch's messages, in input order; the
+        """The band and documents records of the batch's messages, in input order; the
         largest order key of each partition goes to ``_sent``."""
         t = self.topology
         p = self.preparer(batch.documents)
