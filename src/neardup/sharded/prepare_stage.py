@@ -73,6 +73,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -634,7 +635,8 @@ class PrepareProcessor(StageHooks):
         out: list[Record] = []
         headers = [_DOCUMENTS_HEADER, (ENGINE_HEADER, self.digest)]
         room = self._findings_limit() - record_size(None, None, headers) - DOCUMENTS_FIXED_BYTES  # per record
-        documents: dict[int, list[DocumentEntry]] = {}  # decide partition -> its documents, in input order
+        # decide partition -> its documents, in input order, with their bytes (``_entry_bytes``)
+        documents: dict[int, list[tuple[DocumentEntry, int]]] = {}
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
             tp = (m.topic(), m.partition())
             if key > self._sent.get(tp, b""):
@@ -646,12 +648,14 @@ class PrepareProcessor(StageHooks):
             else:
                 entry = DocumentEntry(key, 0, m.key(), m.value(), carried_headers(carried[i]), m.topic(), "",
                                       batch.errors[i], None)
-            if _entry_bytes(entry) > room:  # its dead letter goes without it
+            size = _entry_bytes(entry)
+            if size > room:  # its dead letter goes without it
                 entry = entry._replace(value=None, value_bytes=len(entry.value or b""))
-            documents.setdefault(decide_partition(key, t.decide_partitions), []).append(entry)
+                size = _entry_bytes(entry)
+            documents.setdefault(decide_partition(key, t.decide_partitions), []).append((entry, size))
         for q, entries in sorted(documents.items()):  # one documents record per decide partition, split if large
-            for chunk in split_runs(entries, _entry_bytes, room):
-                out.append((t.findings, q, None, documents_value(chunk), headers))
+            for chunk in split_runs(entries, itemgetter(1), room):
+                out.append((t.findings, q, None, documents_value([entry for entry, _ in chunk]), headers))
         # one band record per shard partition (split if large), built as columns
         for q, values in enumerate(batch_bands(orders, ids, grouped, bounds, p.fingerprints,
                                                 p.fingerprint_offsets, include)):
