@@ -28,7 +28,7 @@ once every input partition's watermark is past its order key, so that documents 
 processed in order-key order however unevenly the partitions are read. A partition
 assigned and not yet read has no watermark: the shards wait for it. With the components
 cluster policy the same records go to every decide partition too (after the batch's
-document records): decide decides a document only once every earlier one has come.
+documents records): decide decides a document only once every earlier one has come.
 
 Reading in step: a partition whose records run more than ``AHEAD_MS`` of record time
 ahead of the partition furthest behind (of those with records still to read) is paused
