@@ -239,6 +239,28 @@ def test_prepare_killed_mid_stream_writes_every_document_once(kafka_bootstrap, k
     _check_prepared(kafka_bootstrap, topic, topology, ends)
 
 
+def test_a_shard_started_before_the_other_stages_gets_its_partitions_at_once(kafka_bootstrap, kafka_topic_factory,
+                                                                            tmp_path):
+    """A shard process started alone on a new deduplication (no prepare or decide has made
+    the topology's topics yet) makes them before it subscribes to the band topic, and gets
+    its partitions at once. It made them only once assigned, so it subscribed to a topic
+    that did not exist and got nothing until its consumer was made anew a minute later."""
+    topic = kafka_topic_factory("sharded-shard-first", partitions=1)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log)
+    try:
+        started = time.monotonic()
+        stages.start("shard")
+        while f"assigned {topology.bands}[" not in log.read_text():
+            assert stages.alive(), stages.report()
+            assert time.monotonic() - started < 40, stages.report()
+            time.sleep(0.1)
+    finally:
+        stages.stop()
+    assert "Subscribed topic not available" not in log.read_text(), log.read_text()[-3000:]
+
+
 def test_a_topology_whose_partition_counts_changed_is_refused(kafka_bootstrap):
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     app = f"sharded-{uuid.uuid4().hex[:8]}"

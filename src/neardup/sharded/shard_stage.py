@@ -434,6 +434,22 @@ class ShardProcessor(StageHooks):
         (one batch of many seconds, all in memory)."""
         return max(1, min(batch_size, int(BATCH_DOCUMENTS_PER_SIZE * batch_size / self._per_message)))
 
+    def start(self, producer: Producer) -> None:
+        """Create the topology's topics (once) before the consumer subscribes to the band
+        topic: a shard started before any prepare or decide of a new deduplication would
+        otherwise subscribe to a topic that does not exist and get no partition until
+        its consumer is made anew a minute later.
+
+        Raises:
+            TopologyMismatchError: an existing topic has another partition count.
+        """
+        self._ensure()
+
+    def _ensure(self) -> None:
+        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
+            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
+            self._ensured = True
+
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
         """Create the topology's topics (once), then restore the newly assigned shards.
 
@@ -441,9 +457,7 @@ class ShardProcessor(StageHooks):
             TopologyMismatchError: an existing topic has another partition count.
             KafkaException: the changelog could not be read.
         """
-        if not self._ensured:  # retried: the broker may be out (a check that raises ends the stage)
-            with_retries("creating the topology's topics", lambda: self.topology.ensure_with(self.settings))
-            self._ensured = True
+        self._ensure()
         self._kept = with_retries("reading the band topic's settings", self._bands_kept)
         refs = self._kept is True
         if refs != self._refs:
