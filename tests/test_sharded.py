@@ -355,6 +355,56 @@ def test_a_document_that_meets_no_one_joins_as_add_would_have_it(shards):
     assert any(isinstance(m, list) and len(set(m)) < len(m) for m in by_alone[0].buckets.values())
 
 
+@hsettings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 99), max_size=8), st.booleans()),
+                min_size=1, max_size=30), st.integers(0, 4))
+def test_decide_s_changelog_lists_the_waiting_documents_across_restores_and_failed_batches(batches, waiting_before):
+    """``_Log`` (decide's changelog of waiting documents, per batch): after every batch,
+    the changelog compacted to each key's last value, read back, lists exactly the
+    documents waiting; a batch taken back (its transaction failed) leaves the log as it
+    was; a log read back goes on as the one that wrote it. Each batch: some documents
+    begin to wait, some of those listed are decided (picked by index), and it may fail."""
+    from neardup.sharded.decide_stage import _Log, _WAITING
+
+    keys = [order_key(1_700_000_000_000 + i, 0, i) for i in range(400)]
+    fresh = iter(keys[waiting_before:])
+    waiting = set(keys[:waiting_before])  # listed by the earlier layout's ``W`` records
+    changelog = {_WAITING + k: b"" for k in waiting}
+    log = _Log.read({}, {}, waiting)
+
+    def read_back() -> _Log:
+        lists = {b"A": {}, b"D": {}}
+        for key, value in changelog.items():
+            if key[:1] in lists:
+                lists[key[:1]][key] = [value[at:at + 20] for at in range(0, len(value), 20)]
+        return _Log.read(lists[b"A"], lists[b"D"], {key[1:] for key in changelog if key[:1] == b"W"})
+
+    for new, picks, fails in batches:
+        began = sorted(next(fresh) for _ in range(new))
+        listed = sorted(waiting)
+        decided = sorted({listed[i % len(listed)] for i in picks}) if listed else []
+        before = (dict(log.listed), dict(log.alive), {k: set(v) for k, v in log.names.items()},
+                  {k: set(v) for k, v in log.named_by.items()})
+        records, change = log.update(began, decided)
+        if fails:
+            log.undo(change)
+            assert (log.listed, log.alive, log.names, log.named_by) == before
+            records, change = log.update(began, decided)  # the batch read again
+        for key, value in records:
+            if value is None:
+                changelog.pop(key, None)  # compaction keeps no value of a deleted key
+            else:
+                changelog[key] = value
+        waiting = (waiting - set(decided)) | set(began)
+        assert set(log.listed) == waiting
+        restored = read_back()
+        assert set(restored.listed) == waiting
+        assert (restored.listed, restored.alive, restored.names, restored.named_by) == \
+               (log.listed, log.alive, log.names, log.named_by)
+        log = restored  # a restart: the next batch goes on from the log read back
+    assert len([k for k in changelog if k[:1] in (b"A", b"D")]) <= 2 * len(batches)  # two records per batch at most
+
+
 def test_a_shard_partition_purges_below_what_its_live_members_records_and_its_restart_need():
     """``_Shard.purge_point``: the lowest of the offsets its live ``N`` records of
     references name and the offset the batch commits (where a restart reads again);

@@ -494,7 +494,7 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
     assert {(topology.shard_changelog, b"N"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
             (topology.decide_changelog, b"P")} <= set(kinds) <= {
         (topology.shard_changelog, b"N"), (topology.shard_changelog, b"P"), (topology.shard_changelog, b"E"),
-        (topology.decide_changelog, b"P"), (topology.decide_changelog, b"W")}, kinds
+        (topology.decide_changelog, b"P"), (topology.decide_changelog, b"A"), (topology.decide_changelog, b"D")}, kinds
     # the engine settings the members were indexed with, in every partition with progress
     assert {o.value for o in logged if o.topic == topology.shard_changelog and o.key == b"E"} == {
         engine_digest(Settings().engine())}
@@ -502,8 +502,15 @@ def test_three_stages_give_the_sharded_verdicts_once_each(kafka_bootstrap, kafka
         o.partition for o in logged if o.topic == topology.shard_changelog and o.key == b"E"}
     progress = [o for o in logged if o.topic == topology.decide_changelog and o.key == b"P"]
     assert {len(o.value) for o in progress} == {8}  # the consumed offset alone
-    waits = Counter(o.key for o in logged if o.topic == topology.decide_changelog and o.key[:1] == b"W")
-    assert all(n <= 2 for n in waits.values()), waits.most_common(3)  # added once, deleted once
+    # the documents that began to wait in a batch, one record (written once, deleted once),
+    # each document in one; the documents decided whose record stays live, likewise
+    lists = [o for o in logged if o.topic == topology.decide_changelog and o.key[:1] in (b"A", b"D")]
+    writes = Counter(o.key for o in lists)
+    assert all(n <= 2 for n in writes.values()), writes.most_common(3)
+    began = [o.value[at:at + 20] for o in lists if o.key[:1] == b"A" and o.value for at in range(0, len(o.value), 20)]
+    assert len(began) == len(set(began)) and kinds[(topology.decide_changelog, b"A")] < len(messages) / 4
+    last = {(o.partition, o.key): o.value for o in lists}  # in offset order: each key's last value
+    assert all(value is None for value in last.values())  # every document decided: every list deleted
     # the members: one record per batch and partition, each member once, keyed by its highest;
     # without a retention window the band topic keeps its records, and the members refer to them
     batches = [o for o in logged if o.topic == topology.shard_changelog and o.key[:1] == b"N"]
@@ -1260,9 +1267,11 @@ def test_the_decisions_table_reads_batched_decisions_and_the_earlier_one_record_
 
 def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstrap, tmp_path):
     """Decide's changelog partition read back: the consumed offset of the last ``P``
-    record, and the documents waiting, one ``W`` record each (a tombstone: decided), with
-    those listed in a ``P`` record of the earlier layout (offset, then order keys). The
-    earlier layout's are not counted as logged: the next batch writes their ``W``
+    record, and the documents waiting: those of the ``A`` records (one per batch, of the
+    documents that began to wait in it) less those of the ``D`` records (the documents a
+    batch decided whose ``A`` record stays live), with those of the earlier layouts, one
+    ``W`` record each (a tombstone: decided) and a ``P`` record listing them (offset, then
+    order keys). The ``P`` list's are not counted as logged: the next batch writes their
     records before its ``P`` record replaces the list."""
     import struct
 
@@ -1275,13 +1284,26 @@ def test_decide_restores_the_documents_waiting_from_its_changelog(kafka_bootstra
     settings = Settings(bootstrap_servers=kafka_bootstrap, input_topics=["sharded-waiting"], group_id=topology.app)
     processor = DecideProcessor(settings, topology, None)
     produce(kafka_bootstrap, topology.decide_changelog, [(b"P", struct.pack(">q", 40) + keys[0] + keys[1])])
-    assert processor._restore(0) == (40, {keys[0], keys[1]}, set())  # the earlier layout
+    consumed, listed, logged = processor._restore(0)
+    assert (consumed, listed, logged.listed) == (40, {keys[0], keys[1]}, {})  # the earliest layout
     produce(kafka_bootstrap, topology.decide_changelog, [
         (b"W" + keys[0], b""), (b"W" + keys[2], b""), (b"W" + keys[3], b""), (b"W" + keys[4], b""),
         (b"P", struct.pack(">q", 57)),  # a batch after the upgrade: keys[1] was decided in it
         (b"W" + keys[3], None), (b"W" + keys[0], None), (b"P", struct.pack(">q", 60)),  # the next batch
     ])
-    assert processor._restore(0) == (60, {keys[2], keys[4]}, {keys[2], keys[4]})
+    consumed, listed, logged = processor._restore(0)
+    assert (consumed, listed, set(logged.listed)) == (60, {keys[2], keys[4]}, {keys[2], keys[4]})
+    # then batches of this layout: the documents that began to wait in each, one record, and
+    # those decided whose record stays live; a record deleted once all of its are decided
+    produce(kafka_bootstrap, topology.decide_changelog, [
+        (b"A" + keys[0], keys[0] + keys[1] + keys[3]), (b"P", struct.pack(">q", 70)),
+        (b"W" + keys[2], None), (b"D" + keys[1], keys[1]), (b"P", struct.pack(">q", 80)),  # keys[2], keys[1] decided
+    ])
+    consumed, listed, logged = processor._restore(0)
+    assert (consumed, listed) == (80, {keys[0], keys[3], keys[4]})
+    assert logged.names == {b"D" + keys[1]: {b"A" + keys[0]}}
+    records, _ = logged.update([], [keys[0], keys[3]])  # the rest of the A record decided: it and its D record go
+    assert records == [(b"A" + keys[0], None), (b"D" + keys[1], None)]
 
 
 def test_documents_listed_at_a_restore_stay_listed_until_read_again_and_decided(kafka_bootstrap, tmp_path):

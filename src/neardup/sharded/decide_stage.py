@@ -23,12 +23,18 @@ What waits lives in memory; the findings topic keeps its records. The offset com
 for findings partition q is that of the earliest record of a document still waiting (or
 the batch's end when none waits), and the stage's changelog (partition q of
 ``<app>.decide-changelog``, compacted), written in the batch's transaction, holds
-``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q), and one
-record per document waiting after the batch: ``b"W"`` + its order key -> ``b""``,
-deleted (a tombstone) in the batch that decides it. So a batch logs what changed, not
-every document still waiting (a backlog keeps tens of thousands waiting per partition).
-An earlier layout's ``P`` record, with the waiting order keys after the offset, is read
-too. When the partition is assigned, its records are read again from the committed
+``b"P"`` -> ``">q"`` the consumed offset (after the batch's last record of q), and per
+batch at most one record of the documents that began to wait in it, ``b"A"`` + the first
+one's order key -> their order keys, and one of the documents it decided whose ``A``
+record stays live, ``b"D"`` + the first one's order key -> their order keys. The
+documents waiting are those of the live ``A`` records less those of the live ``D``
+records. An ``A`` record is deleted (a tombstone) in the batch that decides the last of
+its documents, a ``D`` record in the batch that deletes the last ``A`` record it names
+(``_Log``). So a batch logs what changed, in a few records, not every document still
+waiting (a backlog keeps tens of thousands waiting per partition) nor a record per
+document. The layouts before are read too: one record per waiting document (``b"W"`` +
+its order key -> ``b""``, deleted when it is decided), and a ``P`` record with the
+waiting order keys after the offset. When the partition is assigned, its records are read again from the committed
 offset: before the consumed offset, those of the documents listed are taken again, the
 others (decided before) skipped. After a failed batch (``aborted``) the runtime reads again from the
 failed batch's first offsets: the documents waiting as of the last commit are kept in
@@ -106,7 +112,9 @@ from neardup.state.decisions import DecisionsTable, StoredDecisionsTable
 log = logging.getLogger(__name__)
 
 _CONSUMED = struct.Struct(">q")  # a ``P`` record: the consumed offset (an earlier layout: then the waiting order keys)
-_WAITING = b"W"  # the key of a waiting document's changelog record: this, then its order key
+_WAITING = b"W"  # an earlier layout's record of one waiting document: this, then its order key
+_BEGAN = b"A"  # the record of the documents that began to wait in a batch: this, then the first one's order key
+_DECIDED = b"D"  # the record of the documents a batch decided whose ``A`` record stays live: likewise
 _PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progress record (components)
 Record = ProducedRecord
 
@@ -143,14 +151,119 @@ class _Waiting:
 
 
 @dataclass
+class _Change:
+    """What ``_Log.update`` changed, for ``_Log.undo``."""
+
+    began: tuple[bytes, list[bytes]] | None = None  # the A key written, and its documents
+    decided: list[tuple[bytes, bytes]] = field(default_factory=list)  # (document, its A or W key)
+    deleted: list[bytes] = field(default_factory=list)  # the A and W keys deleted
+    unnamed: list[tuple[bytes, bytes]] = field(default_factory=list)  # (D key, A key) references dropped
+    deleted_d: list[bytes] = field(default_factory=list)  # the D keys deleted
+    written_d: bytes | None = None  # the D key written
+
+
+@dataclass
+class _Log:
+    """A decide partition's waiting documents as its changelog lists them (see the module
+    docstring): the keys of the live records and what they hold."""
+
+    listed: dict[bytes, bytes] = field(default_factory=dict)  # a document not decided -> its A (or W) key
+    alive: dict[bytes, int] = field(default_factory=dict)  # a live A (or W) key -> its documents not decided
+    names: dict[bytes, set[bytes]] = field(default_factory=dict)  # a live D key -> the live A keys it names
+    named_by: dict[bytes, set[bytes]] = field(default_factory=dict)  # a live A key -> the live D keys naming it
+
+    @classmethod
+    def read(cls, began: dict[bytes, list[bytes]], decided: dict[bytes, list[bytes]], waiting: set[bytes]) -> _Log:
+        """The log of a partition's live ``A`` records (key -> documents), ``D`` records
+        (the same) and the documents of its ``W`` records."""
+        log = cls()
+        done = {order for orders in decided.values() for order in orders}
+        of = {}
+        for key, orders in began.items():
+            for order in orders:
+                of[order] = key
+                if order not in done:
+                    log.listed[order] = key
+        log.listed.update((order, _WAITING + order) for order in waiting)
+        for key in log.listed.values():
+            log.alive[key] = log.alive.get(key, 0) + 1
+        for d, orders in decided.items():
+            named = {of[order] for order in orders if of.get(order) in log.alive}
+            if named:
+                log.names[d] = named
+                for key in named:
+                    log.named_by.setdefault(key, set()).add(d)
+        return log
+
+    def update(self, began: list[bytes], decided: list[bytes]) -> tuple[list[tuple[bytes, bytes | None]], _Change]:
+        """``decided`` (listed documents decided in a batch) and ``began`` (documents that
+        began to wait in it, not listed), each sorted: the changelog records (key, value;
+        None: a tombstone) and the change."""
+        change = _Change()
+        out: list[tuple[bytes, bytes | None]] = []
+        for order in decided:
+            key = self.listed.pop(order)
+            self.alive[key] -= 1
+            change.decided.append((order, key))
+        for key in sorted({key for _, key in change.decided if not self.alive[key]}):
+            del self.alive[key]
+            out.append((key, None))
+            change.deleted.append(key)
+            for d in sorted(self.named_by.pop(key, ())):
+                names = self.names[d]
+                names.discard(key)
+                change.unnamed.append((d, key))
+                if not names:
+                    del self.names[d]
+                    out.append((d, None))
+                    change.deleted_d.append(d)
+        kept = [(order, key) for order, key in change.decided if key in self.alive]
+        if kept:  # decided, their A record still live: listed as decided until it is deleted
+            d = _DECIDED + kept[0][0]
+            self.names[d] = {key for _, key in kept}
+            for _, key in kept:
+                self.named_by.setdefault(key, set()).add(d)
+            out.append((d, b"".join(order for order, _ in kept)))
+            change.written_d = d
+        if began:
+            key = _BEGAN + began[0]
+            self.alive[key] = len(began)
+            self.listed.update(dict.fromkeys(began, key))
+            out.append((key, b"".join(began)))
+            change.began = (key, began)
+        return out, change
+
+    def undo(self, change: _Change) -> None:
+        """Take ``change`` back (its batch failed)."""
+        if change.began is not None:
+            key, began = change.began
+            del self.alive[key]
+            for order in began:
+                del self.listed[order]
+        if change.written_d is not None:
+            for key in self.names.pop(change.written_d):
+                self.named_by[key].discard(change.written_d)
+                if not self.named_by[key]:
+                    del self.named_by[key]
+        for d, key in change.unnamed:
+            self.names.setdefault(d, set()).add(key)
+            self.named_by.setdefault(key, set()).add(d)
+        for key in change.deleted:
+            self.alive[key] = 0
+        for order, key in change.decided:
+            self.listed[order] = key
+            self.alive[key] += 1
+
+
+@dataclass
 class _Undo:
     """What one batch changed, to take back if its transaction aborts: per waiting
     document it changed, its partition and its state before the batch (None: it came in
-    the batch); per partition, the consumed offset before the batch and the documents
-    the batch added to and dropped from its logged ones."""
+    the batch); per partition, the consumed offset before the batch and what the batch
+    changed in its log."""
 
     waiting: dict[bytes, tuple[int, _Waiting | None]] = field(default_factory=dict)
-    partitions: dict[int, tuple[int, list[bytes], list[bytes]]] = field(default_factory=dict)
+    partitions: dict[int, tuple[int, _Change]] = field(default_factory=dict)
 
     def forget(self, q: int) -> None:
         """Drop what concerns partition ``q`` (assigned anew, or revoked)."""
@@ -202,9 +315,8 @@ class DecideProcessor(StageHooks):
         self._retry_all = False  # after a restore: every waiting document is tried once
         self._consumed: dict[int, int] = {}  # findings partition -> offset after its last batch's records
         self._listed: dict[int, set[bytes]] = {}  # ... the documents waiting at its last commit (a restart)
-        # the documents with a ``W`` record in the changelog, per partition, as of the last
-        # batch computed
-        self._logged: dict[int, set[bytes]] = {}
+        # per partition, the documents its changelog lists as waiting, as of the last batch computed
+        self._logs: dict[int, _Log] = {}
         # per partition, (first, order key) of its waiting documents, a heap: the earliest
         # record to read again after a restart, without a pass over every one per batch
         self._firsts: dict[int, list[tuple[int, bytes]]] = {}
@@ -283,7 +395,7 @@ class DecideProcessor(StageHooks):
         for _, q in partitions:
             consumed, listed, logged = with_retries(f"restoring decide partition {q}", lambda q=q: self._restore(q))
             self.partitions[q], self._consumed[q], self._listed[q] = {}, consumed, listed
-            self._logged[q] = set(logged)
+            self._logs[q] = logged
             for undo in self._uncommitted:
                 undo.forget(q)
             self._firsts[q] = []
@@ -293,7 +405,7 @@ class DecideProcessor(StageHooks):
     def revoked(self, partitions: set[TP]) -> None:
         for _, q in partitions:
             for state in (self.partitions, self._blocked, self._consumed, self._listed,
-                          self._marks, self._published, self._logged, self._firsts):
+                          self._marks, self._published, self._logs, self._firsts):
                 state.pop(q, None)
             for undo in self._uncommitted:
                 undo.forget(q)
@@ -311,12 +423,10 @@ class DecideProcessor(StageHooks):
                     waiting.pop(order, None)
                 else:
                     waiting[order] = before
-            for q, (consumed, added, dropped) in undo.partitions.items():
+            for q, (consumed, change) in undo.partitions.items():
                 if q in self.partitions:
                     self._consumed[q] = consumed
-                    logged = self._logged[q]
-                    logged.difference_update(added)
-                    logged.update(dropped)
+                    self._logs[q].undo(change)
         self._uncommitted = []
         for q in self.partitions:
             self._index_firsts(q)
@@ -331,24 +441,33 @@ class DecideProcessor(StageHooks):
             self._uncommitted.pop(0)
         return written
 
-    def _restore(self, q: int) -> tuple[int, set[bytes], set[bytes]]:
+    def _restore(self, q: int) -> tuple[int, set[bytes], _Log]:
         """Partition ``q``'s changelog: (its consumed offset, -1 without one; the order
-        keys of the documents waiting at the last commit; those of them with a ``W``
-        record, the rest being listed in a ``P`` record of the earlier layout).
+        keys of the documents waiting at the last commit; the log of those its ``A`` and
+        ``W`` records list, the rest being listed in a ``P`` record of the earliest layout).
 
         Raises:
             ChangelogLayoutError: the partition holds records of another layout.
         """
-        consumed, in_p, logged = -1, set(), set()
+        consumed, in_p, waiting = -1, set(), set()
+        lists: dict[bytes, dict[bytes, list[bytes]]] = {_BEGAN: {}, _DECIDED: {}}
         topic = self.topology.decide_changelog
         for chunk in read_to_end(self.settings, topic, q):
             for m in chunk:
                 key, value = m.key() or b"", m.value()
                 if key[:1] == _WAITING and len(key) == 1 + ORDER.size and not value:
                     if value is None:
-                        logged.discard(key[1:])
+                        waiting.discard(key[1:])
                     else:
-                        logged.add(key[1:])
+                        waiting.add(key[1:])
+                    continue
+                if key[:1] in lists and len(key) == 1 + ORDER.size:
+                    if value is None:
+                        lists[key[:1]].pop(key, None)
+                    elif not value or len(value) % ORDER.size:
+                        raise ChangelogLayoutError(topic, q, f"a record of key {key[:1]!r} and {len(value)} bytes")
+                    else:
+                        lists[key[:1]][key] = [value[at:at + ORDER.size] for at in range(0, len(value), ORDER.size)]
                     continue
                 if value is None:
                     continue
@@ -356,7 +475,8 @@ class DecideProcessor(StageHooks):
                     raise ChangelogLayoutError(topic, q, f"a record of key {key[:1]!r} and {len(value)} bytes")
                 (consumed,) = _CONSUMED.unpack_from(value)
                 in_p = {value[at:at + ORDER.size] for at in range(_CONSUMED.size, len(value), ORDER.size)}
-        listed = in_p | logged
+        logged = _Log.read(lists[_BEGAN], lists[_DECIDED], waiting)
+        listed = in_p | set(logged.listed)
         if listed:
             log.info("decide partition %d: %d documents waiting, read again from the findings topic", q, len(listed))
         return consumed, listed, logged
@@ -547,15 +667,14 @@ class DecideProcessor(StageHooks):
             # read again must list it again)
             # every document waiting before this batch is logged: of those waiting now,
             # only ones that came in it can be new to the log
-            logged, gone = self._logged.setdefault(q, set()), settled.get(q, set())
-            dropped = sorted(order for order in gone if order in logged)
-            added = sorted(order for order in arrived.get(q, ()) if order in waiting and order not in logged)
-            logged.difference_update(dropped)
-            logged.update(added)
-            out += [(t.decide_changelog, q, _WAITING + order, None, []) for order in dropped]
-            out += [(t.decide_changelog, q, _WAITING + order, b"", []) for order in added]
+            logged, gone = self._logs.setdefault(q, _Log()), settled.get(q, set())
+            listed = logged.listed
+            dropped = sorted(order for order in gone if order in listed)
+            added = sorted(order for order in arrived.get(q, ()) if order in waiting and order not in listed)
+            records, change = logged.update(added, dropped)
+            out += [(t.decide_changelog, q, key, value, []) for key, value in records]
             out.append((t.decide_changelog, q, b"P", _CONSUMED.pack(consumed), []))
-            undo.partitions[q] = (before, added, dropped)
+            undo.partitions[q] = (before, change)
         for tp in ends:  # a restart reads again from the earliest record of a waiting document
             earliest = self._earliest(tp.partition)
             if earliest is not None:
