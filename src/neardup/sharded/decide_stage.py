@@ -58,7 +58,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
@@ -81,6 +80,7 @@ from neardup.sharded.records import (
     DECISIONS_RECORD_BYTES,
     DOCUMENTS_KIND,
     DecisionEntry,
+    DocumentEntry,
     ENGINE_HEADER,
     ERROR_HEADER,
     ID_HEADER,
@@ -119,23 +119,27 @@ _PARTITION = struct.Struct(">i")  # a decide partition, in the key of its progre
 Record = ProducedRecord
 
 
-class _Document(NamedTuple):
-    """A document's record as decide needs it, read once when it comes."""
+def _one_document(m: Message, headers: list[tuple[str, bytes | None]],
+                  named: dict[str, bytes | None]) -> DocumentEntry:
+    """A document record of an earlier version (one per document, its fields in headers),
+    as a documents record's entry.
 
-    key: bytes | None
-    value: bytes | None
-    carried: list[tuple[str, bytes | None]]  # the input message's headers (neardup's sharded ones left out)
-    topic: str  # its input topic
-    doc_id: str
-    error: bytes | None  # prepare's reason it is no document (its ``ERROR_HEADER``)
-    value_bytes: bytes | None  # its ``VALUE_BYTES_HEADER``: sent without its value
+    Raises:
+        ValueError: a value-size header that is no number.
+    """
+    error, value_bytes = named.get(ERROR_HEADER), named.get(VALUE_BYTES_HEADER)
+    return DocumentEntry(named.get(ORDER_HEADER) or b"", int(named.get(SHARDS_HEADER) or b"0"), m.key(), m.value(),
+                         [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)],
+                         (named.get(TOPIC_HEADER) or b"").decode("utf-8"), (named.get(ID_HEADER) or b"").decode("utf-8"),
+                         None if error is None else error.decode("utf-8"),
+                         None if value_bytes is None else int(value_bytes))
 
 
 @dataclass(slots=True)
 class _Waiting:
     """A document on its way: its record once come, its findings."""
 
-    record: _Document | None = None
+    record: DocumentEntry | None = None
     findings: dict[int, list | tuple] = field(default_factory=dict)  # shard partition -> its candidates
     error: str | None = None  # a shard could not read its band record
     first: int = 1 << 62  # the findings-topic offset of its earliest record
@@ -554,38 +558,23 @@ class DecideProcessor(StageHooks):
             if kind == WATERMARK_KIND:  # components: prepare's progress on this partition
                 self._watermark(m)
                 continue
-            if kind == DOCUMENTS_KIND:
-                where = f"documents record {m.topic()}[{q}]@{offset}"
+            if kind in (DOCUMENTS_KIND, b"document"):  # b"document": one per record, an earlier version's
+                where = f"{kind.decode()} record {m.topic()}[{q}]@{offset}"
                 check_engine_value(named.get(ENGINE_HEADER), self.digest, where)
                 try:
-                    entries = parse_documents(m.value() or b"")
+                    entries = (parse_documents(m.value() or b"") if kind == DOCUMENTS_KIND
+                               else [_one_document(m, headers, named)])
                 except (ValueError, struct.error, UnicodeDecodeError) as exc:
-                    log.error("findings topic %s: not a documents record (%s); skipped", where, exc)
+                    log.error("findings topic %s: not a %s record (%s); skipped", where, kind.decode(), exc)
                     continue
                 waiting, orders = self.partitions[q], touched.setdefault(q, set())
                 for e in entries:
                     if listed is not None and e.order not in listed:
                         continue
                     w = self._changing(q, waiting, e.order, undo)
-                    w.record = _Document(e.key, e.value, e.carried, e.topic, e.doc_id,
-                                         None if e.error is None else e.error.encode("utf-8"),
-                                         None if e.value_bytes is None else str(e.value_bytes).encode())
-                    w.shards = e.shards
+                    w.record, w.shards = e, e.shards
                     self._first(q, e.order, w, offset)
                     orders.add(e.order)
-            elif kind == b"document":  # one document's record (written by an earlier version)
-                check_engine_value(named.get(ENGINE_HEADER), self.digest, f"document record {m.topic()}[{q}]@{offset}")
-                order = named.get(ORDER_HEADER)
-                if listed is not None and order not in listed:
-                    continue
-                w = self._changing(q, self.partitions[q], order, undo)
-                w.record = _Document(m.key(), m.value(), [(k, v) for k, v in headers if not k.startswith(SHARDED_PREFIX)],
-                                     (named.get(TOPIC_HEADER) or b"").decode("utf-8"),
-                                     (named.get(ID_HEADER) or b"").decode("utf-8"), named.get(ERROR_HEADER),
-                                     named.get(VALUE_BYTES_HEADER))
-                w.shards = int(named.get(SHARDS_HEADER) or b"0")
-                self._first(q, order, w, offset)
-                touched.setdefault(q, set()).add(order)
             elif kind == FINDINGS_KIND:
                 try:
                     found, empty_orders, empty_shards = parse_findings_columns(m.value() or b"")
@@ -800,13 +789,13 @@ class DecideProcessor(StageHooks):
         assert doc is not None
         key, value, carried, topic = doc.key, doc.value, doc.carried, doc.topic
         seq = order_seq(order)
-        error = doc.error or (w.error.encode("utf-8") if w.error else None)
-        if error is not None:
-            kind, _, reason = error.decode("utf-8").partition(": ")
+        error = doc.error or w.error
+        if error:
+            kind, _, reason = error.partition(": ")
             _, partition, offset = ORDER.unpack(order)
             outcome = Outcome.of_error(kind, reason, topic, partition, offset)
             if doc.value_bytes is not None:  # too large for the findings topic: sent without its value
-                outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, doc.value_bytes)],
+                outcome = Outcome(outcome.target, outcome.headers + [(HEADER_VALUE_BYTES, str(doc.value_bytes).encode())],
                                   outcome.error_kind, "no_value")
         else:
             names: dict[int, str] = {seq: doc.doc_id}

@@ -239,7 +239,7 @@ class LeadMonitor:
         if committed is None:
             return -1
         with self._lock:
-            for sent, at, q in zip(self._sent, committed, range(len(committed))):
+            for q, (sent, at) in enumerate(zip(self._sent, committed)):
                 while sent and sent[0][0] < at:
                     self._documents[q] -= sent.popleft()[1]
             return max(self._documents)
