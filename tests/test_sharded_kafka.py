@@ -925,8 +925,9 @@ def test_a_malformed_band_record_dead_letters_its_document_and_stalls_nothing(ka
 
 
 def test_records_too_large_for_a_topic_become_dead_letters(kafka_bootstrap, kafka_topic_factory, tmp_path):
-    # a document record larger than the findings topic takes, and an output record larger
-    # than its output topic takes: both reach the dead-letter topic, nothing stalls
+    # a document record larger than the findings topic takes, one whose headers alone are,
+    # and an output record larger than its output topic takes: all reach the dead-letter
+    # topic, nothing stalls
     from confluent_kafka.admin import NewTopic
 
     topic = kafka_topic_factory("sharded-large", partitions=1)
@@ -936,20 +937,32 @@ def test_records_too_large_for_a_topic_become_dead_letters(kafka_bootstrap, kafk
              NewTopic(f"{topic}.unique", 1, config={"max.message.bytes": "6000"})]
     for future in admin.create_topics(small).values():
         future.result(30)
+    from neardup.kafka.messages import record_size
+
     words = " ".join(f"word{i}" for i in range(1000))  # about 9 KB
+    # a record 10 bytes under the findings topic's limit: its documents record (its id,
+    # order key and input topic beside it) is not; it was sent without its value, and
+    # came out of decide as a verdict with no value
+    edge = {"id": "edge", "text": " ".join(f"item{i}" for i in range(500)), "pad": ""}
+    edge["pad"] = "x" * (20000 - 10 - record_size(b"edge", json.dumps(edge).encode()))
+    assert record_size(b"edge", json.dumps(edge).encode()) == 20000 - 10
     huge = " ".join(f"term{i}" for i in range(4000))  # about 38 KB
     produce(kafka_bootstrap, topic, [(b"small", json.dumps({"id": "small", "text": "a short story of a few words here"}).encode()),
                                      (b"long", json.dumps({"id": "long", "text": words}).encode()),
-                                     (b"huge", json.dumps({"id": "huge", "text": huge}).encode())])
+                                     (b"huge", json.dumps({"id": "huge", "text": huge}).encode()),
+                                     (b"tagged", json.dumps({"id": "tagged", "text": "a story with large headers"}).encode(),
+                                      [("trace", b"t" * 25_000)]),
+                                     (b"edge", json.dumps(edge).encode()),
+                                     (b"after", json.dumps({"id": "after", "text": "the story after all of them"}).encode())])
     stages = _Stages(kafka_bootstrap, topic, topology, tmp_path / "stages.log")
     try:
         for role in ("prepare", "shard", "decide"):
             stages.start(role)
-        out = _outputs(kafka_bootstrap, topic, 3, 120, stages.alive)
+        out = _outputs(kafka_bootstrap, topic, 6, 120, stages.alive)
     finally:
         stages.stop()
     got = {o.key: o for o in out}
-    assert len(out) == 3, (tmp_path / "stages.log").read_text()[-3000:]
+    assert len(out) == 6, (tmp_path / "stages.log").read_text()[-3000:]
     assert got[b"small"].topic == f"{topic}.unique"
     assert got[b"long"].topic == f"{topic}.dlq"
     assert got[b"long"].headers["neardup-error"].startswith(b"record of ")
@@ -957,6 +970,17 @@ def test_records_too_large_for_a_topic_become_dead_letters(kafka_bootstrap, kafk
     assert got[b"huge"].topic == f"{topic}.dlq" and got[b"huge"].value is None
     assert got[b"huge"].headers["neardup-error"].startswith(b"a record of ")
     assert int(got[b"huge"].headers["neardup-value-bytes"]) > 20000
+    # its headers alone too large for the findings topic: its dead letter is neardup's
+    # headers alone, as neardup run's last fallback (no key, no value, no input header)
+    tagged = next(o for o in out if o.key is None)
+    assert tagged.topic == f"{topic}.dlq" and tagged.value is None and "trace" not in tagged.headers
+    assert tagged.headers["neardup-error"].startswith(b"a record of ")
+    assert b"key and headers left out to fit max.message.bytes 20000" in tagged.headers["neardup-error"]
+    assert int(tagged.headers["neardup-source-offset"]) == 3
+    assert got[b"edge"].topic == f"{topic}.dlq" and got[b"edge"].value is None
+    assert got[b"edge"].headers["neardup-error"].startswith(b"a record of ")
+    assert int(got[b"edge"].headers["neardup-value-bytes"]) == len(json.dumps(edge).encode())
+    assert got[b"after"].topic == f"{topic}.unique"
 
 
 def test_a_stage_with_other_engine_settings_stops_with_one_line(kafka_bootstrap, kafka_topic_factory, tmp_path):

@@ -9,7 +9,12 @@ shingle sets, as columns) and to every decide partition one documents record hol
 the batch's input records that go there (``neardup.sharded.records``). A message that is
 no document (``MessageError``, or no shingles after normalisation) goes in it with its
 error and in no band record, so that decide sends it to the dead-letter topic and every
-input message leaves through decide exactly once.
+input message leaves through decide exactly once. So does a message whose entry would not
+fit a documents record alone (the findings topic's ``max.message.bytes``: ``too_large``):
+it goes without its value, and if its key and headers alone are still too large, without
+them too, so that its dead letter is neardup's headers alone (as ``neardup run``'s last
+fallback, ``neardup.kafka.messages.fit``); a record too large for the topic would fail
+its batch at every try.
 
 Watermarks: with each batch, and every ``IDLE_MARK_S`` while no input arrives, prepare
 sends every shard partition a watermark record (``neardup.sharded.records``): for each
@@ -609,7 +614,7 @@ class PrepareProcessor(StageHooks):
         grouped, bounds = shard_bounds(p.buckets, t.shards)
         touched = (bounds[:, 1:] > bounds[:, :-1]).sum(axis=1).tolist()  # shard partitions per document
         band_headers = [(ENGINE_HEADER, self.digest)]
-        by_message: dict[int, tuple[str, int]] = {}  # message index -> (document id, band entries)
+        by_message: dict[int, tuple[str, int, int]] = {}  # message index -> (document id, band entries, index in p.valid)
         orders: list[bytes] = []  # per valid document (p.valid's order): order key, id
         ids: list[bytes] = []
         include = np.ones(len(p.valid), dtype=bool)  # the valid documents sent to the shards
@@ -631,7 +636,7 @@ class PrepareProcessor(StageHooks):
                                    f"{self._findings_limit()} of topic {t.findings}")
                 include[v] = False
                 continue
-            by_message[i] = (doc.id, touched[v])
+            by_message[i] = (doc.id, touched[v], v)
         out: list[Record] = []
         headers = [_DOCUMENTS_HEADER, (ENGINE_HEADER, self.digest)]
         room = self._findings_limit() - record_size(None, None, headers) - DOCUMENTS_FIXED_BYTES  # per record
@@ -641,16 +646,27 @@ class PrepareProcessor(StageHooks):
             tp = (m.topic(), m.partition())
             if key > self._sent.get(tp, b""):
                 self._sent[tp] = key
+            entry = None
             if i in by_message:
-                doc_id, touched = by_message[i]
-                entry = DocumentEntry(key, touched, m.key(), m.value(), carried_headers(carried[i]), m.topic(), doc_id,
+                doc_id, n, v = by_message[i]
+                entry = DocumentEntry(key, n, m.key(), m.value(), carried_headers(carried[i]), m.topic(), doc_id,
                                       None, None)
-            else:
+                size = _entry_bytes(entry)
+                if size > room:  # a documents record of it alone would not fit: a dead letter, not sent to the shards
+                    batch.errors[i] = (f"too_large: a record of {size + self._findings_limit() - room} bytes does not "
+                                       f"fit max.message.bytes {self._findings_limit()} of topic {t.findings}")
+                    include[v] = False
+                    entry = None
+            if entry is None:
                 entry = DocumentEntry(key, 0, m.key(), m.value(), carried_headers(carried[i]), m.topic(), "",
                                       batch.errors[i], None)
-            size = _entry_bytes(entry)
+                size = _entry_bytes(entry)
             if size > room:  # its dead letter goes without it
                 entry = entry._replace(value=None, value_bytes=len(entry.value or b""))
+                size = _entry_bytes(entry)
+            if size > room:  # its key and headers alone too large: neardup's headers alone, as ``fit``'s last stage
+                entry = entry._replace(key=None, carried=[], error=f"{entry.error}; key and headers left out to fit "
+                                       f"max.message.bytes {self._findings_limit()} of topic {t.findings}")
                 size = _entry_bytes(entry)
             documents.setdefault(decide_partition(key, t.decide_partitions), []).append((entry, size))
         for q, entries in sorted(documents.items()):  # one documents record per decide partition, split if large
