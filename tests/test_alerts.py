@@ -69,7 +69,8 @@ def test_the_rules_and_the_configuration_pass_promtool_check():
 def test_every_alert_fires_on_its_series_and_not_on_a_healthy_one():
     alerts = _alerts()
     assert {"NeardupTargetDown", "NeardupNoBatchCommitted", "NeardupConsumerLagGrowing",
-            "NeardupDeadLettersRising", "NeardupRestoreRunning", "NeardupStalled", "NeardupStageStalled"} <= set(alerts)
+            "NeardupDeadLettersRising", "NeardupRestoreRunning", "NeardupStalled", "NeardupStageStalled",
+            "NeardupDecideDocumentsStuck"} <= set(alerts)
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for name, rule in alerts.items():
         mine = [case for case in cases if case["alertname"] == name]
