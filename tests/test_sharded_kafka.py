@@ -1149,7 +1149,10 @@ def test_decide_batches_aborted_while_documents_wait_give_every_verdict_once(
     # is fenced at the next three batches it writes, which decide documents and may follow
     # a batch still committing: every message must come out once, with the sharded
     # verdicts. Decide runs in this process and joins its group whenever it starts: it
-    # reads the findings topic from its start all the same.
+    # reads the findings topic from its start all the same. The shard starts once decide
+    # holds documents, so that documents wait across commits (with the shards done before
+    # decide starts, every batch brought documents and their findings together, and no
+    # abort had a waiting document to take back).
     from confluent_kafka import KafkaError, KafkaException, Producer
 
     from neardup.sharded.decide_stage import DecideProcessor
@@ -1185,11 +1188,22 @@ def test_decide_batches_aborted_while_documents_wait_give_every_verdict_once(
         aborted()
         waited.append(sum(len(w) for w in processor.partitions.values()))
 
+    def holding() -> int:
+        while True:
+            try:
+                return sum(len(w) for w in list(processor.partitions.values()))
+            except RuntimeError:  # changed size meanwhile (decide's thread): again
+                continue
+
     processor.write, processor.aborted, processor._try = writing, aborting, trying
     try:
         stages.start("prepare")
-        stages.start("shard")
         runner.start()
+        deadline = time.monotonic() + 120
+        while holding() == 0:
+            assert stages.alive() and runner.is_alive() and time.monotonic() < deadline, stages.report()
+            time.sleep(0.2)
+        stages.start("shard")
         out = _outputs(kafka_bootstrap, topic, len(messages), 240, lambda: stages.alive() and runner.is_alive())
     finally:
         _stop(stage, runner, stages)
