@@ -614,7 +614,7 @@ class PrepareProcessor(StageHooks):
         grouped, bounds = shard_bounds(p.buckets, t.shards)
         touched = (bounds[:, 1:] > bounds[:, :-1]).sum(axis=1).tolist()  # shard partitions per document
         band_headers = [(ENGINE_HEADER, self.digest)]
-        by_message: dict[int, tuple[str, int, int]] = {}  # message index -> (document id, band entries, index in p.valid)
+        by_message: dict[int, tuple[str, int, int]] = {}  # message index -> (document id, band entries, p.valid index)
         orders: list[bytes] = []  # per valid document (p.valid's order): order key, id
         ids: list[bytes] = []
         include = np.ones(len(p.valid), dtype=bool)  # the valid documents sent to the shards
@@ -630,12 +630,6 @@ class PrepareProcessor(StageHooks):
             v = next(valid)
             orders.append(keys[i])
             ids.append(doc.id.encode("utf-8"))
-            size = record_size(m.key(), m.value(), carried[i])
-            if size > self._findings_limit():
-                batch.errors[i] = (f"too_large: a record of {size} bytes does not fit max.message.bytes "
-                                   f"{self._findings_limit()} of topic {t.findings}")
-                include[v] = False
-                continue
             by_message[i] = (doc.id, touched[v], v)
         out: list[Record] = []
         headers = [_DOCUMENTS_HEADER, (ENGINE_HEADER, self.digest)]
@@ -646,20 +640,16 @@ class PrepareProcessor(StageHooks):
             tp = (m.topic(), m.partition())
             if key > self._sent.get(tp, b""):
                 self._sent[tp] = key
-            entry = None
-            if i in by_message:
-                doc_id, n, v = by_message[i]
-                entry = DocumentEntry(key, n, m.key(), m.value(), carried_headers(carried[i]), m.topic(), doc_id,
-                                      None, None)
-                size = _entry_bytes(entry)
-                if size > room:  # a documents record of it alone would not fit: a dead letter, not sent to the shards
-                    batch.errors[i] = (f"too_large: a record of {size + self._findings_limit() - room} bytes does not "
-                                       f"fit max.message.bytes {self._findings_limit()} of topic {t.findings}")
-                    include[v] = False
-                    entry = None
-            if entry is None:
-                entry = DocumentEntry(key, 0, m.key(), m.value(), carried_headers(carried[i]), m.topic(), "",
-                                      batch.errors[i], None)
+            doc = by_message.get(i)
+            entry = DocumentEntry(key, doc[1] if doc else 0, m.key(), m.value(), carried_headers(carried[i]),
+                                  m.topic(), doc[0] if doc else "", batch.errors.get(i), None)
+            size = _entry_bytes(entry)
+            if size > room and doc is not None:  # a documents record of it alone would not fit: a dead letter
+                limit = self._findings_limit()
+                batch.errors[i] = (f"too_large: a record of {size + limit - room} bytes does not fit "
+                                   f"max.message.bytes {limit} of topic {t.findings}")
+                include[doc[2]] = False  # and no band record
+                entry = entry._replace(shards=0, doc_id="", error=batch.errors[i])
                 size = _entry_bytes(entry)
             if size > room:  # its dead letter goes without it
                 entry = entry._replace(value=None, value_bytes=len(entry.value or b""))
