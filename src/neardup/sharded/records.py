@@ -384,15 +384,7 @@ def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
 
 
 def order_seq(key: bytes) -> int:
-    """The order key as one integer, ordered like the keys (timestamp, partition, offset).
-
-    Raises:
-        struct.error: a key of another length than 20 bytes.
-    """
-    if len(key) == 20 and key[8] < 0x80 and key[12] < 0x80:
-        # partition and offset not negative (every input record's): the big-endian
-        # integer of the key is ``fields_seq``'s, in a quarter of the time
-        return int.from_bytes(key, "big", signed=True)
+    """The order key as one integer, ordered like the keys (timestamp, partition, offset)."""
     return fields_seq(*ORDER.unpack(key))
 
 

@@ -38,7 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -338,66 +338,6 @@ class ShardIndex:
         self.ids[seq] = doc_id
         return True
 
-    def meet_none(self, buckets: list[np.ndarray]) -> list[bool]:
-        """For documents about to be added in turn, which of them surely meet no one here
-        and join every bucket (``add_alone`` would take them), judged before any is added,
-        so that ``join_alone`` can add them together.
-
-        A document is taken when it has at least one bucket id and none of them is held
-        now, named twice by it or named by a document before it in ``buckets``: then no
-        document before it joins one of its buckets, whatever that one meets. The others
-        (False) go through ``add_alone`` and ``add`` at their turn, as before. Nothing is
-        taken with a retention window or a ``max_bucket_size`` of 0.
-
-        Args:
-            buckets: per document, uint64, shape (k,): its bucket ids, in the order they
-                would be added.
-
-        Returns:
-            One bool per document.
-        """
-        n = len(buckets)
-        if not n or self.retention_ms is not None or self.settings.max_bucket_size <= 0:
-            return [False] * n
-        counts = np.fromiter(map(len, buckets), dtype=np.int64, count=n)
-        flat = np.concatenate(buckets)
-        if not len(flat):
-            return [False] * n
-        _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
-        bad = first[inverse] != np.arange(len(flat))  # named before, in this document or an earlier one
-        bad |= self._held_mask(flat.tolist())
-        taken = counts > 0
-        starts = (np.cumsum(counts) - counts)[taken]
-        taken[taken] = ~np.logical_or.reduceat(bad, starts)
-        return taken.tolist()
-
-    def join_alone(self, seqs: list[int], buckets: list[np.ndarray], fingerprints: list[np.ndarray],
-                   ids: list[str]) -> None:
-        """Add documents ``meet_none`` took, as ``add_alone`` adds each (every bucket
-        joined, no copy bucket), in one pass.
-
-        Args:
-            seqs: their seqs.
-            buckets: per document, uint64, shape (k,): its bucket ids.
-            fingerprints: per document, uint32, sorted distinct: its shingle set.
-            ids: their external ids.
-        """
-        if not seqs:
-            return
-        self.buckets.update(zip(np.concatenate(buckets).tolist(),
-                                chain.from_iterable(map(repeat, seqs, map(len, buckets)))))
-        self.sets.update(zip(seqs, fingerprints))
-        self.ids.update(zip(seqs, ids))
-        top = max(seqs)
-        if top >> 96 > self.mark:  # ``advance`` without a window
-            self.mark = top >> 96
-        if top > self.last:
-            self.last = top
-
-    def _held_mask(self, bucket_ids: list[int]) -> np.ndarray:
-        """bool, one per bucket id: whether it holds a member."""
-        return np.fromiter(map(self.buckets.__contains__, bucket_ids), dtype=bool, count=len(bucket_ids))
-
     def apply(self, seq: int, doc_id: str, joins: Joins, fingerprints: np.ndarray) -> None:
         """Add what ``add`` added for a document (also to add it again: a restore, in the
         same order)."""
@@ -537,11 +477,6 @@ class StoredShardIndex(ShardIndex):
 
     def _none_held(self, buckets: list[int]) -> bool:
         return self.buckets.keys().isdisjoint(buckets) and not any(self._stored_members(buckets))
-
-    def _held_mask(self, bucket_ids: list[int]) -> np.ndarray:
-        self._fetch(bucket_ids)
-        memory, fetched = self.buckets, self._fetched
-        return np.fromiter((b in memory or bool(fetched[b]) for b in bucket_ids), dtype=bool, count=len(bucket_ids))
 
     def _members(self, buckets: list[int]) -> list[Sequence[int]]:
         return [[*stored, *self.bucket(b)] if stored else self.bucket(b)

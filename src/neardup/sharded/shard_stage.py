@@ -408,7 +408,6 @@ class ShardProcessor(StageHooks):
         # members logged as references to their band records (``member_refs_value``): a
         # band topic that keeps its records (``check``)
         self._refs = False
-        self._decide_of: dict[bytes, int] = {}
         self._kept: bool | None = None  # whether the band topic keeps its records (None: not known)
         # with a window and references, the band records no longer needed are deleted
         # (``_purge``): per band partition, the offset to delete below once due, and the
@@ -831,7 +830,6 @@ class ShardProcessor(StageHooks):
     def compute(self, batch: MessageBatch) -> tuple[list[Record], ShardWritten]:
         """Hold, release in order, meet, verify and join; the records to produce."""
         out: list[Record] = []
-        self._decide_of = {}  # order key -> decide partition, for the batch (a document is on several shards)
         ends = next_offsets(batch.messages)
         stats = ShardWritten(ends, messages=len(batch.messages))
         found: dict[int, list[bytes]] = {}  # decide partition -> the findings of its documents
@@ -986,36 +984,14 @@ class ShardProcessor(StageHooks):
         """Meet, verify and join ``records`` in order: their findings to ``found`` (by
         decide partition; those without a candidate to ``empty``, as columns), the members
         they made to ``members`` (``_Joined``)."""
-        if not records:
-            return
         t = self.topology
         index = shard.index
         add, alone, id_of, parts = index.add, index.add_alone, index.id_of, t.decide_partitions
         refs, whole = self._refs, not self._refs or self.state_dir is not None
-        decide_of = self._decide_of
-        seqs = [order_seq(rec.order) for rec in records]
-        # those that surely meet no one (most), added together first: none shares a
-        # bucket with a document before it, so the others meet the same members as if
-        # each had been added at its turn (``ShardIndex.meet_none``)
-        sure = index.meet_none([rec.buckets for rec in records])
-        taken = [i for i, yes in enumerate(sure) if yes]
-        if taken:
-            index.join_alone([seqs[i] for i in taken], [records[i].buckets for i in taken],
-                             [records[i].fingerprints for i in taken], [records[i].id for i in taken])
-        for rec, seq, surely in zip(records, seqs, sure):
+        for rec in records:
             order = rec.order
-            q = decide_of.get(order)
-            if q is None:
-                q = decide_of[order] = decide_partition(order, parts)
-            if surely:
-                columns = empty.get(q)
-                if columns is None:
-                    columns = empty[q] = ([], [])
-                columns[0].append(order)
-                columns[1].append(p)
-                members.append((order, joined_member_value((), rec.id, rec.buckets, rec.fingerprints) if whole else None,
-                                (order, rec.offset, rec.entry, None, ()) if refs else None))
-                continue
+            seq = order_seq(order)
+            q = decide_partition(order, parts)
             some = None  # the indices of the buckets it joined, when not all
             if alone(seq, rec.buckets.tolist(), rec.fingerprints, rec.id):  # met no one, joined every bucket
                 checked, joined, copies = (), rec.buckets, ()
@@ -1038,9 +1014,8 @@ class ShardProcessor(StageHooks):
             if joined is not None:
                 members.append((order, joined_member_value(copies, rec.id, joined, rec.fingerprints) if whole else None,
                                 (order, rec.offset, rec.entry, some, copies) if refs else None))
-        top = max(rec.order for rec in records)
-        if top > shard.last:
-            shard.last = top
+            if order > shard.last:
+                shard.last = order
         stats.released += len(records)
 
     def _members_records(self, p: int, shard: _Shard, members: list[_Joined], out: list[Record],
@@ -1058,15 +1033,7 @@ class ShardProcessor(StageHooks):
                             members_value([(order, value) for order, value, _ in chunk]), []))
                 shard.logged(key, None)
             return
-        # most members joined all their buckets and no copy bucket: a reference's bytes
-        # counted only for the others, and the run cut only when they do not fit
-        total = REF_BYTES * len(members) + sum(_ref_bytes(m) - REF_BYTES for m in members
-                                               if m[2][3] is not None or m[2][4])  # type: ignore[index]
-        if total <= MEMBERS_RECORD_BYTES:
-            chunks = [members]
-        else:
-            chunks = split_runs(members, _ref_bytes, MEMBERS_RECORD_BYTES)
-        for chunk in chunks:
+        for chunk in split_runs(members, _ref_bytes, MEMBERS_RECORD_BYTES):
             key = max(order for order, _, _ in chunk)
             out.append((self.topology.shard_changelog, p, b"N" + key, member_refs_value([ref for _, _, ref in chunk]), []))
             shard.logged(key, min(ref[1] for _, _, ref in chunk))  # type: ignore[index]
