@@ -633,7 +633,8 @@ class PrepareProcessor(StageHooks):
             by_message[i] = (doc.id, touched[v], v)
         out: list[Record] = []
         headers = [_DOCUMENTS_HEADER, (ENGINE_HEADER, self.digest)]
-        room = self._findings_limit() - record_size(None, None, headers) - DOCUMENTS_FIXED_BYTES  # per record
+        limit = self._findings_limit()
+        room = limit - record_size(None, None, headers) - DOCUMENTS_FIXED_BYTES  # per record
         # decide partition -> its documents, in input order, with their bytes (``_entry_bytes``)
         documents: dict[int, list[tuple[DocumentEntry, int]]] = {}
         for i, (m, key) in enumerate(zip(batch.messages, keys)):
@@ -645,7 +646,6 @@ class PrepareProcessor(StageHooks):
                                   m.topic(), doc[0] if doc else "", batch.errors.get(i), None)
             size = _entry_bytes(entry)
             if size > room and doc is not None:  # a documents record of it alone would not fit: a dead letter
-                limit = self._findings_limit()
                 batch.errors[i] = (f"too_large: a record of {size + limit - room} bytes does not fit "
                                    f"max.message.bytes {limit} of topic {t.findings}")
                 include[doc[2]] = False  # and no band record
@@ -656,7 +656,7 @@ class PrepareProcessor(StageHooks):
                 size = _entry_bytes(entry)
             if size > room:  # its key and headers alone too large: neardup's headers alone, as ``fit``'s last stage
                 entry = entry._replace(key=None, carried=[], error=f"{entry.error}; key and headers left out to fit "
-                                       f"max.message.bytes {self._findings_limit()} of topic {t.findings}")
+                                       f"max.message.bytes {limit} of topic {t.findings}")
                 size = _entry_bytes(entry)
             documents.setdefault(decide_partition(key, t.decide_partitions), []).append((entry, size))
         for q, entries in sorted(documents.items()):  # one documents record per decide partition, split if large
