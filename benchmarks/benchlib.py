@@ -424,10 +424,13 @@ def proc_status_mb(pid: int | str = "self") -> dict[str, float]:
     return out
 
 
-def proc_cpu_seconds(pid: int | str = "self") -> float | None:
-    """User + system CPU seconds of a process (all its threads) from /proc/<pid>/stat."""
+def proc_cpu_seconds(pid: int | str = "self", thread: int | None = None) -> float | None:
+    """User + system CPU seconds of a process (all its threads) from /proc/<pid>/stat, or
+    of its thread ``thread`` alone (``/proc/<pid>/task/<thread>/stat``; the main thread:
+    ``thread == pid``)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None

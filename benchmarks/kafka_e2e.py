@@ -436,7 +436,8 @@ class OffsetWatch:
 
 def wait_for(watch: OffsetWatch, target: int, proc: subprocess.Popen, poll_s: float, timeout_s: float,
              log: Path, peak: list[float], cpu: list[float]) -> float:
-    """Poll until the committed offset reaches ``target``; returns that wall-clock time."""
+    """Poll until the committed offset reaches ``target``; returns that wall-clock time.
+    ``cpu``: set to the CPU seconds of the process tree and of the main thread alone."""
     deadline = time.monotonic() + timeout_s
     last_print = 0.0
     while time.monotonic() < deadline:
@@ -447,6 +448,7 @@ def wait_for(watch: OffsetWatch, target: int, proc: subprocess.Popen, poll_s: fl
         seconds = tree_cpu_seconds(proc.pid)
         if seconds is not None:
             cpu[0] = seconds
+            cpu[1] = benchlib.proc_cpu_seconds(proc.pid, proc.pid) or cpu[1]
         if offset >= target:
             return watch.timeline[-1][0]
         if proc.poll() is not None:
@@ -638,14 +640,14 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
             print("$ " + " ".join(cmd[:1] + [c if c != str(Path(tmp) / "state") else "<tmp>/state" for c in cmd[1:]]),
                   flush=True)
             watch = OffsetWatch(bootstrap, group, topic, args.partitions)
-            peak, cpu = [0.0], [0.0]
+            peak, cpu = [0.0], [0.0, 0.0]
             load_start = os.getloadavg()
             launched = time.time()
             with open(log, "wb") as log_stream:
                 proc = subprocess.Popen(cmd, stdout=log_stream, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
             done = wait_for(watch, n, proc, args.poll_ms / 1000, args.timeout, log, peak, cpu)
-            cpu_phase1, load_phase1 = cpu[0], os.getloadavg()
+            cpu_phase1, main_cpu_phase1, load_phase1 = cpu[0], cpu[1], os.getloadavg()
             first = next((t, o) for t, o in watch.timeline if o > 0)
             run_s = done - launched
             steady = (n - first[1]) / (done - first[0]) if done > first[0] else float("nan")
@@ -732,7 +734,9 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
          *([[f"paced produce at {args.rate:,.0f}/s", f"{m:,}", f"{paced_s:.1f}", f"{m / paced_s:,.0f}"]] if m else [])]))
     print(f"neardup run: exit code {rc} after SIGTERM; peak RSS (VmHWM) {peak[0]:,.0f} MB; "
           f"committed offset polled every {args.poll_ms:.0f} ms")
-    print(f"neardup run CPU in phase 1: {cpu_phase1:.1f} s over {run_s:.1f} s wall ({100 * cpu_phase1 / run_s:.0f}% of a core; with its worker process, if any); "
+    print(f"neardup run CPU in phase 1: {cpu_phase1:.1f} s over {run_s:.1f} s wall ({100 * cpu_phase1 / run_s:.0f}% of a core; with its worker process, if any), "
+          f"{main_cpu_phase1:.1f} s of it in the main thread (consume, state, produce; "
+          f"{1e6 * main_cpu_phase1 / n:.0f} us per message); "
           f"load average {load_start[0]:.2f} at launch, {load_phase1[0]:.2f} at offset N ({os.cpu_count()} CPUs)")
     print("\nlatency, ms (this machine's clock; see the docstring for each definition):")
     print(benchlib.table(["latency", "p50", "p90", "p99", "max", "count"], [
@@ -779,6 +783,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict[str, object]]:
         "first_consume_messages_per_second": round(consumed_rate, 1),
         "peak_rss_mb": round(peak[0], 1),
         "cpu_seconds_phase1": round(cpu_phase1, 2),
+        "main_thread_cpu_seconds_phase1": round(main_cpu_phase1, 2),
         "loadavg_launch": load_start, "loadavg_phase1_end": load_phase1,
         "exit_code": rc,
         "changelog_flag": args.changelog,

@@ -46,8 +46,9 @@ in a delivery report (any time up to step 5), the message is marked for its next
 the producer's queue is purged so that the transaction fails at once, and the retry
 produces the marked message at that stage (storing it), and the others as before.
 
-Pipeline (``pipeline``, on by default; ``--no-pipeline`` turns it off). Normalising,
-shingling, MinHashing and banding a batch (``Preparer``) need no state, so a worker
+Pipeline (``pipeline``, on by default; ``--no-pipeline`` turns it off). Decoding the
+messages (UTF-8, JSON, HTML: ``neardup.kafka.messages.DecodeMessages``) and normalising,
+shingling, MinHashing and banding their texts (``Preparer``) need no state, so a worker
 process does them for a batch read ahead (``neardup.kafka.stage``) while this process runs
 steps 2-5 of the batch before it: the two share the machine's cores. A batch that is not
 full is prepared in this process, so a consumer that keeps up waits for no one; so is
@@ -55,7 +56,7 @@ every batch until the worker has started (its imports and compiled code take abo
 second). A batch read ahead has its replays marked against the positions before the
 previous batch's commit, which are the same for it (positions only grow past that
 batch's own offsets); ``compute`` checks it anyway. The verdicts do not change: the
-preparation is a pure function of the documents, and the state work stays in order in
+decoding and the preparation are pure functions of the messages, and the state work stays in order in
 this process. The worker holds one batch at a time and is linked by a pipe, so its death
 (even mid-result) is seen at once: batches are prepared in this process from then on.
 """
@@ -73,7 +74,7 @@ from confluent_kafka.admin import AdminClient
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
-from neardup.core.types import Document, Rejected, Verdict
+from neardup.core.types import Rejected, Verdict
 from neardup.detector import Detector, BatchResult, PreparedBatch, warm_up
 from neardup.kafka import state_check
 from neardup.kafka.changelog import ChangelogWriter, RestoreStats
@@ -83,6 +84,8 @@ from neardup.kafka.limits import PRODUCER_BATCH_BYTES, PRODUCER_MAX_BYTES, Topic
 from neardup.kafka.messages import (
     LAST_STAGE,
     OFFSET_BE,
+    Decoded,
+    DecodeMessages,
     Limits,
     MessageError,
     Outcome,
@@ -152,18 +155,23 @@ class _Item:
 
 @dataclass
 class _Batch:
-    """Consumed messages, read: replays marked (by the positions at reading time), the
-    others decoded (``documents``, of the items in ``fresh``) or given a dead-letter
-    outcome. ``in_worker``: the documents were sent to the worker; ``prepared``: its
-    result, once taken."""
+    """Consumed messages, read: replays marked (by the positions at reading time); the
+    others (``new``) are decoded when the batch is computed, or in the worker
+    (``in_worker``: sent there; ``decoded`` and ``prepared``: its result, once taken).
+    Once decoded, a message that is no document has a dead-letter outcome and the
+    documents are in ``fresh``, with their ids, times and (decoded here) texts."""
 
     messages: list[Message]
     items: list[_Item]
-    fresh: list[_Item]
-    documents: list[Document]
+    new: list[_Item]
     full: bool
     in_worker: bool = False
+    decoded: list[Decoded] | None = None
     prepared: PreparedBatch | None = None
+    fresh: list[_Item] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    times: list[float | None] = field(default_factory=list)
+    texts: list[str] | None = None
 
 
 @dataclass
@@ -228,7 +236,10 @@ class DedupProcessor:
     def open(self) -> None:
         """Start the worker, and load the compiled kernels while the clients connect."""
         if self.settings.pipeline:
-            self.worker = PrepareWorker(self.detector.settings)
+            s = self.settings
+            text_fields = tuple(s.text_field) if s.text_field else None
+            self.worker = PrepareWorker(self.detector.settings,
+                                        DecodeMessages(text_fields, s.id_field, s.max_message_bytes, s.text_format))
         threading.Thread(target=warm_up, args=(self.detector.settings,), name="neardup-warm-up",
                          daemon=True).start()
 
@@ -395,47 +406,70 @@ class DedupProcessor:
         return m.offset() < self._position(m.topic(), m.partition())
 
     def read(self, messages: list[Message], full: bool) -> _Batch:
-        """Mark the replays and decode the other messages."""
-        s = self.settings
+        """Mark the replays; the other messages are decoded later (``_decode``), in the
+        worker for a batch read ahead (``ahead``)."""
         items = [_Item(m, replay=self._is_replay(m)) for m in messages]
-        fresh: list[_Item] = []
-        documents: list[Document] = []
-        for it in items:
-            if it.replay:
-                continue
+        return _Batch(messages, items, [it for it in items if not it.replay], full)
+
+    def _decode(self, batch: _Batch) -> None:
+        """Decode the batch's new messages here, unless the worker did
+        (``batch.decoded``): a message that is no document gets its dead-letter
+        outcome, the documents go to ``fresh``."""
+        s = self.settings
+        decoded = batch.decoded
+        texts: list[str] | None = None
+        batch.fresh, batch.ids, batch.times = [], [], []
+        if decoded is None:
+            decoded, texts = [], []
+            for it in batch.new:
+                m = it.message
+                try:
+                    doc = to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
+                                      s.text_field, s.id_field, s.max_message_bytes, s.text_format)
+                except MessageError as exc:
+                    decoded.append((exc.kind, str(exc)))
+                    continue
+                decoded.append((doc.id, None))
+                texts.append(doc.text)
+        for it, (name, reason) in zip(batch.new, decoded, strict=True):
             m = it.message
-            try:
-                doc = to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
-                                  s.text_field, s.id_field, s.max_message_bytes, s.text_format)
-                ts_type, ts = m.timestamp()  # the retention window's clock; none: arrival
-                documents.append(Document(doc.id, doc.text, ts / 1000 if ts_type != 0 else None))
-                fresh.append(it)
-            except MessageError as exc:
-                it.outcome = Outcome.of_error(exc.kind, str(exc), m.topic(), m.partition(), m.offset())
-        return _Batch(messages, items, fresh, documents, full)
+            if reason is not None:
+                it.outcome = Outcome.of_error(name, reason, m.topic(), m.partition(), m.offset())
+                continue
+            ts_type, ts = m.timestamp()  # the retention window's clock; none: arrival
+            batch.fresh.append(it)
+            batch.ids.append(name)
+            batch.times.append(ts / 1000 if ts_type != 0 else None)
+        batch.texts = texts
 
     def ahead(self, batch: _Batch) -> None:
-        """Start preparing a batch read ahead in the worker, once it has started."""
+        """Start decoding and preparing a batch read ahead in the worker, once it has
+        started."""
         if self.worker is None:
             return
         try:
             if self._worker_ready():  # until it has started, batches are prepared here
-                self.worker.submit(batch.documents)
+                self.worker.submit([(it.message.value(), it.message.key(), it.message.topic(),
+                                     it.message.partition(), it.message.offset()) for it in batch.new])
                 batch.in_worker = True
         except WorkerDied as exc:
             self._worker_died(exc)
 
     def take(self, batch: _Batch) -> None:
-        """Take the batch's preparation from the worker, if it went there."""
+        """Take the batch's decoding and preparation from the worker, if it went there
+        (if the worker failed on it, the batch is decoded and prepared here: an error
+        of the input is raised there)."""
         if not batch.in_worker:
             return
         batch.in_worker = False
         if self.worker is None:
             return
         try:
-            batch.prepared = self.worker.result()
+            batch.decoded, batch.prepared = self.worker.outcome()
         except WorkerDied as exc:
             self._worker_died(exc)
+        except Exception as exc:  # noqa: BLE001 - the same input decoded here raises it again
+            log.debug("the preparing worker failed on a batch (%s); decoding it here", exc)
 
     def _worker_ready(self) -> bool:
         """Whether the worker has started; False without a worker.
@@ -470,7 +504,12 @@ class DedupProcessor:
                 it.outcome = Outcome.from_bytes(raw)
         stats.replayed = len(replays)
 
-        result = self.detector.detect(batch.documents, prepared=batch.prepared)
+        self._decode(batch)
+        prepared = batch.prepared
+        if prepared is None:
+            assert batch.texts is not None  # decoded here
+            prepared = self.detector.prepare.texts(batch.texts)
+        result = self.detector.detect_prepared(batch.ids, batch.times, prepared)
         stats.future_times = result.future_times
         for it, res in zip(batch.fresh, result.results):
             m = it.message

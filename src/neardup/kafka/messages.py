@@ -433,3 +433,48 @@ def to_document(
     if doc_id is None and key is not None:
         doc_id = key.decode("utf-8", "backslashreplace")
     return Document(doc_id or f"{topic}/{partition}/{offset}", text)
+
+
+#: A message as ``DecodeMessages`` takes it: value, key, topic, partition, offset.
+RawMessage = tuple[bytes | None, bytes | None, str, int, int]
+#: A message as ``DecodeMessages`` gives it back: (id, None) for a document (its text
+#: stays in the worker, prepared already), or (error kind, reason) for a dead letter.
+Decoded = tuple[str, str | None]
+
+
+@dataclass(frozen=True)
+class DecodeMessages:
+    """The ``neardup.pipeline.PrepareJob`` of a batch of messages (``RawMessage``\\ s):
+    each is decoded (``to_document``: UTF-8, JSON, the text and id fields, HTML) and the
+    documents' texts prepared, in the worker process, so that decoding shares the second
+    core too. ``run`` gives back, per message in order, a ``Decoded``; ``finish`` gives
+    that list as it is.
+
+    Raises (from ``run``, in the caller): ``neardup.extract.ExtraMissing``, as
+    ``to_document``.
+    """
+
+    text_fields: tuple[str, ...] | None
+    id_field: str | None
+    max_bytes: int
+    text_format: str = "plain"
+
+    def payload(self, batch: list[RawMessage]) -> list[RawMessage]:
+        return batch
+
+    def run(self, batch: list[RawMessage], preparer):  # noqa: ANN001, ANN201 - Preparer -> (list[Decoded], PreparedBatch)
+        decoded: list[Decoded] = []
+        texts: list[str] = []
+        for value, key, topic, partition, offset in batch:
+            try:
+                doc = to_document(value, key, topic, partition, offset, self.text_fields, self.id_field,
+                                  self.max_bytes, self.text_format)
+            except MessageError as exc:
+                decoded.append((exc.kind, str(exc)))
+                continue
+            decoded.append((doc.id, None))
+            texts.append(doc.text)
+        return decoded, preparer.texts(texts)
+
+    def finish(self, batch: list[RawMessage], made: list[Decoded]) -> list[Decoded]:
+        return made
