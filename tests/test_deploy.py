@@ -325,13 +325,15 @@ def real_metrics(tmp_path: Path) -> Metrics:
         detector = Detector(engine, store)
         for start in range(0, len(records), 100):
             docs = [Document(str(r["id"]), r["text"]) for r in records[start:start + 100]]
-            verdicts = detector.process(docs)
+            result = detector.detect(docs)
+            store.commit(result.update)
+            verdicts = result.verdicts
             stats = BatchStats(
                 messages=len(docs),
                 unique=sum(not v.is_duplicate for v in verdicts),
                 duplicate=sum(v.is_duplicate for v in verdicts),
                 dead_letter={"invalid_json": 1},
-                verdicts=list(verdicts),
+                columns=result.columns,
                 timestamps_ms=[int(time.time() * 1000) - 40] * len(docs),
                 seconds=0.05,
             )

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neardup.core.types import Verdict
+from neardup.detector import VerdictColumns
 from neardup.kafka.messages import (
     HEADER_CONTAINMENT,
     HEADER_JACCARD,
@@ -162,6 +163,24 @@ def test_verdict_headers(verdict: Verdict) -> None:
     if verdict.nearest is not None:
         expected.append(("neardup-nearest", verdict.nearest.encode()))
     assert outcome == Outcome("duplicate" if verdict.is_duplicate else "unique", expected)
+
+
+@FAST
+@given(st.lists(VERDICTS, max_size=8))
+def test_outcomes_of_columns_are_those_of_the_verdicts(verdicts: list[Verdict]) -> None:
+    """``Outcome.of_columns`` gives ``of_verdict``'s outcome of each verdict, and the bytes
+    its headers add to a record as ``record_size`` counts them."""
+    columns = VerdictColumns(
+        ids=[v.id for v in verdicts], first_seq=0, duplicate=[v.is_duplicate for v in verdicts],
+        cluster=[v.cluster for v in verdicts], match=[v.match for v in verdicts],
+        similarity=[v.similarity for v in verdicts], jaccard=[v.jaccard for v in verdicts],
+        containment=[v.containment for v in verdicts], candidates=[v.candidates for v in verdicts],
+        rejected=[v.rejected for v in verdicts], cluster_size=[v.cluster_size for v in verdicts],
+        related=[v.related for v in verdicts], nearest=[v.nearest for v in verdicts],
+    )
+    outcomes, sizes = Outcome.of_columns(columns)
+    assert outcomes == [Outcome.of_verdict(v) for v in verdicts]
+    assert sizes == [record_size(None, None, o.headers) - RECORD_OVERHEAD for o in outcomes]
 
 
 DEEP = b"[" * 1000 + b"]" * 1000

@@ -414,3 +414,33 @@ def test_observe_many_counts_as_observe_does_one_amount_at_a_time() -> None:
     for name, value in loop.items():
         assert many[name] == pytest.approx(value, rel=1e-12), name
     assert many["h_count[]"] == len(amounts)
+
+
+def test_verdict_columns_are_observed_as_their_verdicts(stories):
+    """``Metrics.observe_columns`` (a ``neardup run`` batch) counts what
+    ``observe_verdicts`` counts of the same verdicts, less those that became dead letters."""
+    from neardup.core.types import Document  # noqa: PLC0415
+    from neardup.detector import Detector  # noqa: PLC0415
+    from neardup.state.memory import MemoryStateStore  # noqa: PLC0415
+
+    engine = EngineSettings()
+    detector = Detector(engine, MemoryStateStore(engine.state_shape()))
+    records = [json.loads(line) for line in stories.read_text(encoding="utf-8").splitlines()]
+    docs = [Document(str(r["id"]), r["text"]) for r in records[:300]]
+    result = detector.detect(docs + docs[:40])  # the last 40: copies, duplicates
+    dead = [3, 301, 320]
+    kept = [v for i, v in enumerate(result.verdicts) if i not in set(dead)]
+    by_columns, by_verdicts = Metrics(), Metrics()
+    by_columns.observe_columns(result.columns, dead)
+    by_verdicts.observe_verdicts(kept)
+    assert sum(v.is_duplicate for v in kept) > 0
+
+    def samples(m: Metrics) -> dict:
+        names = ("neardup_candidates", "neardup_match_similarity", "neardup_cluster_size",
+                 "neardup_candidates_rejected")
+        return {(s.name, tuple(sorted(s.labels.items()))): round(s.value, 9)
+                for family in text_string_to_metric_families(m.exposition().decode())
+                if family.name.startswith(names) for s in family.samples}
+
+    assert samples(by_columns) == samples(by_verdicts)
+    assert samples(by_columns)

@@ -53,6 +53,7 @@ from neardup.state import codec
 
 if TYPE_CHECKING:
     from neardup.core.settings import EngineSettings
+    from neardup.detector import VerdictColumns
     from neardup.run import BatchStats
 
 VERDICTS = ("unique", "duplicate")
@@ -268,6 +269,19 @@ class Metrics:
         if rejected:
             self.candidates_rejected.inc(rejected)
 
+    def observe_columns(self, columns: VerdictColumns, dead: Sequence[int] = ()) -> None:
+        """``observe_verdicts`` of the verdicts of ``columns``, but those at the indices
+        ``dead`` (documents whose records went to the dead-letter topic instead)."""
+        keep = np.ones(len(columns), dtype=bool)
+        keep[np.asarray(dead, dtype=np.int64)] = False
+        duplicate = np.asarray(columns.duplicate, dtype=bool) & keep
+        observe_many(self.candidates, np.asarray(columns.candidates, dtype=np.float64)[keep])
+        observe_many(self.match_similarity, np.asarray(columns.similarity, dtype=np.float64)[duplicate])
+        observe_many(self.cluster_size, np.asarray(columns.cluster_size, dtype=np.float64)[duplicate])
+        rejected = int(np.asarray(columns.rejected, dtype=np.int64)[keep].sum())
+        if rejected:
+            self.candidates_rejected.inc(rejected)
+
     def observe_batch(self, stats: BatchStats, now: float | None = None) -> None:
         """One committed Kafka batch (``KafkaDeduplicator``'s ``on_batch``).
 
@@ -291,7 +305,8 @@ class Metrics:
         if len(stats.timestamps_ms):
             latency = now - np.asarray(stats.timestamps_ms, dtype=np.float64) / 1000.0
             observe_many(self.latency, np.maximum(latency, 0.0))
-        self.observe_verdicts(stats.verdicts)
+        if stats.columns is not None:
+            self.observe_columns(stats.columns, stats.dead_columns)
         self.transactions.labels("committed").inc()
 
     def observe_restore(self, stats: Any) -> None:

@@ -74,8 +74,8 @@ from confluent_kafka.admin import AdminClient
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential
 
 from neardup.config import Settings
-from neardup.core.types import Rejected, Verdict
-from neardup.detector import Detector, BatchResult, PreparedBatch, warm_up
+from neardup.core.types import Verdict
+from neardup.detector import Detector, BatchResult, PreparedBatch, VerdictColumns, warm_up
 from neardup.kafka import state_check
 from neardup.kafka.changelog import ChangelogWriter, RestoreStats
 from neardup.kafka.bounded import discard
@@ -91,6 +91,7 @@ from neardup.kafka.messages import (
     Outcome,
     carried_headers,
     fit,
+    record_size,
     source_name,
     to_document,
     verdict_key,
@@ -116,7 +117,9 @@ PER_MESSAGE_ERRORS = frozenset({
 
 @dataclass
 class BatchStats:
-    """What one batch did (for logs and metrics)."""
+    """What one batch did (for logs and metrics). ``columns``: the verdicts of the
+    documents detected in it, of which those at ``dead_columns`` (indices) became dead
+    letters (their records did not fit); ``verdicts`` gives the others as ``Verdict``\ s."""
 
     messages: int = 0
     replayed: int = 0
@@ -125,9 +128,21 @@ class BatchStats:
     dead_letter: dict[str, int] = field(default_factory=dict)
     value_left_out: int = 0  # dead letters without the message's value (a topic too small)
     future_times: int = 0  # timestamps beyond now + --future-tolerance, taken as now
-    verdicts: list[Verdict] = field(default_factory=list)
+    columns: VerdictColumns | None = None
+    dead_columns: list[int] = field(default_factory=list)
     timestamps_ms: list[int] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """The verdicts of the documents that went to a verdict topic, in input order."""
+        if self.columns is None:
+            return []
+        verdicts = self.columns.verdicts()
+        if self.dead_columns:
+            dead = set(self.dead_columns)
+            verdicts = [v for i, v in enumerate(verdicts) if i not in dead]
+        return verdicts
 
 
 @dataclass(slots=True)
@@ -145,12 +160,13 @@ class _Partition:
     position: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     message: Message
     outcome: Outcome | None = None
     replay: bool = False
-    verdict: Verdict | None = None  # of a message detected in this batch
+    column: int = -1  # of a message detected in this batch: its verdict's index in the columns
+    header_bytes: int = 0  # and what its outcome's headers add to its record (``Outcome.of_columns``)
 
 
 @dataclass
@@ -511,14 +527,16 @@ class DedupProcessor:
             prepared = self.detector.prepare.texts(batch.texts)
         result = self.detector.detect_prepared(batch.ids, batch.times, prepared)
         stats.future_times = result.future_times
-        for it, res in zip(batch.fresh, result.results):
-            m = it.message
-            if isinstance(res, Rejected):
-                it.outcome = Outcome.of_error("empty_text", res.reason, m.topic(), m.partition(), m.offset())
+        stats.columns = result.columns
+        outcomes, sizes = Outcome.of_columns(result.columns)
+        j = 0
+        for it, reason in zip(batch.fresh, result.reasons, strict=True):
+            if reason is not None:
+                m = it.message
+                it.outcome = Outcome.of_error("empty_text", reason, m.topic(), m.partition(), m.offset())
             else:
-                it.outcome = Outcome.of_verdict(res)
-                it.verdict = res
-                stats.verdicts.append(res)
+                it.outcome, it.header_bytes, it.column = outcomes[j], sizes[j], j
+                j += 1
         return _Work(batch, stats, result)
 
     # --- producing and storing (steps 3 and 4) ----------------------------------------
@@ -562,8 +580,11 @@ class DedupProcessor:
                 # stores it: a replay produces the same record.
                 if not it.replay:
                     part.position = offset + 1
-                outcome = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
-                              *failed.get(key, ()))
+                if it.column < 0 or key in failed or carried or (
+                        record_size(m.key(), m.value()) + it.header_bytes > part.limits[outcome.target][1]):
+                    outcome = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
+                                  *failed.get(key, ()))
+                # else: a verdict whose record fits its topic, as ``fit`` would find
                 stored[key] = outcome.to_bytes()
             outcome = self._send(part.topics, part.limits, key, outcome, m, carried, stored)
             target = outcome.target
@@ -576,8 +597,8 @@ class DedupProcessor:
                 dead_letter[kind] = dead_letter.get(kind, 0) + 1
                 if outcome.content != "whole":
                     stats.value_left_out += 1
-                if it.verdict is not None:  # its record did not fit: a dead letter, not a verdict
-                    stats.verdicts.remove(it.verdict)
+                if it.column >= 0:  # its record did not fit: a dead letter, not a verdict
+                    stats.dead_columns.append(it.column)
             ts_type, ts = m.timestamp()
             if ts_type != 0:
                 timestamps.append(ts)

@@ -9,11 +9,14 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 
 from neardup.core.types import Document, Verdict
+
+if TYPE_CHECKING:
+    from neardup.detector import VerdictColumns
 from neardup.extract import main_text
 from neardup.records import NoMainText, RecordError, record_id, record_text
 
@@ -252,6 +255,51 @@ class Outcome:
         if verdict.nearest is not None:
             headers.append((HEADER_NEAREST, verdict.nearest.encode()))
         return cls("duplicate" if name == "duplicate" else "unique", headers)
+
+    @classmethod
+    def of_columns(cls, columns: VerdictColumns) -> tuple[list[Outcome], list[int]]:
+        """``of_verdict`` of each verdict of ``columns``, in order, without making the
+        ``Verdict``\ s; and the bytes each outcome's headers add to a record
+        (``record_size(None, None, outcome.headers) - RECORD_OVERHEAD``).
+
+        Raises:
+            UnicodeEncodeError: an id with lone surrogates.
+        """
+        outcomes: list[Outcome] = []
+        sizes: list[int] = []
+        append, append_size = outcomes.append, sizes.append
+        duplicate_header, unique_header = _VERDICT_HEADERS["duplicate"], _VERDICT_HEADERS["unique"]
+        # the keys' lengths and overheads of the six headers every verdict has
+        fixed = 6 * HEADER_OVERHEAD + sum(map(len, (HEADER_VERDICT, HEADER_CLUSTER, HEADER_MATCH, HEADER_SIMILARITY,
+                                                     HEADER_JACCARD, HEADER_CONTAINMENT)))
+        related_size, nearest_size = HEADER_OVERHEAD + len(HEADER_RELATED), HEADER_OVERHEAD + len(HEADER_NEAREST)
+        for dup, cluster, match, sim, jac, con, rel, near in zip(
+                columns.duplicate, columns.cluster, columns.match, columns.similarity, columns.jaccard,
+                columns.containment, columns.related, columns.nearest):
+            verdict = duplicate_header if dup else unique_header
+            cluster_b = cluster.encode()
+            match_b = b"" if match is None else match.encode()
+            sim_b, jac_b, con_b = b"%.6f" % sim, b"%.6f" % jac, b"%.6f" % con
+            headers: Headers = [
+                verdict,
+                (HEADER_CLUSTER, cluster_b),
+                (HEADER_MATCH, match_b),
+                (HEADER_SIMILARITY, sim_b),
+                (HEADER_JACCARD, jac_b),
+                (HEADER_CONTAINMENT, con_b),
+            ]
+            size = fixed + len(verdict[1]) + len(cluster_b) + len(match_b) + len(sim_b) + len(jac_b) + len(con_b)
+            if rel is not None:
+                raw = rel.encode()
+                headers.append((HEADER_RELATED, raw))
+                size += related_size + len(raw)
+            if near is not None:
+                raw = near.encode()
+                headers.append((HEADER_NEAREST, raw))
+                size += nearest_size + len(raw)
+            append(cls("duplicate" if dup else "unique", headers))
+            append_size(size)
+        return outcomes, sizes
 
     @classmethod
     def of_error(cls, kind: str, reason: str, topic: str, partition: int, offset: int) -> Outcome:
