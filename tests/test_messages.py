@@ -168,8 +168,8 @@ def test_verdict_headers(verdict: Verdict) -> None:
 @FAST
 @given(st.lists(VERDICTS, max_size=8))
 def test_outcomes_of_columns_are_those_of_the_verdicts(verdicts: list[Verdict]) -> None:
-    """``Outcome.of_columns`` gives ``of_verdict``'s outcome of each verdict, and the bytes
-    its headers add to a record as ``record_size`` counts them."""
+    """``Outcome.of_columns`` gives ``of_verdict``'s outcome of each verdict, the bytes its
+    headers add to a record as ``record_size`` counts them, and its stored record."""
     columns = VerdictColumns(
         ids=[v.id for v in verdicts], first_seq=0, duplicate=[v.is_duplicate for v in verdicts],
         cluster=[v.cluster for v in verdicts], match=[v.match for v in verdicts],
@@ -178,9 +178,10 @@ def test_outcomes_of_columns_are_those_of_the_verdicts(verdicts: list[Verdict]) 
         rejected=[v.rejected for v in verdicts], cluster_size=[v.cluster_size for v in verdicts],
         related=[v.related for v in verdicts], nearest=[v.nearest for v in verdicts],
     )
-    outcomes, sizes = Outcome.of_columns(columns)
+    outcomes, sizes, records = Outcome.of_columns(columns)
     assert outcomes == [Outcome.of_verdict(v) for v in verdicts]
     assert sizes == [record_size(None, None, o.headers) - RECORD_OVERHEAD for o in outcomes]
+    assert records == [o.to_bytes() for o in outcomes]
 
 
 DEEP = b"[" * 1000 + b"]" * 1000

@@ -167,6 +167,7 @@ class _Item:
     replay: bool = False
     column: int = -1  # of a message detected in this batch: its verdict's index in the columns
     header_bytes: int = 0  # and what its outcome's headers add to its record (``Outcome.of_columns``)
+    stored: bytes = b""  # and its outcome's ``to_bytes()``
 
 
 @dataclass
@@ -528,14 +529,14 @@ class DedupProcessor:
         result = self.detector.detect_prepared(batch.ids, batch.times, prepared)
         stats.future_times = result.future_times
         stats.columns = result.columns
-        outcomes, sizes = Outcome.of_columns(result.columns)
+        outcomes, sizes, records = Outcome.of_columns(result.columns)
         j = 0
         for it, reason in zip(batch.fresh, result.reasons, strict=True):
             if reason is not None:
                 m = it.message
                 it.outcome = Outcome.of_error("empty_text", reason, m.topic(), m.partition(), m.offset())
             else:
-                it.outcome, it.header_bytes, it.column = outcomes[j], sizes[j], j
+                it.outcome, it.header_bytes, it.stored, it.column = outcomes[j], sizes[j], records[j], j
                 j += 1
         return _Work(batch, stats, result)
 
@@ -584,8 +585,9 @@ class DedupProcessor:
                         record_size(m.key(), m.value()) + it.header_bytes > part.limits[outcome.target][1]):
                     outcome = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
                                   *failed.get(key, ()))
-                # else: a verdict whose record fits its topic, as ``fit`` would find
-                stored[key] = outcome.to_bytes()
+                    stored[key] = outcome.to_bytes()
+                else:  # a verdict whose record fits its topic, as ``fit`` would find
+                    stored[key] = it.stored
             outcome = self._send(part.topics, part.limits, key, outcome, m, carried, stored)
             target = outcome.target
             if target == "unique":

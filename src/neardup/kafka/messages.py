@@ -257,18 +257,28 @@ class Outcome:
         return cls("duplicate" if name == "duplicate" else "unique", headers)
 
     @classmethod
-    def of_columns(cls, columns: VerdictColumns) -> tuple[list[Outcome], list[int]]:
+    def of_columns(cls, columns: VerdictColumns) -> tuple[list[Outcome], list[int], list[bytes]]:
         """``of_verdict`` of each verdict of ``columns``, in order, without making the
-        ``Verdict``\ s; and the bytes each outcome's headers add to a record
-        (``record_size(None, None, outcome.headers) - RECORD_OVERHEAD``).
+        ``Verdict``\ s; the bytes each outcome's headers add to a record
+        (``record_size(None, None, outcome.headers) - RECORD_OVERHEAD``); and each
+        outcome's ``to_bytes()``.
 
         Raises:
             UnicodeEncodeError: an id with lone surrogates.
         """
         outcomes: list[Outcome] = []
         sizes: list[int] = []
-        append, append_size = outcomes.append, sizes.append
+        records: list[bytes] = []
+        append, append_size, append_record = outcomes.append, sizes.append, records.append
         duplicate_header, unique_header = _VERDICT_HEADERS["duplicate"], _VERDICT_HEADERS["unique"]
+        whole = _CONTENT_CODES["whole"]
+        head = {(dup, n): _RECORD_HEAD.pack(RECORD_VERSION, _TARGET_CODES["duplicate" if dup else "unique"],
+                                            whole, 0, n) for dup in (False, True) for n in (6, 7, 8)}
+        verdict_field, cluster_field, match_field = (_KEY_FIELDS[k] for k in (HEADER_VERDICT, HEADER_CLUSTER,
+                                                                              HEADER_MATCH))
+        scores_field = [_KEY_FIELDS[k] for k in (HEADER_SIMILARITY, HEADER_JACCARD, HEADER_CONTAINMENT)]
+        related_field, nearest_field = _KEY_FIELDS[HEADER_RELATED], _KEY_FIELDS[HEADER_NEAREST]
+        pack_len = _U32.pack
         # the keys' lengths and overheads of the six headers every verdict has
         fixed = 6 * HEADER_OVERHEAD + sum(map(len, (HEADER_VERDICT, HEADER_CLUSTER, HEADER_MATCH, HEADER_SIMILARITY,
                                                      HEADER_JACCARD, HEADER_CONTAINMENT)))
@@ -277,6 +287,7 @@ class Outcome:
                 columns.duplicate, columns.cluster, columns.match, columns.similarity, columns.jaccard,
                 columns.containment, columns.related, columns.nearest):
             verdict = duplicate_header if dup else unique_header
+            verdict_b = verdict[1]
             cluster_b = cluster.encode()
             match_b = b"" if match is None else match.encode()
             sim_b, jac_b, con_b = b"%.6f" % sim, b"%.6f" % jac, b"%.6f" % con
@@ -288,18 +299,28 @@ class Outcome:
                 (HEADER_JACCARD, jac_b),
                 (HEADER_CONTAINMENT, con_b),
             ]
-            size = fixed + len(verdict[1]) + len(cluster_b) + len(match_b) + len(sim_b) + len(jac_b) + len(con_b)
+            size = fixed + len(verdict_b) + len(cluster_b) + len(match_b) + len(sim_b) + len(jac_b) + len(con_b)
+            parts = [b"", verdict_field, pack_len(len(verdict_b)), verdict_b,
+                     cluster_field, pack_len(len(cluster_b)), cluster_b,
+                     match_field, pack_len(len(match_b)), match_b,
+                     scores_field[0], pack_len(len(sim_b)), sim_b,
+                     scores_field[1], pack_len(len(jac_b)), jac_b,
+                     scores_field[2], pack_len(len(con_b)), con_b]
             if rel is not None:
                 raw = rel.encode()
                 headers.append((HEADER_RELATED, raw))
                 size += related_size + len(raw)
+                parts += (related_field, pack_len(len(raw)), raw)
             if near is not None:
                 raw = near.encode()
                 headers.append((HEADER_NEAREST, raw))
                 size += nearest_size + len(raw)
+                parts += (nearest_field, pack_len(len(raw)), raw)
+            parts[0] = head[(bool(dup), len(headers))]
             append(cls("duplicate" if dup else "unique", headers))
             append_size(size)
-        return outcomes, sizes
+            append_record(b"".join(parts))
+        return outcomes, sizes, records
 
     @classmethod
     def of_error(cls, kind: str, reason: str, topic: str, partition: int, offset: int) -> Outcome:
