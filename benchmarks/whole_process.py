@@ -64,8 +64,12 @@ TOOLS = ("neardup", "rensa", "datasketch", "gaoya", "gaoya-bulk")
 
 
 def neardup_command(extra: list[str]) -> list[str]:
-    """The ``neardup`` script if on PATH (what a user runs), else ``python -m neardup.cli``."""
-    exe = shutil.which("neardup")
+    """The ``neardup`` script that pip installed beside this interpreter (what a user of
+    this Python runs; the peers run on this interpreter too), else the one on PATH, else
+    ``python -m neardup.cli``. A version manager's shim on PATH (pyenv's: a shell script
+    that finds the interpreter again, about 0.08 s here) is no part of neardup's time."""
+    beside = Path(sys.executable).parent / "neardup"
+    exe = str(beside) if beside.exists() else shutil.which("neardup")
     return ([exe] if exe else [sys.executable, "-m", "neardup.cli"]) + extra
 
 

@@ -404,7 +404,7 @@ class KeyValueStateStore(ChangelogMixin):
         if update.fingerprints is not None:
             # The newest sets that can be read again, those of the documents in a bucket (a
             # document in none is never a candidate): their copies may come soon.
-            joined = sorted_unique(update.bucket_seqs).astype(np.int64)
+            joined = _distinct_in(update.bucket_seqs, update.first_seq, update.next_seq)
             self.sets.add(joined, *select_sets(update.fingerprints, update.fingerprint_offsets,
                                                joined - update.first_seq))
 
@@ -485,3 +485,14 @@ class _Removal:
 
     def __init__(self, base: int, forest: Forest, kept: dict[int, bytes], ranges: Ranges) -> None:
         self.base, self.forest, self.kept, self.ranges = base, forest, kept, ranges
+
+
+def _distinct_in(seqs: np.ndarray, first: int, end: int) -> np.ndarray:
+    """The distinct values of ``seqs`` (uint64), ascending, as int64: by a mask over
+    [``first``, ``end``) when they all lie there (a batch's own documents), else by
+    sorting (``sorted_unique``)."""
+    if len(seqs) and first <= int(seqs.min()) and int(seqs.max()) < end:
+        present = np.zeros(end - first, dtype=bool)
+        present[(seqs - np.uint64(first)).astype(np.int64)] = True
+        return np.flatnonzero(present) + first
+    return sorted_unique(seqs).astype(np.int64)
