@@ -157,3 +157,19 @@ def test_a_consumer_never_assigned_is_replaced(kafka_bootstrap, kafka_topic_fact
         silent.wait(30)
     assert "no partitions assigned" in log.read_text(), "the watchdog replaced the consumer"
     _check_exactly_once(kafka_bootstrap, topic, records)
+
+
+def test_the_assignment_watchdog_waits_for_a_broker_up_or_twice_as_long():
+    """The watchdog's rule (``watchdog_due``): a consumer without partitions is replaced
+    after the wait if a broker was seen up lately, after twice the wait whatever it saw
+    (its own connections wedged after an outage), and never while it holds partitions."""
+    from neardup.kafka.stage import BROKER_UP_RECENT_S, watchdog_due  # noqa: PLC0415
+
+    wait = 60.0
+    never = float("-inf")
+    assert not watchdog_due(1000.0, None, 999.0, wait)  # assigned
+    assert not watchdog_due(1000.0, 1000.0 - wait + 1, 999.0, wait)  # not long enough
+    assert watchdog_due(1000.0, 1000.0 - wait, 999.0, wait)  # the wait, a broker up
+    assert not watchdog_due(1000.0, 1000.0 - wait, 1000.0 - BROKER_UP_RECENT_S - 1, wait)  # none up lately
+    assert not watchdog_due(1000.0, 1000.0 - 2 * wait + 1, never, wait)  # none ever up, under twice the wait
+    assert watchdog_due(1000.0, 1000.0 - 2 * wait, never, wait)  # twice the wait: whatever it saw

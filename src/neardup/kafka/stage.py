@@ -484,6 +484,17 @@ class _Pending:
     revoked: set[TP] = field(default_factory=set)  # partitions revoked meanwhile: never rewound
 
 
+def watchdog_due(now: float, unassigned_since: float | None, broker_up_at: float, wait_s: float) -> bool:
+    """Whether the assignment watchdog replaces the consumer (``StageRuntime._check_assigned``):
+    unassigned since ``unassigned_since`` (``time.monotonic()``; None: assigned) for at
+    least ``wait_s`` seconds with a broker seen up in the last ``BROKER_UP_RECENT_S``
+    (at ``broker_up_at``), or for at least twice ``wait_s`` whatever was seen."""
+    if unassigned_since is None:
+        return False
+    unassigned = now - unassigned_since
+    return unassigned >= 2 * wait_s or (unassigned >= wait_s and now - broker_up_at <= BROKER_UP_RECENT_S)
+
+
 class StageRuntime:
     """Runs a ``Processor`` as one exactly-once Kafka stage (see the module docstring).
 
@@ -657,15 +668,20 @@ class StageRuntime:
         """Replace the consumer if it has had no assignment (not even an empty one) for
         ``Settings.assign_wait_ms`` (60 s by default) since it subscribed, or since it lost
         all its partitions (a revocation, or a session expired in an outage), though it
-        sees a broker up: one subscribed during a broker outage was once seen never to be
-        assigned after the broker came back. Not counted as a reset: the group may be
+        sees a broker up; or for twice that, whatever it sees (``watchdog_due``): one
+        subscribed during a broker outage was once seen never to be assigned after the
+        broker came back, and one whose session expired while the broker was frozen was
+        seen to wait for 5 minutes with no connection of its own coming up again, though
+        the broker served the other stages. Not counted as a reset: the group may be
         slow, nothing implies a second instance."""
         now = time.monotonic()
-        if (self._unassigned_since is None or now - self._unassigned_since < self.settings.assign_wait_ms / 1000
-                or now - self._broker_up_at > BROKER_UP_RECENT_S):
+        if not watchdog_due(now, self._unassigned_since, self._broker_up_at, self.settings.assign_wait_ms / 1000):
             return
-        log.warning("no partitions assigned %.0f s after subscribing or losing them, though the broker is up; "
-                    "starting a new consumer", now - self._unassigned_since)
+        assert self._unassigned_since is not None
+        seen = "though the broker is up" if now - self._broker_up_at <= BROKER_UP_RECENT_S else \
+            "and no broker connection of its own up"
+        log.warning("no partitions assigned %.0f s after subscribing or losing them, %s; starting a new consumer",
+                    now - self._unassigned_since, seen)
         self._replace_consumer()
 
     def _replace_consumer(self) -> None:
