@@ -119,7 +119,7 @@ PER_MESSAGE_ERRORS = frozenset({
 class BatchStats:
     """What one batch did (for logs and metrics). ``columns``: the verdicts of the
     documents detected in it, of which those at ``dead_columns`` (indices) became dead
-    letters (their records did not fit); ``verdicts`` gives the others as ``Verdict``\ s."""
+    letters (their records did not fit); ``verdicts`` gives the others as ``Verdict`` objects."""
 
     messages: int = 0
     replayed: int = 0

@@ -259,7 +259,7 @@ class Outcome:
     @classmethod
     def of_columns(cls, columns: VerdictColumns) -> tuple[list[Outcome], list[int], list[bytes]]:
         """``of_verdict`` of each verdict of ``columns``, in order, without making the
-        ``Verdict``\ s; the bytes each outcome's headers add to a record
+        ``Verdict`` objects; the bytes each outcome's headers add to a record
         (``record_size(None, None, outcome.headers) - RECORD_OVERHEAD``); and each
         outcome's ``to_bytes()``.
 
@@ -513,7 +513,7 @@ Decoded = tuple[str, str | None]
 
 @dataclass(frozen=True)
 class DecodeMessages:
-    """The ``neardup.pipeline.PrepareJob`` of a batch of messages (``RawMessage``\\ s):
+    """The ``neardup.pipeline.PrepareJob`` of a batch of messages (``RawMessage`` tuples):
     each is decoded (``to_document``: UTF-8, JSON, the text and id fields, HTML) and the
     documents' texts prepared, in the worker process, so that decoding shares the second
     core too. ``run`` gives back, per message in order, a ``Decoded``; ``finish`` gives
