@@ -18,6 +18,7 @@ from neardup.kafka.messages import (
     HEADER_SIMILARITY,
     RECORD_OVERHEAD,
     RECORD_VERSION,
+    DecodeMessages,
     MessageError,
     Outcome,
     carried_headers,
@@ -215,6 +216,41 @@ def test_to_document_of_poison_values(name: str) -> None:
         with pytest.raises(MessageError) as raised:
             to_document(value, b"key", "t", 0, 7, ["text"], "id", 1 << 21)
         assert raised.value.kind == kind
+
+
+def test_decoding_in_the_worker_gives_what_decoding_here_gives() -> None:
+    """``DecodeMessages.run`` (the worker's half of a batch read ahead): per message the
+    document's id, or the dead letter's kind and reason ``to_document`` raises; and the
+    documents' texts prepared as ``Preparer.texts`` prepares them."""
+    import numpy as np  # noqa: PLC0415
+
+    from neardup.core.settings import EngineSettings  # noqa: PLC0415
+    from neardup.detector import Preparer  # noqa: PLC0415
+
+    values = [POISON[name][0] for name in POISON] + [
+        None, b"\xff\xfe not UTF-8", b'{"text": "no id field, so the key"}', b'{"id": 5}',
+        b'{"id": "big", "text": "' + b"x " * 600 + b'"}',
+        b'{"id": "w1", "text": "the quick brown fox jumps over the lazy dog near the river"}']
+    batch = [(v, None if i % 3 else b"k%d" % i, "wire", i % 2, 100 + i) for i, v in enumerate(values)]
+    job = DecodeMessages(("text",), "id", 1000)
+    decoded, prepared = job.run(batch, Preparer(EngineSettings()))
+    texts = []
+    assert len(decoded) == len(batch)
+    for (value, key, topic, partition, offset), (name, reason) in zip(batch, decoded):
+        try:
+            doc = to_document(value, key, topic, partition, offset, ["text"], "id", 1000)
+        except MessageError as exc:
+            assert (name, reason) == (exc.kind, str(exc))
+        else:
+            assert (name, reason) == (doc.id, None)
+            texts.append(doc.text)
+    assert sum(reason is None for _, reason in decoded) == len(texts) >= 3
+    assert {name for name, reason in decoded if reason is not None} >= {"tombstone", "invalid_utf8", "too_large",
+                                                                      "missing_field", "invalid_json"}
+    here = Preparer(EngineSettings()).texts(texts)
+    assert np.array_equal(prepared.fingerprints, here.fingerprints)
+    assert np.array_equal(prepared.buckets, here.buckets)
+    assert prepared.rejected == here.rejected
 
 
 def _mutations(seed: bytes) -> st.SearchStrategy[bytes]:
