@@ -87,13 +87,12 @@ from neardup.kafka.messages import (
     Decoded,
     DecodeMessages,
     Limits,
-    MessageError,
+    RawMessage,
     Outcome,
     carried_headers,
     fit,
     record_size,
     source_name,
-    to_document,
     verdict_key,
     verdict_key_prefix,
 )
@@ -249,14 +248,13 @@ class DedupProcessor:
         self._producer: Producer | None = None  # of the open transaction
         self.worker: PrepareWorker | None = None
         self.batches_prepared_ahead = 0
+        text_fields = tuple(settings.text_field) if settings.text_field else None
+        self.decoder = DecodeMessages(text_fields, settings.id_field, settings.max_message_bytes, settings.text_format)
 
     def open(self) -> None:
         """Start the worker, and load the compiled kernels while the clients connect."""
         if self.settings.pipeline:
-            s = self.settings
-            text_fields = tuple(s.text_field) if s.text_field else None
-            self.worker = PrepareWorker(self.detector.settings,
-                                        DecodeMessages(text_fields, s.id_field, s.max_message_bytes, s.text_format))
+            self.worker = PrepareWorker(self.detector.settings, self.decoder)
         threading.Thread(target=warm_up, args=(self.detector.settings,), name="neardup-warm-up",
                          daemon=True).start()
 
@@ -432,22 +430,11 @@ class DedupProcessor:
         """Decode the batch's new messages here, unless the worker did
         (``batch.decoded``): a message that is no document gets its dead-letter
         outcome, the documents go to ``fresh``."""
-        s = self.settings
         decoded = batch.decoded
         texts: list[str] | None = None
         batch.fresh, batch.ids, batch.times = [], [], []
         if decoded is None:
-            decoded, texts = [], []
-            for it in batch.new:
-                m = it.message
-                try:
-                    doc = to_document(m.value(), m.key(), m.topic(), m.partition(), m.offset(),
-                                      s.text_field, s.id_field, s.max_message_bytes, s.text_format)
-                except MessageError as exc:
-                    decoded.append((exc.kind, str(exc)))
-                    continue
-                decoded.append((doc.id, None))
-                texts.append(doc.text)
+            decoded, texts = self.decoder.decode(_raw(batch.new))
         for it, (name, reason) in zip(batch.new, decoded, strict=True):
             m = it.message
             if reason is not None:
@@ -466,8 +453,7 @@ class DedupProcessor:
             return
         try:
             if self._worker_ready():  # until it has started, batches are prepared here
-                self.worker.submit([(it.message.value(), it.message.key(), it.message.topic(),
-                                     it.message.partition(), it.message.offset()) for it in batch.new])
+                self.worker.submit(_raw(batch.new))
                 batch.in_worker = True
         except WorkerDied as exc:
             self._worker_died(exc)
@@ -713,6 +699,11 @@ class DedupProcessor:
         if not self._purged and self._producer is not None:
             self._purged = True
             self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+
+
+def _raw(items: list[_Item]) -> list[RawMessage]:
+    """The messages of ``items`` as ``DecodeMessages`` takes them."""
+    return [(m.value(), m.key(), m.topic(), m.partition(), m.offset()) for m in (it.message for it in items)]
 
 
 def _high_watermark(consumer: Consumer, topic: str, partition: int) -> int | None:

@@ -531,7 +531,8 @@ class DecodeMessages:
     def payload(self, batch: list[RawMessage]) -> list[RawMessage]:
         return batch
 
-    def run(self, batch: list[RawMessage], preparer):  # noqa: ANN001, ANN201 - Preparer -> (list[Decoded], PreparedBatch)
+    def decode(self, batch: list[RawMessage]) -> tuple[list[Decoded], list[str]]:
+        """Each message's ``Decoded``, and the texts of the documents, in order."""
         decoded: list[Decoded] = []
         texts: list[str] = []
         for value, key, topic, partition, offset in batch:
@@ -543,6 +544,10 @@ class DecodeMessages:
                 continue
             decoded.append((doc.id, None))
             texts.append(doc.text)
+        return decoded, texts
+
+    def run(self, batch: list[RawMessage], preparer):  # noqa: ANN001, ANN201 - Preparer -> (list[Decoded], PreparedBatch)
+        decoded, texts = self.decode(batch)
         return decoded, preparer.texts(texts)
 
     def finish(self, batch: list[RawMessage], made: list[Decoded]) -> list[Decoded]:
