@@ -555,7 +555,7 @@ class StageRuntime:
         self._unassigned_since: float | None = None  # the assignment watchdog's: time.monotonic()
         self._broker_up_at = float("-inf")  # time.monotonic() of the consumer's last sight of a broker up
         # consumed messages not in a batch yet, released in order-key order (a processor that orders partitions)
-        self._intake = (OrderedIntake(settings.batch_size, settings.partition_wait_ms / 1000, self._pending)
+        self._intake = (OrderedIntake(settings.batch_size, settings.partition_wait_ms / 1000, self._records_pending)
                         if getattr(processor, "orders_partitions", False) else None)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -773,7 +773,7 @@ class StageRuntime:
             self._broker_up_at = time.monotonic()
             self._broker_answered()
 
-    def _pending(self, tp: TP) -> bool:
+    def _records_pending(self, tp: TP) -> bool:
         """Whether the consumer knows ``tp`` to have records past its position (its cached
         high watermark; no broker request)."""
         if self.consumer is None:
