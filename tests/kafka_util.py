@@ -40,14 +40,20 @@ def excerpt(limit: int | None = None) -> list[dict]:
     return records[:limit]
 
 
+def input_producer(bootstrap: str, max_bytes: int = 1_000_000) -> Producer:
+    """The idempotent producer ``produce`` uses."""
+    return Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                     "linger.ms": 20, "message.max.bytes": max_bytes})
+
+
 def produce(bootstrap: str, topic: str, messages: Iterable[tuple[Any, ...]],
             headers: list[tuple[str, bytes]] | None = None, max_bytes: int = 1_000_000,
-            timeout_s: float = 60.0) -> int:
+            timeout_s: float = 60.0, producer: Producer | None = None) -> int:
     """Produce (key, value) pairs, or (key, value, headers) triples, in order; returns how
     many. ``headers``: those of every pair; ``max_bytes``: the producer's
-    ``message.max.bytes``; ``timeout_s``: the longest wait for their delivery."""
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                         "linger.ms": 20, "message.max.bytes": max_bytes})
+    ``message.max.bytes``; ``timeout_s``: the longest wait for their delivery;
+    ``producer``: one to use (``input_producer``) instead of a new one."""
+    producer = producer or input_producer(bootstrap, max_bytes)
     n = 0
     for key, value, *own in messages:
         while True:
