@@ -185,6 +185,23 @@ def test_outcomes_of_columns_are_those_of_the_verdicts(verdicts: list[Verdict]) 
     assert records == [o.to_bytes() for o in outcomes]
 
 
+@FAST
+@given(VERDICTS, st.integers(0, 3000), st.integers(RECORD_OVERHEAD, 4000), st.integers(0, 3))
+def test_fit_with_the_headers_bytes_known_decides_as_without(verdict: Verdict, value_size: int, limit: int,
+                                                              stage: int) -> None:
+    """``fit`` given what the outcome's headers add (``header_bytes``, as ``Outcome.of_columns``
+    counts them) gives the same outcome as counting them itself, and the outcome itself
+    (the same object) when its record fits."""
+    outcome = Outcome.of_verdict(verdict)
+    limits = {"unique": ("u", limit), "duplicate": ("d", limit), "dlq": ("q", limit + 500)}
+    carried = [("trace", b"abc")]
+    args = (outcome, b"key", b"v" * value_size, carried, limits, ("t", 0, 7), stage, "refused" if stage else None)
+    given_size = fit(*args, header_bytes=record_size(None, None, outcome.headers) - RECORD_OVERHEAD)
+    assert given_size == fit(*args)
+    assert (given_size is outcome) == (stage == 0 and record_size(b"key", b"v" * value_size, carried,
+                                                                    outcome.headers) <= limit)
+
+
 DEEP = b"[" * 1000 + b"]" * 1000
 POISON = {
     "deep-value": (DEEP, "missing_field"),  # a JSON array, not an object

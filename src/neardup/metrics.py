@@ -261,26 +261,30 @@ class Metrics:
     def observe_verdicts(self, verdicts: Iterable[Verdict]) -> None:
         """Per-document engine metrics (candidates, rejected, similarity, cluster size)."""
         verdicts = list(verdicts)
-        observe_many(self.candidates, [v.candidates for v in verdicts])
-        duplicates = [v for v in verdicts if v.is_duplicate]
-        observe_many(self.match_similarity, [v.similarity for v in duplicates])
-        observe_many(self.cluster_size, [v.cluster_size for v in duplicates])
-        rejected = sum(v.rejected for v in verdicts)
-        if rejected:
-            self.candidates_rejected.inc(rejected)
+        self._observe([v.candidates for v in verdicts], [v.is_duplicate for v in verdicts],
+                      [v.similarity for v in verdicts], [v.cluster_size for v in verdicts],
+                      [v.rejected for v in verdicts])
 
     def observe_columns(self, columns: VerdictColumns, dead: Sequence[int] = ()) -> None:
         """``observe_verdicts`` of the verdicts of ``columns``, but those at the indices
         ``dead`` (documents whose records went to the dead-letter topic instead)."""
         keep = np.ones(len(columns), dtype=bool)
         keep[np.asarray(dead, dtype=np.int64)] = False
-        duplicate = np.asarray(columns.duplicate, dtype=bool) & keep
-        observe_many(self.candidates, np.asarray(columns.candidates, dtype=np.float64)[keep])
-        observe_many(self.match_similarity, np.asarray(columns.similarity, dtype=np.float64)[duplicate])
-        observe_many(self.cluster_size, np.asarray(columns.cluster_size, dtype=np.float64)[duplicate])
-        rejected = int(np.asarray(columns.rejected, dtype=np.int64)[keep].sum())
-        if rejected:
-            self.candidates_rejected.inc(rejected)
+        self._observe(*(np.asarray(c)[keep] for c in (columns.candidates, columns.duplicate, columns.similarity,
+                                                     columns.cluster_size, columns.rejected)))
+
+    def _observe(self, candidates: Sequence[int] | np.ndarray, duplicate: Sequence[bool] | np.ndarray,
+                 similarity: Sequence[float] | np.ndarray, cluster_size: Sequence[int] | np.ndarray,
+                 rejected: Sequence[int] | np.ndarray) -> None:
+        """The engine metrics of verdicts given as columns of one length: candidates of
+        every one; similarity and cluster size of the duplicates; rejected candidates."""
+        duplicate = np.asarray(duplicate, dtype=bool)
+        observe_many(self.candidates, np.asarray(candidates, dtype=np.float64))
+        observe_many(self.match_similarity, np.asarray(similarity, dtype=np.float64)[duplicate])
+        observe_many(self.cluster_size, np.asarray(cluster_size, dtype=np.float64)[duplicate])
+        total = int(np.asarray(rejected, dtype=np.int64).sum())
+        if total:
+            self.candidates_rejected.inc(total)
 
     def observe_batch(self, stats: BatchStats, now: float | None = None) -> None:
         """One committed Kafka batch (``KafkaDeduplicator``'s ``on_batch``).

@@ -91,7 +91,6 @@ from neardup.kafka.messages import (
     Outcome,
     carried_headers,
     fit,
-    record_size,
     source_name,
     verdict_key,
     verdict_key_prefix,
@@ -567,13 +566,12 @@ class DedupProcessor:
                 # stores it: a replay produces the same record.
                 if not it.replay:
                     part.position = offset + 1
-                if it.column < 0 or key in failed or carried or (
-                        record_size(m.key(), m.value()) + it.header_bytes > part.limits[outcome.target][1]):
-                    outcome = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
-                                  *failed.get(key, ()))
-                    stored[key] = outcome.to_bytes()
-                else:  # a verdict whose record fits its topic, as ``fit`` would find
-                    stored[key] = it.stored
+                verdict = it.column >= 0
+                fitted = fit(outcome, m.key(), m.value(), carried, part.limits, (*tp, offset),
+                             *failed.get(key, (0, None)), it.header_bytes if verdict else None)
+                # a verdict left as it is has its stored record made with it (``Outcome.of_columns``)
+                stored[key] = it.stored if verdict and fitted is outcome else fitted.to_bytes()
+                outcome = fitted
             outcome = self._send(part.topics, part.limits, key, outcome, m, carried, stored)
             target = outcome.target
             if target == "unique":

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Literal
 import orjson
 
 from neardup.core.types import Document, Verdict
+from neardup.extract import main_text
+from neardup.records import NoMainText, RecordError, record_id, record_text
 
 if TYPE_CHECKING:
     from neardup.detector import VerdictColumns
-from neardup.extract import main_text
-from neardup.records import NoMainText, RecordError, record_id, record_text
 
 Headers = list[tuple[str, bytes]]
 Target = Literal["unique", "duplicate", "dlq"]
@@ -385,10 +385,10 @@ Limits = dict[str, tuple[str, int]]
 
 def fit(outcome: Outcome, key: bytes | None, value: bytes | None, carried: Headers,
         limits: Limits, source: tuple[str, int, int], stage: int = 0,
-        failure: str | None = None) -> Outcome:
-    """``outcome`` if its record fits its topic (``record_size``), else the first of its
-    fallbacks that fits (a dead letter with the whole message, without the value, of
-    neardup's headers alone: ``Outcome.stage``), never below ``stage``.
+        failure: str | None = None, header_bytes: int | None = None) -> Outcome:
+    """``outcome`` itself if its record fits its topic (``record_size``), else the first
+    of its fallbacks that fits (a dead letter with the whole message, without the value,
+    of neardup's headers alone: ``Outcome.stage``), never below ``stage``.
 
     Args:
         carried: the message's headers as they go out (``carried_headers``).
@@ -397,10 +397,15 @@ def fit(outcome: Outcome, key: bytes | None, value: bytes | None, carried: Heade
         stage: the first stage allowed (a record of a lower one failed to be produced).
         failure: why that record failed (the dead letter's reason); None: it was too
             large for its topic's ``limits``.
+        header_bytes: what ``outcome.headers`` add to a record, when known already
+            (``Outcome.of_columns``): they are not counted again.
     """
     if outcome.target != "dlq":
         topic, limit = limits[outcome.target]
-        size = record_size(key, value, carried, outcome.headers)
+        if header_bytes is None:
+            size = record_size(key, value, carried, outcome.headers)
+        else:
+            size = record_size(key, value, carried) + header_bytes
         if stage < 1 and size <= limit:
             return outcome
         if failure is None:
