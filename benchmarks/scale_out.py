@@ -397,7 +397,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     reader.join(10)
     keys = Counter(key for key, _ in reader.records)
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
-              for name in ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")}
+              for name in ("bands", "sets", "findings", "decisions", "shard-changelog", "decide-changelog")}
     bands_deleted, bands_end = topic_starts(bootstrap, f"{app}.bands")
     result: dict[str, object] = {
         "processes_per_stage": k, "chaos": args.chaos, "in_turn": args.in_turn, "longest_output_stall_seconds": stall,

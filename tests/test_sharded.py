@@ -30,10 +30,14 @@ from neardup.sharded.records import (
     found_value,
     order_key,
     parse_bands,
+    parse_sets,
+    parse_sets_ref,
     parse_decisions,
     parse_documents,
     parse_findings,
     parse_findings_columns,
+    sets_ref,
+    sets_values,
 )
 from neardup.sharded.routing import group_by_shard, owned_bands, shard_bounds, shard_of
 from neardup.state.memory import MemoryStateStore
@@ -313,6 +317,49 @@ def test_a_batch_s_band_records_built_as_columns_are_those_built_document_by_doc
             assert all(r.order not in (orders[3], orders[40]) for value in got[q] for r in parse_bands(value))
         if limit == 9_000 and shards == 1:
             assert len(got[0]) > 3  # the limit cuts
+
+
+@pytest.mark.parametrize("shards", [1, 16])
+def test_band_records_sent_without_their_sets_read_back_with_the_set_records(shards):
+    """prepare without a retention window sends each set once (``sets_values``) and band
+    records without them (``with_sets=False``); read back with the set records, every
+    band record's documents are those of the records with their sets. A set record cut
+    short, a set lacking, sets twice and a reference of another length are refused."""
+    docs = _republished(_excerpt()[:150], rounds=1, seed=5)
+    p = Preparer(EngineSettings())(docs)
+    n = len(p.valid)
+    orders = [order_key(1_700_000_000_000 + v, v % 3, v) for v in range(n)]
+    ids = [f"d{v}".encode() for v in range(n)]
+    grouped, bounds = shard_bounds(p.buckets, shards)
+    include = np.ones(n, dtype=bool)
+    include[[3, 40]] = False
+    for limit in (512 << 10, 9_000):
+        values = sets_values(orders, p.fingerprints, p.fingerprint_offsets, include, limit)
+        assert all(len(v) <= limit for v in values) and (len(values) > 3) == (limit == 9_000)
+        sets = {}
+        for v in values:
+            sets.update(parse_sets(v))
+        assert list(sets) == [orders[v] for v in range(n) if include[v]]
+        with_sets = batch_bands(orders, ids, grouped, bounds, p.fingerprints, p.fingerprint_offsets, include, limit)
+        without = batch_bands(orders, ids, grouped, bounds, p.fingerprints, p.fingerprint_offsets, include, limit,
+                              with_sets=False)
+        for q in range(shards):
+            want = [(r.order, r.id, r.buckets.tolist(), r.fingerprints.tolist())
+                    for value in with_sets[q] for r in parse_bands(value)]
+            got = [(r.order, r.id, r.buckets.tolist(), r.fingerprints.tolist())
+                   for value in without[q] for r in parse_bands(value, 7, sets)]
+            assert got == want and want
+            assert sum(map(len, without[q])) < sum(map(len, with_sets[q]))
+            with pytest.raises(ValueError, match="in none of its set records"):
+                parse_bands(without[q][0], 7, {})
+            with pytest.raises(ValueError, match="sets of its own"):
+                parse_bands(with_sets[q][0], 7, sets)
+    for cut in (values[0][:-1], values[0][:30], values[0] + b"\x00"):
+        with pytest.raises(ValueError):
+            parse_sets(cut)
+    assert parse_sets_ref(sets_ref(5, [17, 18])) == (5, [17, 18])
+    with pytest.raises(ValueError):
+        parse_sets_ref(sets_ref(5, [17])[:-1])
 
 
 @pytest.mark.parametrize("shards", [1, 4])

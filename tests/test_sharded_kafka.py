@@ -32,11 +32,14 @@ from neardup.sharded.records import (
     KIND_HEADER,
     ORDER,
     ORDER_HEADER,
+    SETS_HEADER,
     SHARDS_HEADER,
     WATERMARK_KIND,
     decide_partition,
     engine_digest,
     parse_bands,
+    parse_sets,
+    parse_sets_ref,
     parse_watermarks,
 )
 from neardup.sharded.routing import shard_of
@@ -94,8 +97,12 @@ def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[i
     """Every input message exactly once in a documents record, with its band records."""
     from neardup.sharded.records import DOCUMENTS_KIND, parse_documents
 
-    out = read_all(bootstrap, [topology.bands, topology.findings])
+    out = read_all(bootstrap, [topology.bands, topology.sets, topology.findings])
     records = [o for o in out if o.topic == topology.findings]
+    # each document's set once in the set topic, every band record naming its batch's
+    set_records = {(o.partition, o.offset): parse_sets(o.value) for o in out if o.topic == topology.sets}
+    set_count = Counter(order for sets in set_records.values() for order in sets)
+    assert set_count and max(set_count.values()) == 1
     assert all(o.headers.get(KIND_HEADER) == DOCUMENTS_KIND for o in records)
     documents = [entry for o in records for entry in parse_documents(o.value)]
     marks = [o for o in out if o.topic == topology.bands and o.headers.get(KIND_HEADER) == WATERMARK_KIND]
@@ -112,7 +119,12 @@ def _check_prepared(bootstrap: str, topic: str, topology: Topology, ends: dict[i
         last_doc = max((d.order for d in documents if ORDER.unpack(d.order)[1] == p), default=b"")
         assert last_mark[p] >= last_doc
     assert sorted(keys) == sorted((p, off) for p, end in ends.items() for off in range(end))
-    band_count = Counter(rec.order for o in bands for rec in parse_bands(o.value))
+    assert all(SETS_HEADER in o.headers for o in bands)
+    named = [parse_sets_ref(o.headers[SETS_HEADER]) for o in bands]
+    bands = [(o, parse_bands(o.value, o.offset, {k: v for at in offsets for k, v in set_records[(sp, at)].items()}))
+             for o, (sp, offsets) in zip(bands, named)]
+    band_count = Counter(rec.order for _, recs in bands for rec in recs)
+    assert set(band_count) == set(set_count)
     assert len(band_count) == sum(d.shards > 0 for d in documents)
     errors = {}
     for d in documents:
@@ -146,8 +158,8 @@ def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_
     engine = EngineSettings()
     by_id = {str(r["id"]): r["text"] for r in records}
     per_doc: dict[str, list] = {}
-    for o in bands:
-        for rec in parse_bands(o.value):
+    for o, recs in bands:
+        for rec in recs:
             per_doc.setdefault(rec.id, []).append((o, rec))
     ids = sorted(per_doc)
     p = Preparer(engine)([Document(i, by_id[i]) for i in ids])
@@ -157,7 +169,7 @@ def test_prepare_routes_every_document_to_its_shards_and_decide_partition(kafka_
         assert sorted(np.concatenate([rec.buckets for _, rec in got]).tolist()) == sorted(want.tolist())
         fp = p.fingerprints[p.fingerprint_offsets[v]:p.fingerprint_offsets[v + 1]]
         for o, rec in got:
-            assert (rec.fingerprints == fp).all()
+            assert np.array_equal(rec.fingerprints, fp)
     partitions = read_partitions(kafka_bootstrap, topology)
     for (topic_name, part), key, value in partitions:
         if topic_name == topology.bands:
@@ -266,7 +278,7 @@ def test_a_topology_whose_partition_counts_changed_is_refused(kafka_bootstrap):
     app = f"sharded-{uuid.uuid4().hex[:8]}"
     created = Topology(app, shards=4, decide_partitions=2).ensure(admin)
     assert sorted(created) == sorted(f"{app}.{name}" for name in (
-        "bands", "findings", "decisions", "shard-changelog", "decide-changelog"))
+        "bands", "sets", "findings", "decisions", "shard-changelog", "decide-changelog"))
     assert Topology(app, shards=4, decide_partitions=2).ensure(admin) == []
     with pytest.raises(TopologyMismatchError, match=f"topic {app}.bands has 4 partitions, the topology asks for 8"):
         Topology(app, shards=8, decide_partitions=2).ensure(admin)

@@ -85,7 +85,7 @@ import numpy as np
 from confluent_kafka import (OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, Message, Producer,
                              TopicPartition)
 
-from neardup.config import Settings
+from neardup.config import Settings, retention_changes
 from neardup.core.types import Document
 from neardup.detector import Preparer, warm_up
 from neardup.kafka.bounded import discard
@@ -101,10 +101,14 @@ from neardup.sharded.records import (
     DOCUMENTS_KIND,
     ENGINE_HEADER,
     KIND_HEADER,
+    SETS_HEADER,
+    SETS_KIND,
     WATERMARK_KIND,
     DocumentEntry,
     band_orders,
     batch_bands,
+    sets_ref,
+    sets_values,
     decide_partition,
     document_entry_bytes,
     documents_count,
@@ -123,6 +127,9 @@ T = TypeVar("T")
 
 
 _DOCUMENTS_HEADER = (KIND_HEADER, DOCUMENTS_KIND)
+#: The longest wait for the broker to take a batch's set records before its band records
+#: name them, seconds (past it the batch fails and is retried).
+SET_DELIVERY_S = 30.0
 
 
 def _on_delivered(lead: LeadMonitor, documents: int) -> Callable[[KafkaError | None, Message], None]:
@@ -389,6 +396,11 @@ class PrepareProcessor(StageHooks):
         # it was read to its end (the wall clock minus the reorder window then)
         self._caught_up: dict[TP, int] = {}
         self.lead: LeadMonitor | None = None  # started with the stage (``open``)
+        # each shingle set once, to the set topic, and band records of bucket ids only;
+        # with a retention window the band records keep the sets (the shards delete the
+        # band records their expired members no longer need, and nothing deletes set records)
+        self.sets_once = (retention_changes(settings) or {}).get("seconds") is None
+        self._set_partition = -1  # the set topic's partition of the last batch (in turn)
 
     def open(self) -> None:
         threading.Thread(target=warm_up, args=(self.preparer.settings,), name="neardup-warm-up",
@@ -404,7 +416,7 @@ class PrepareProcessor(StageHooks):
             self._ends_reader = None
 
     def is_output(self, topic: str) -> bool:
-        return topic in (self.topology.bands, self.topology.findings)
+        return topic in (self.topology.bands, self.topology.sets, self.topology.findings)
 
     def check(self, consumer: Consumer, partitions: list[TP]) -> None:
         """Create the topology's topics (once), before anything is produced to them, and
@@ -663,8 +675,14 @@ class PrepareProcessor(StageHooks):
             for chunk in split_runs(entries, itemgetter(1), room):
                 out.append((t.findings, q, None, documents_value([entry for entry, _ in chunk]), headers))
         # one band record per shard partition (split if large), built as columns
+        if self.sets_once and include.any():  # the sets first, once each; ``write`` names them in the band records
+            self._set_partition = (self._set_partition + 1) % t.shards
+            set_headers = [(KIND_HEADER, SETS_KIND), (ENGINE_HEADER, self.digest)]
+            out += [(t.sets, self._set_partition, None, value, set_headers)
+                    for value in sets_values(orders, p.fingerprints, p.fingerprint_offsets, include)]
+            band_headers = [*band_headers, (SETS_HEADER, b"")]
         for q, values in enumerate(batch_bands(orders, ids, grouped, bounds, p.fingerprints,
-                                                p.fingerprint_offsets, include)):
+                                                p.fingerprint_offsets, include, with_sets=not self.sets_once)):
             out += [(t.bands, q, None, value, band_headers) for value in values]
         return out
 
@@ -673,6 +691,20 @@ class PrepareProcessor(StageHooks):
         if self._limit is None:
             self._limit = TopicLimits(admin_config(self.settings)).get(self.topology.findings)
         return self._limit
+
+    @staticmethod
+    def _set_offsets(producer: Producer, sets: list[int | KafkaError]) -> list[int]:
+        """The offsets of the batch's set records, once the broker has them (their
+        delivery reports; a flush of the producer, one round trip per batch).
+
+        Raises:
+            KafkaException: a set record not delivered (the transaction is aborted and retried).
+        """
+        producer.flush(SET_DELIVERY_S)
+        failed = next((x for x in sets if isinstance(x, KafkaError)), None)
+        if failed is not None or not sets:
+            raise KafkaException(failed or KafkaError(KafkaError._TIMED_OUT, "set records not delivered"))
+        return sorted(sets)  # type: ignore[type-var]
 
     @staticmethod
     def _order(m: Message) -> bytes:
@@ -688,7 +720,17 @@ class PrepareProcessor(StageHooks):
         batch, records = work
         band_records = band_bytes = document_bytes = 0
         lead = self.lead
+        sets: list[int] = []  # the offsets of the batch's set records, as delivered
+        ref: list[tuple[str, bytes]] | None = None  # the band records' headers naming them
         for topic, partition, key, value, headers in records:
+            if topic == self.topology.sets:
+                produce(producer, topic, key, value, headers, partition, _on_set_delivered(sets))
+                band_bytes += len(value or b"")  # what the band records carried before
+                continue
+            if headers and headers[-1] == (SETS_HEADER, b""):
+                if ref is None:
+                    ref = [*headers[:-1], (SETS_HEADER, sets_ref(self._set_partition, self._set_offsets(producer, sets)))]
+                headers = ref
             if lead is not None and topic == self.topology.findings and headers[0] == _DOCUMENTS_HEADER:
                 produce(producer, topic, key, value, headers, partition, _on_delivered(lead, documents_count(value)))
             else:
@@ -701,6 +743,12 @@ class PrepareProcessor(StageHooks):
                 document_bytes += size
         return PrepareWritten(next_offsets(batch.messages), len(batch.messages), band_records, band_bytes,
                               document_bytes, sent=batch.sent)
+
+
+def _on_set_delivered(sets: list[int | KafkaError]) -> Callable[[KafkaError | None, Message], None]:
+    def delivered(err: KafkaError | None, msg: Message) -> None:
+        sets.append(err if err is not None else msg.offset())
+    return delivered
 
 
 class PrepareStage(StageRuntime):

@@ -16,6 +16,24 @@ per batch and shard partition, not one per document; split above ``BANDS_RECORD_
     the fingerprints (uint32, little-endian, each document's sorted distinct: its
     shingle set), one after the other
 
+A band record whose documents' sets went once to the set topic (header ``SETS_HEADER``;
+prepare without a retention window) has the same layout, every f 0 and no
+fingerprints: the header names the set records that hold them.
+
+Set record (prepare -> ``<app>.sets``; key: none; headers ``KIND_HEADER`` ``b"sets"`` and
+``ENGINE_HEADER``): the shingle sets of one prepare batch's documents that touch a shard,
+each once, however many shard partitions it touches (split above
+``BANDS_RECORD_BYTES``):
+
+    ">I" document count n
+    n order keys (20 bytes each)
+    n × ">I" fingerprint count f
+    the fingerprints (uint32, little-endian, each document's sorted distinct), one
+    after the other
+
+``SETS_HEADER`` of a band record: ">i" the set topic's partition, then ">q" per set
+record of the batch its offset there (``sets_ref``).
+
 Member value (the shard's changelog, ``neardup.state.shard_store``): one document's
 entry of a band record on its own:
 
@@ -111,12 +129,14 @@ KIND_HEADER = "neardup-sharded-kind"  # on the findings topic: b"documents", b"f
 TOPIC_HEADER = "neardup-sharded-topic"  # the input topic of a document record
 ENGINE_HEADER = "neardup-sharded-engine"  # the engine settings' digest (``engine_digest``)
 VALUE_BYTES_HEADER = "neardup-sharded-value-bytes"  # a document record sent without its value
+SETS_HEADER = "neardup-sharded-sets"  # a band record's set records (``sets_ref``)
 SHARDED_PREFIX = "neardup-sharded-"
 _MARKS = struct.Struct(">H")
 _MARK = struct.Struct(">ii")
 WATERMARK_KIND = b"watermark"  # the KIND_HEADER of a watermark record
 FINDINGS_KIND = b"findings"  # the KIND_HEADER of a findings record
 DOCUMENTS_KIND = b"documents"  # the KIND_HEADER of a documents record
+SETS_KIND = b"sets"  # the KIND_HEADER of a set record
 _DOCUMENT = struct.Struct(">20sIHiiIiqH")
 _DOC_HEADER = struct.Struct(">Ii")
 #: A documents record's bytes before its topics and documents: the count of each.
@@ -413,9 +433,9 @@ class BandRecordGoneError(ValueError):
 
     def __init__(self, topic: str, partition: int, offset: int, order: bytes) -> None:
         super().__init__(f"{topic}[{partition}] no longer holds the band record at offset {offset} (member "
-                         f"{order.hex()}), which the shard changelog refers to: the band topic must keep its "
-                         "records (retention.ms=-1) while a shard changelog names them; start the deduplication "
-                         "under a new --app")
+                         f"{order.hex()}), or the set topic its set, which the shard changelog refers to: the band "
+                         "and set topics must keep their records (retention.ms=-1) while a shard changelog names "
+                         "them; start the deduplication under a new --app")
 
 
 class BandTopicNotKeptError(ValueError):
@@ -634,7 +654,7 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarray, bounds: np.ndarray,
                  fingerprints: np.ndarray, offsets: np.ndarray, include: np.ndarray,
-                 max_bytes: int = BANDS_RECORD_BYTES) -> list[list[bytes]]:
+                 max_bytes: int = BANDS_RECORD_BYTES, with_sets: bool = True) -> list[list[bytes]]:
     """Per shard partition, the band record values of a batch's documents, built as columns:
     what ``bands_value`` gives for the documents touching it in turn (byte for byte),
     a record cut after the document that takes it above ``max_bytes``.
@@ -652,6 +672,8 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
         fingerprints: uint32, the documents' shingle sets one after the other;
             ``offsets``: int64, shape (n + 1,): document i's is ``fingerprints[offsets[i]:offsets[i + 1]]``.
         include: bool, shape (n,): the documents to send (the others touch no shard).
+        with_sets: False: the records without the sets (every f 0; ``sets_values``
+            holds them, once per document).
     """
     n = len(orders)
     shards = bounds.shape[1] - 1
@@ -662,7 +684,7 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
     if not len(doc):
         return out
     k = counts[doc, part]
-    f = (offsets[1:n + 1] - offsets[:n])[doc]  # set sizes
+    f = (offsets[1:n + 1] - offsets[:n])[doc] * with_sets  # set sizes (0: the sets sent apart)
     n_id = np.fromiter(map(len, ids), dtype=np.int64, count=n)[doc]
     entries = np.empty(len(doc), dtype=_ENTRY)
     entries["k"], entries["n_id"], entries["f"] = k, n_id, f
@@ -672,7 +694,7 @@ def batch_bands(orders: Sequence[bytes], ids: Sequence[bytes], grouped: np.ndarr
     # each document's set as bytes once, joined into every record it goes to
     raw = le_bytes(fingerprints[offsets[0]:offsets[n]], "<u4")
     cuts = (4 * (offsets[:n + 1] - offsets[0])).tolist()
-    sets = [raw[cuts[i]:cuts[i + 1]] if include[i] else b"" for i in range(n)]
+    sets = [raw[cuts[i]:cuts[i + 1]] if include[i] and with_sets else b"" for i in range(n)]
     size = np.cumsum(BAND_ENTRY_BYTES + n_id + 8 * k + 4 * f)
     docs = doc.tolist()
     cut = np.flatnonzero(np.diff(part)) + 1  # where each partition's entries start and end
@@ -708,13 +730,16 @@ def band_orders(value: bytes) -> list[bytes]:
     return [value[_COUNT.size + ORDER.size * i:_COUNT.size + ORDER.size * (i + 1)] for i in range(n)]
 
 
-def parse_bands(value: bytes, offset: int = -1) -> list[BandRecord]:
+def parse_bands(value: bytes, offset: int = -1, sets: dict[bytes, np.ndarray] | None = None) -> list[BandRecord]:
     """``bands_value``'s inverse: one ``BandRecord`` per document, its arrays read-only
     views of ``value``; ``offset``: the band-topic offset of the record (each
-    ``BandRecord`` carries it and its index, ``entry``).
+    ``BandRecord`` carries it and its index, ``entry``); ``sets``: for a record sent
+    without the sets (``SETS_HEADER``), its documents' sets by order key
+    (``parse_sets`` of the set records the header names).
 
     Raises:
-        ValueError (struct.error, UnicodeDecodeError): a record of another layout.
+        ValueError (struct.error, UnicodeDecodeError): a record of another layout, or
+            a document whose set ``sets`` lacks.
     """
     orders = band_orders(value)
     n = len(orders)
@@ -736,8 +761,96 @@ def parse_bands(value: bytes, offset: int = -1) -> list[BandRecord]:
         ids = [text[a:b] for a, b in zip(i_at, i_at[1:])]
     else:
         ids = [raw_ids[a:b].decode("utf-8") for a, b in zip(i_at, i_at[1:])]
+    if sets is not None:
+        if f_total:
+            raise ValueError("band record with sets of its own and a set record's")
+        missing = next((order for order in orders if order not in sets), None)
+        if missing is not None:
+            raise ValueError(f"set of document {ORDER.unpack(missing)} in none of its set records")
+        return [BandRecord(order, doc_id, buckets[ka:kb], sets[order], offset, i)
+                for i, (order, doc_id, ka, kb) in enumerate(zip(orders, ids, k_at, k_at[1:]))]
     return [BandRecord(order, doc_id, buckets[ka:kb], fps[fa:fb], offset, i)
             for i, (order, doc_id, ka, kb, fa, fb) in enumerate(zip(orders, ids, k_at, k_at[1:], f_at, f_at[1:]))]
+
+
+_SETS_REF = struct.Struct(">i")
+_OFFSET = struct.Struct(">q")
+
+
+def sets_values(orders: Sequence[bytes], fingerprints: np.ndarray, offsets: np.ndarray, include: np.ndarray,
+                max_bytes: int = BANDS_RECORD_BYTES) -> list[bytes]:
+    """The set records (the layout above) of a batch's documents: each document's set
+    once, a record cut after the document that takes it above ``max_bytes``.
+
+    Args:
+        orders: n order keys (20 bytes each).
+        fingerprints: uint32, the documents' shingle sets one after the other;
+            ``offsets``: int64, shape (n + 1,): document i's is
+            ``fingerprints[offsets[i]:offsets[i + 1]]``.
+        include: bool, shape (n,): the documents sent to the shards.
+    """
+    rows = np.flatnonzero(np.asarray(include, dtype=bool)).tolist()
+    if not rows:
+        return []
+    offsets = np.asarray(offsets, dtype=np.int64)
+    counts = (offsets[1:] - offsets[:-1])
+    raw = le_bytes(fingerprints[offsets[0]:offsets[-1]], "<u4")
+    cuts = (4 * (offsets - offsets[0])).tolist()
+    out: list[bytes] = []
+    chunk: list[int] = []
+    size = _COUNT.size
+    for i in rows:
+        grows = ORDER.size + 4 + 4 * int(counts[i])
+        if chunk and size + grows > max_bytes:
+            out.append(_sets_value(orders, counts, raw, cuts, chunk))
+            chunk, size = [], _COUNT.size
+        chunk.append(i)
+        size += grows
+    out.append(_sets_value(orders, counts, raw, cuts, chunk))
+    return out
+
+
+def _sets_value(orders: Sequence[bytes], counts: np.ndarray, raw: bytes, cuts: list[int], rows: list[int]) -> bytes:
+    return b"".join((_COUNT.pack(len(rows)), *(orders[i] for i in rows), counts[rows].astype(">u4").tobytes(),
+                     *(raw[cuts[i]:cuts[i + 1]] for i in rows)))
+
+
+def parse_sets(value: bytes) -> dict[bytes, np.ndarray]:
+    """``sets_values``' inverse: order key -> uint32 shingle set (a read-only view of
+    ``value``).
+
+    Raises:
+        ValueError (struct.error): a record of another layout.
+    """
+    orders = band_orders(value)
+    n = len(orders)
+    at = _COUNT.size + ORDER.size * n
+    counts = np.frombuffer(value, dtype=">u4", count=n, offset=at).astype(np.int64)
+    at += 4 * n
+    total = int(counts.sum())
+    if len(value) != at + 4 * total:
+        raise ValueError("set record of the wrong length")
+    fps = np.frombuffer(value, dtype="<u4", count=total, offset=at).astype(np.uint32, copy=False)
+    bounds = [0, *np.cumsum(counts).tolist()]
+    return {order: fps[a:b] for order, a, b in zip(orders, bounds, bounds[1:])}
+
+
+def sets_ref(partition: int, offsets: Sequence[int]) -> bytes:
+    """``SETS_HEADER``'s value: the set topic's partition and the offsets there of a
+    band record's set records."""
+    return _SETS_REF.pack(partition) + b"".join(map(_OFFSET.pack, offsets))
+
+
+def parse_sets_ref(value: bytes) -> tuple[int, list[int]]:
+    """``sets_ref``'s inverse.
+
+    Raises:
+        ValueError (struct.error): a value of another layout.
+    """
+    if len(value) < _SETS_REF.size or (len(value) - _SETS_REF.size) % _OFFSET.size:
+        raise ValueError(f"a set reference of {len(value)} bytes")
+    (partition,) = _SETS_REF.unpack_from(value)
+    return partition, [o for (o,) in _OFFSET.iter_unpack(value[_SETS_REF.size:])]
 
 
 def le_bytes(values: np.ndarray, dtype: str) -> bytes:

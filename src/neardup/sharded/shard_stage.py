@@ -1,6 +1,10 @@
 """The shard stage of a sharded deduplication (docs/scale-out.md): a stateful
 ``Processor`` on the stage runtime (``neardup.kafka.stage``).
 
+A band record sent without its documents' sets (prepare without a retention window)
+names the set records that hold them (``SETS_HEADER``); ``SetReader`` reads those from
+the set topic, once per process however many of its partitions a document touches.
+
 Each partition p of the band topic is one shard: its buckets and their members' sets, the
 documents held in its reorder window, and its changelog, partition p of
 ``<app>.shard-changelog`` (compacted). A band record holds a prepare batch's documents
@@ -65,7 +69,8 @@ Changelog records (key -> value; a null value deletes):
   band-topic offset of its band record and its index there, the buckets it joined when
   not all, its copy buckets. The band record is the member's value, as a Kafka Streams
   source topic is the changelog of its table; a restore reads the band records named
-  (``_expanded``, ``RESOLVE_MEMBERS`` members at a time) and one no longer there stops it
+  (``_expanded``, ``RESOLVE_MEMBERS`` members at a time), and the set records of those
+  sent without their sets, and one no longer there stops it
   with one line (``BandRecordGoneError``). A store takes the members' values as before.
   Whether the band topic keeps its records is read at every assignment; references met
   while it does not stop the stage with one line (``BandTopicNotKeptError``), before the
@@ -132,6 +137,7 @@ from neardup.kafka.clients import admin_config
 from neardup.kafka.partition_log import AheadOfTopicError, catch_up, read_to_end, with_retries
 from neardup.kafka.topics import keeps_records
 from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
+from neardup.sharded.sets import SetReader, SetRecordGoneError
 from neardup.sharded.topology import Topology
 from neardup.sharded.records import (
     EMPTY_FINDING_BYTES,
@@ -142,6 +148,7 @@ from neardup.sharded.records import (
     EngineMismatchError,
     FINDINGS_KIND,
     KIND_HEADER,
+    SETS_HEADER,
     ORDER,
     WATERMARK_KIND,
     BandRecord,
@@ -421,6 +428,7 @@ class ShardProcessor(StageHooks):
         # documents per band record (``batch_messages``); at first as many as a band record
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
+        self.set_reader = SetReader(settings, topology.sets)  # the sets of band records sent without them
 
     # --- lifecycle ------------------------------------------------------------------
     def is_output(self, topic: str) -> bool:
@@ -478,7 +486,8 @@ class ShardProcessor(StageHooks):
         """
         admin = AdminClient(admin_config(self.settings))
         try:
-            return keeps_records(admin, self.topology.bands)
+            # a member's set is in the set topic when its band record was sent without it
+            return keeps_records(admin, self.topology.bands) and keeps_records(admin, self.topology.sets)
         except KafkaException as exc:
             if exc.args[0].code() not in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
                 raise
@@ -592,6 +601,7 @@ class ShardProcessor(StageHooks):
         if self._admin is not None:
             discard(self._admin)
             self._admin = None
+        self.set_reader.close()
 
     @staticmethod
     def _member(index: ShardIndex, order: bytes, value: bytes) -> None:
@@ -775,7 +785,10 @@ class ShardProcessor(StageHooks):
                         entries = wanted.get(m.offset())
                         if entries is None:
                             continue
-                        recs = parse_bands(m.value() or b"", m.offset())
+                        try:
+                            recs = parse_bands(m.value() or b"", m.offset(), self._sets_of(m.headers()))
+                        except SetRecordGoneError:  # its members as gone as if the band record were
+                            continue
                         got.update(((m.offset(), e), recs[e]) for e in entries if e < len(recs))
             except AheadOfTopicError:  # the band topic created again: none of them is there
                 pass
@@ -858,7 +871,7 @@ class ShardProcessor(StageHooks):
                     watermarks += 1
                     continue
             try:
-                records = parse_bands(m.value() or b"", m.offset())
+                records = parse_bands(m.value() or b"", m.offset(), self._sets_of(headers))
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
                 self._malformed(m, exc, found, stats)
                 continue
@@ -952,6 +965,21 @@ class ShardProcessor(StageHooks):
         points = {tp.partition: self.shards[tp.partition].purge_point(tp.offset) for tp in ends} if self._purging else {}
         self._uncommitted.append((changes, held, points))
         return out, stats
+
+    def _sets_of(self, headers: list[tuple[str, bytes]] | None) -> dict[bytes, np.ndarray] | None:
+        """The sets of a band record sent without them, by order key (None: a record
+        with its sets).
+
+        Raises:
+            ValueError: the set records it names are gone or of another layout (the
+                record's documents then get an error each, ``_malformed``).
+            KafkaException: the set topic could not be read (the batch fails).
+        """
+        if headers:
+            for name, value in headers:
+                if name == SETS_HEADER:
+                    return self.set_reader.sets(value)
+        return None
 
     @staticmethod
     def _watermark(m: Message, shard: _Shard) -> None:

@@ -37,7 +37,7 @@ class Topology:
         decide_partitions: partitions of the findings topic and of decide's changelog.
         sources: the input topics the prepare stage reads (``--input-topic``): the
             internal topics are created large enough for their records' shingle sets.
-        keep_bands: create the band topic keeping its records for good (``retention.ms``
+        keep_bands: create the band and set topics keeping their records for good (``retention.ms``
             and ``retention.bytes`` -1; the stages do): the shards' changelog then refers
             to the band records instead of copying each member's set, and shards with a
             retention window delete the band records their members no longer need
@@ -58,6 +58,12 @@ class Topology:
     @property
     def bands(self) -> str:
         return f"{self.app}.bands"
+
+    @property
+    def sets(self) -> str:
+        """The set topic: each document's shingle set once (prepare without a retention
+        window), read by every shard process (``neardup.sharded.sets``)."""
+        return f"{self.app}.sets"
 
     @property
     def findings(self) -> str:
@@ -86,6 +92,7 @@ class Topology:
         kept = {"retention.ms": "-1", "retention.bytes": "-1"} if self.keep_bands else {}
         return {
             self.bands: (self.shards, {**deleted, **kept}),
+            self.sets: (self.shards, {**deleted, **kept}),
             self.findings: (self.decide_partitions, deleted),
             self.decisions: (1, compacted),
             self.shard_changelog: (self.shards, compacted),
