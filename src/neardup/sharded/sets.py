@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 CACHE_BYTES = 256 << 20
 #: An offset this far past a partition's position is sought, not read up to.
 SEEK_AHEAD = 1_000
+#: The set reader's ``fetch.wait.max.ms`` (librdkafka's default: 500).
+FETCH_WAIT_MS = 20
 #: The longest wait for a set record, seconds (past it the batch fails and is retried).
 WAIT_S = 60.0
 
@@ -110,7 +112,9 @@ class SetReader:
             if time.monotonic() > deadline:
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
                                                 f"set record {self.topic}[{partition}]@{offset} not read in {WAIT_S:.0f} s"))
-            for m in consumer.consume(512, timeout=0.5):
+            # what has arrived, else the next record to arrive (``consume`` waits for all
+            # the messages asked or the timeout)
+            for m in consumer.consume(512, timeout=0) or consumer.consume(1, timeout=0.5):
                 err = m.error()
                 if err is not None:
                     if err.code() != KafkaError._PARTITION_EOF:
@@ -147,5 +151,8 @@ class SetReader:
                 **self.settings.kafka, "group.id": f"neardup-sets-{uuid.uuid4()}", "enable.auto.commit": False,
                 "enable.partition.eof": False, "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest", "queued.max.messages.kbytes": 65536,
+                # a set record is asked for just after its transaction committed; a fetch
+                # the broker holds at the partition's end waits up to fetch.wait.max.ms
+                "fetch.wait.max.ms": FETCH_WAIT_MS,
             })
         return self._consumer
