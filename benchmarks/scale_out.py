@@ -233,6 +233,14 @@ def topic_starts(bootstrap: str, topic: str) -> tuple[int, int]:
         c.close()
 
 
+def disk_bytes(log_dir: Path, app: str, names: list[str]) -> dict[str, int]:
+    """Bytes of the log segments (``*.log``) of each internal topic on the broker's disk
+    (``log_dir``, the broker's ``log.dirs``): the record batches as written, compressed
+    when the producers compress (``key + value`` counts them uncompressed)."""
+    return {name: sum(f.stat().st_size for d in log_dir.glob(f"{app}.{name}-*") for f in d.glob("*.log"))
+            for name in names}
+
+
 def topic_totals(bootstrap: str, topic: str) -> tuple[int, int]:
     """(records, key + value bytes) committed in every partition of ``topic``."""
     records = size = 0
@@ -399,6 +407,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
     topics = {name: topic_totals(bootstrap, f"{app}.{name}")
               for name in ("bands", "sets", "findings", "decisions", "shard-changelog", "decide-changelog")}
     bands_deleted, bands_end = topic_starts(bootstrap, f"{app}.bands")
+    disk = disk_bytes(args.broker_log_dir, app, list(topics)) if args.broker_log_dir else {}
     result: dict[str, object] = {
         "processes_per_stage": k, "chaos": args.chaos, "in_turn": args.in_turn, "longest_output_stall_seconds": stall,
         "first_output_seconds": arrivals[0] - started if arrivals else None, "state": state_mode, "state_bytes": state_bytes, "messages": n, "seconds": seconds, "messages_per_second": len(messages) / seconds,
@@ -407,6 +416,7 @@ def run_config(args: argparse.Namespace, bootstrap: str, k: int, messages: list[
         "peak_rss_mb_per_process": rss,
         "records_per_document": {t: r / n for t, (r, _) in topics.items()},
         "bytes_per_document": {t: b / n for t, (_, b) in topics.items()},
+        "disk_bytes_per_document": {t: b / n for t, b in disk.items()},
         "band_offsets_deleted": bands_deleted, "band_offsets_end": bands_end,
         "load_before": load_before, "load_after": load_after,
     }
@@ -576,6 +586,9 @@ def main() -> None:
                          "stopped then: each stage's CPU alone with the broker, not sharing the cores with the "
                          "others (messages/s then counts the three in turn)")
     ap.add_argument("--shared-broker", action="store_true")
+    ap.add_argument("--broker-log-dir", type=Path, help="the broker's log.dirs (a local broker, e.g. "
+                    ".cache/kafka/run/data of deploy/local/kafka.sh): also the internal topics' bytes on its disk, "
+                    "as the producers wrote them (compressed)")
     ap.add_argument("--state", nargs="+", choices=["memory", "disk"], default=["memory"],
                     help="where the shard and decide stages keep their state: memory, or disk (--state-dir: "
                          "a RocksDB store per shard partition, and decide's decisions table); each is run")
@@ -626,6 +639,10 @@ def main() -> None:
               + "".join(f"; {role} state on disk {b / 1e6:,.1f} MB" for role, b in r["state_bytes"].items()))
         print("  records / bytes per document: " + ", ".join(
             f"{t} {r['records_per_document'][t]:.2f} / {r['bytes_per_document'][t]:,.0f}" for t in r["bytes_per_document"]))
+        if r["disk_bytes_per_document"]:
+            print("  bytes per document on the broker's disk: " + ", ".join(
+                f"{t} {v:,.0f}" for t, v in r["disk_bytes_per_document"].items())
+                  + f"; all {sum(r['disk_bytes_per_document'].values()):,.0f}")
         if r.get("band_offsets_deleted"):
             print(f"  the band topic as it stands at the end: the shards deleted {r['band_offsets_deleted']:,} of its "
                   f"{r['band_offsets_end']:,} offsets (records no longer needed, with a retention window)")

@@ -48,7 +48,7 @@ from neardup.detector import Preparer
 from neardup.sharded.routing import shard_of
 
 ROLES = ("prepare", "shard", "decide")
-TOPICS = ("bands", "findings", "decisions", "shard-changelog", "decide-changelog")
+TOPICS = ("bands", "sets", "findings", "decisions", "shard-changelog", "decide-changelog")
 
 
 def fit(rs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -59,23 +59,26 @@ def fit(rs: list[float], ys: list[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def load_costs(paths: list[Path], entries: dict[int, float]) -> dict[str, object]:
+def load_costs(paths: list[Path], entries: dict[int, float], disk: bool = False) -> dict[str, object]:
     """The fitted ``(a, b)`` per stage (CPU µs per document) and per topic (bytes per
     document), from the one-process-per-stage run of each measured file; ``entries``:
     per shard count, the shard partitions a document touches (its band entries: a
     band record holds a batch's entries for one partition, so the records per document
-    no longer count them)."""
+    no longer count them); ``disk``: the bytes as the broker holds them
+    (``disk_bytes_per_document``: compressed when the producers compress) instead of key
+    + value. A topic a run does not name (the set topic before the sets went once) counts 0."""
     runs = []
     for path in paths:
         data = json.loads(path.read_text())
         run = next(r for r in data["runs"] if r["processes_per_stage"] == 1)
         runs.append({"shards": data["shards"], "docs": data["docs"], "r": entries[data["shards"]],
-                     "cpu": run["cpu_us_per_document"], "bytes": run["bytes_per_document"],
+                     "cpu": run["cpu_us_per_document"],
+                     "bytes": run["disk_bytes_per_document" if disk else "bytes_per_document"],
                      "load": [run["load_before"], run["load_after"]]})
     rs = [x["r"] for x in runs]
     return {"runs": runs,
             "cpu": {role: fit(rs, [x["cpu"][role] for x in runs]) for role in ROLES},
-            "bytes": {t: fit(rs, [x["bytes"][t] for x in runs]) for t in TOPICS}}
+            "bytes": {t: fit(rs, [x["bytes"].get(t, 0.0) for x in runs]) for t in TOPICS}}
 
 
 def routing(docs: int, shard_counts: list[int]) -> tuple[dict[int, list[np.ndarray]], float]:
@@ -162,11 +165,13 @@ def main() -> None:
     ap.add_argument("--step", type=float, default=0.01)
     ap.add_argument("--max-backlog", type=float, default=0.5, help="seconds of work left at the end")
     ap.add_argument("--json", type=Path, default=results / "scale_out_sim.json")
+    ap.add_argument("--disk", action="store_true", help="the bytes on the broker's disk (scale_out.py "
+                    "--broker-log-dir: compressed as the producers wrote them) instead of key + value")
     args = ap.parse_args()
 
     measured = sorted({json.loads(p.read_text())["shards"] for p in args.measured})
     touched, set_bytes = routing(args.docs, sorted(set(args.shards) | set(measured)))
-    costs = load_costs(args.measured, {s: float(np.mean([len(t) for t in touched[s]])) for s in measured})
+    costs = load_costs(args.measured, {s: float(np.mean([len(t) for t in touched[s]])) for s in measured}, args.disk)
     print(f"load average {os.getloadavg()}")
     print("measured (one process per stage): " + "; ".join(
         f"{x['shards']} shards, {x['docs']:,} docs: {x['r']:.2f} band entries/doc, CPU µs/doc "
@@ -203,7 +208,8 @@ def main() -> None:
             w = row["with_those"]
             print(f"  with those: latency through the queues p50 {w['latency_p50_s'] * 1e3:.0f} ms, "
                   f"p99 {w['latency_p99_s'] * 1e3:.0f} ms (reorder window and commits on top)")
-        print("  Kafka MB/s written: " + ", ".join(f"{t} {v:,.0f}" for t, v in row["kafka_mb_per_s"].items()))
+        print("  Kafka MB/s written: " + ", ".join(f"{t} {v:,.0f}" for t, v in row["kafka_mb_per_s"].items())
+              + f"; all {sum(row['kafka_mb_per_s'].values()):,.0f}")
         st = row["state_per_shard_gb"]
         print(f"  state per shard partition at {args.index:,.0f} documents: sets {st['sets']:,.1f} GB, "
               f"bucket entries {st['bucket_entries_8_bytes']:,.1f} GB (8 bytes each)")

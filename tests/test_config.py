@@ -199,3 +199,26 @@ def test_toml_keys_are_the_settings_names(tmp_path: Path) -> None:
     toml.write_text("threshold = \n")
     with pytest.raises(ValueError, match=rf"^{re.escape(str(toml))}: not valid TOML"):
         load_settings({}, toml)
+
+
+def test_the_stages_producers_compress_unless_told_otherwise() -> None:
+    """The sharded stages' producers compress (``STAGE_PRODUCER``) over neardup's own
+    producer settings, and a user's ``-X compression.type`` wins; ``neardup run``'s
+    producer and the admin client are left as they were."""
+    from neardup.kafka.clients import admin_config, producer_config
+    from neardup.kafka.stage import StageRuntime
+    from neardup.sharded.decide_stage import DecideStage
+    from neardup.sharded.prepare_stage import PrepareStage
+    from neardup.sharded.shard_stage import ShardStage
+    from neardup.sharded.topology import STAGE_PRODUCER
+
+    plain = load_settings({"bootstrap_servers": "b:9092"})
+    told = load_settings({"bootstrap_servers": "b:9092", "kafka": {"compression.type": "zstd"}})
+    assert STAGE_PRODUCER == {"compression.type": "lz4"}
+    for stage in (PrepareStage, ShardStage, DecideStage):
+        assert stage.producer_defaults == STAGE_PRODUCER
+        assert producer_config(plain, "t", None, stage.producer_defaults)["compression.type"] == "lz4"
+        assert producer_config(told, "t", None, stage.producer_defaults)["compression.type"] == "zstd"
+    assert StageRuntime.producer_defaults == {}
+    assert "compression.type" not in producer_config(plain, "t", None, StageRuntime.producer_defaults)
+    assert "compression.type" not in admin_config(plain)

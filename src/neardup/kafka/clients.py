@@ -52,10 +52,11 @@ def consumer_config(settings: Settings, instance_id: str,
 
 
 def producer_config(settings: Settings, transactional_id: str | None,
-                    logger: Any = None) -> dict[str, Any]:
+                    logger: Any = None, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """A producer's librdkafka settings (the user's ``-X`` win, except the consumer-only
     ``group.instance.id``); transactional unless ``transactional_id`` is None. ``logger``:
-    where its log lines go (default ``rdkafka_logger()``; e.g. a ``ProducerLog``)."""
+    where its log lines go (default ``rdkafka_logger()``; e.g. a ``ProducerLog``).
+    ``defaults``: settings of the caller's over neardup's, under the user's."""
     s = settings
     config: dict[str, Any] = {} if transactional_id is None else {"transactional.id": transactional_id}
     config |= {
@@ -63,6 +64,7 @@ def producer_config(settings: Settings, transactional_id: str | None,
         "message.max.bytes": PRODUCER_MAX_BYTES,  # the topics' limits decide
         "bootstrap.servers": s.bootstrap_servers,
         "logger": rdkafka_logger() if logger is None else logger,
+        **(defaults or {}),
         **s.kafka,
     }
     config.pop("group.instance.id", None)

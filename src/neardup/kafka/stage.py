@@ -515,6 +515,9 @@ class StageRuntime:
         ValueError: no bootstrap servers or no input topic.
     """
 
+    #: librdkafka settings of the stage's producer over neardup's (the user's ``-X`` win).
+    producer_defaults: dict[str, Any] = {}
+
     def __init__(
         self,
         settings: Settings,
@@ -706,7 +709,8 @@ class StageRuntime:
         self._discard_producer()
         while True:
             self._producer_log = ProducerLog()
-            producer = Producer(producer_config(self.settings, self.transactional_id, self._producer_log))
+            producer = Producer(producer_config(self.settings, self.transactional_id, self._producer_log,
+                                                self.producer_defaults))
             try:
                 init_transactions(producer, self._stop)
             except ProducerWedged as exc:

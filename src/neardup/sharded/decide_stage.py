@@ -72,7 +72,7 @@ from neardup.kafka.partition_log import catch_up, read_to_end, with_retries
 from neardup.kafka.rdkafka_log import rdkafka_logger
 from neardup.kafka.stage import MessageBatch, ProducedRecord, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.kafka.topics import create_missing, new_topic, sized_outputs
-from neardup.sharded.topology import Topology
+from neardup.sharded.topology import STAGE_PRODUCER, Topology
 from neardup.sharded.decide import decide, waiting_for
 from neardup.sharded.records import (
     ChangelogLayoutError,
@@ -920,6 +920,8 @@ class DecideStage(StageRuntime):
         state_dir, retention_ms: see ``DecideProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
+
+    producer_defaults = STAGE_PRODUCER
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0", state_dir: Path | None = None,
                  retention_ms: int | None = None, **callbacks: object) -> None:

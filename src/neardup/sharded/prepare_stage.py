@@ -95,7 +95,7 @@ from neardup.kafka.partition_log import with_retries
 from neardup.kafka.rdkafka_log import rdkafka_logger
 from neardup.kafka.messages import MessageError, carried_headers, record_size, to_document
 from neardup.kafka.stage import StageHooks, StageRuntime, TP, next_offsets, produce
-from neardup.sharded.topology import Topology
+from neardup.sharded.topology import STAGE_PRODUCER, Topology
 from neardup.sharded.records import (
     DOCUMENTS_FIXED_BYTES,
     DOCUMENTS_KIND,
@@ -762,6 +762,8 @@ class PrepareStage(StageRuntime):
             transactional id).
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
+
+    producer_defaults = STAGE_PRODUCER
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0", **callbacks: Any) -> None:
         settings = settings.model_copy(update={"transactional_id": f"neardup-{settings.group_id}-{instance}"})

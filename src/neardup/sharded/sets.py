@@ -34,7 +34,7 @@ CACHE_BYTES = 256 << 20
 #: An offset this far past a partition's position is sought, not read up to.
 SEEK_AHEAD = 1_000
 #: The set reader's ``fetch.wait.max.ms`` (librdkafka's default: 500).
-FETCH_WAIT_MS = 20
+FETCH_WAIT_MS = 50
 #: The longest wait for a set record, seconds (past it the batch fails and is retried).
 WAIT_S = 60.0
 

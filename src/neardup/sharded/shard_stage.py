@@ -138,7 +138,7 @@ from neardup.kafka.partition_log import AheadOfTopicError, catch_up, read_to_end
 from neardup.kafka.topics import keeps_records
 from neardup.kafka.stage import MessageBatch, StageHooks, StageRuntime, TP, next_offsets, produce_all
 from neardup.sharded.sets import SetReader, SetRecordGoneError
-from neardup.sharded.topology import Topology
+from neardup.sharded.topology import STAGE_PRODUCER, Topology
 from neardup.sharded.records import (
     EMPTY_FINDING_BYTES,
     ENGINE_HEADER,
@@ -1106,6 +1106,8 @@ class ShardStage(StageRuntime):
         state_dir, retention_ms: see ``ShardProcessor``.
         **callbacks: ``on_batch``, ``on_assignment``, ``on_abort``, ``on_broker``.
     """
+
+    producer_defaults = STAGE_PRODUCER
 
     def __init__(self, settings: Settings, topology: Topology, instance: str = "0",
                  state_dir: Path | None = None, retention_ms: int | None = None, **callbacks: object) -> None:

@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 
 #: ``max.message.bytes`` of the internal topics when they are created, bytes.
 INTERNAL_MAX_BYTES = 64 << 20
+#: The stages' producers compress their record batches (``-X compression.type=...``
+#: sets another, ``none`` none): the internal records' order keys, ids, findings and
+#: changelog records, and the input copied to decide, shrink to about a third to a half;
+#: the shingle sets and bucket ids, hashes, hardly (docs/scale-out.md, "Bytes per document").
+STAGE_PRODUCER = {"compression.type": "lz4"}
 
 
 class TopologyMismatchError(ValueError):
