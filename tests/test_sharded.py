@@ -478,3 +478,16 @@ def test_a_shard_partition_purges_below_what_its_live_members_records_and_its_re
     assert shard.purge_point(50) is None
     shard.dropped([b"old"])
     assert shard.purge_point(50) == 40
+
+
+def test_an_order_key_s_integer_is_that_of_its_fields():
+    """``order_seq`` reads the 20 bytes as one signed integer: ``fields_seq`` of the
+    fields for every timestamp (none: -1), partition and offset, and ordered like the keys
+    of stamped records."""
+    from neardup.sharded.records import fields_seq, order_seq
+
+    keys = [(ts, p, off) for ts in (-1, 0, 1, 1_700_000_000_000, (1 << 63) - 1)
+            for p in (0, 1, (1 << 31) - 1) for off in (0, 7, (1 << 63) - 1)]
+    assert [order_seq(order_key(*k)) for k in keys] == [fields_seq(*k) for k in keys]
+    stamped = [k for k in keys if k[0] >= 0]  # (a key without a timestamp, -1, sorts last as bytes)
+    assert sorted(stamped, key=lambda k: order_seq(order_key(*k))) == sorted(stamped, key=lambda k: order_key(*k))

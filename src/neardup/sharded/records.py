@@ -404,8 +404,10 @@ def order_key(timestamp_ms: int, partition: int, offset: int) -> bytes:
 
 
 def order_seq(key: bytes) -> int:
-    """The order key as one integer, ordered like the keys (timestamp, partition, offset)."""
-    return fields_seq(*ORDER.unpack(key))
+    """The order key as one integer, ordered like the keys (timestamp, partition, offset):
+    ``fields_seq`` of its fields, which is its 20 bytes read as one signed big-endian
+    integer (the partition and the offset are never negative)."""
+    return int.from_bytes(key, "big", signed=True)
 
 
 def fields_seq(timestamp_ms: int, partition: int, offset: int) -> int:

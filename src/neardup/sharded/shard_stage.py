@@ -429,6 +429,7 @@ class ShardProcessor(StageHooks):
         # of a full prepare batch holds
         self._per_message = float(settings.batch_size)
         self.set_reader = SetReader(settings, topology.sets)  # the sets of band records sent without them
+        self._sets_warned = False  # told that prepare sends the sets apart while this shard keeps a window
 
     # --- lifecycle ------------------------------------------------------------------
     def is_output(self, topic: str) -> bool:
@@ -978,6 +979,11 @@ class ShardProcessor(StageHooks):
         if headers:
             for name, value in headers:
                 if name == SETS_HEADER:
+                    if self.retention_ms is not None and not self._sets_warned:
+                        self._sets_warned = True
+                        log.warning("band records name their sets in %s, which nothing deletes: give prepare the "
+                                    "shards' --retention too (it then sends the sets in the band records, which the "
+                                    "shards delete once no member needs them)", self.topology.sets)
                     return self.set_reader.sets(value)
         return None
 
