@@ -936,6 +936,43 @@ def test_a_malformed_band_record_dead_letters_its_document_and_stalls_nothing(ka
     assert "not a band record" in log and "Traceback" not in log
 
 
+def test_a_set_record_gone_dead_letters_its_documents_and_stalls_nothing(kafka_bootstrap, kafka_topic_factory,
+                                                                          tmp_path):
+    """The set topic's records deleted (by hand) after prepare sent a backlog and before the
+    shards read it: every document comes out once, a dead letter naming the set record
+    gone, and the stages run on."""
+    from confluent_kafka import OFFSET_END, TopicPartition
+
+    topic, records = _input(kafka_bootstrap, kafka_topic_factory, 30)
+    topology = Topology(f"sharded-{uuid.uuid4().hex[:8]}", shards=2, decide_partitions=1)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    topology.ensure(admin)
+    log = tmp_path / "stages.log"
+    stages = _Stages(kafka_bootstrap, topic, topology, log)
+    try:
+        stages.start("prepare")  # left running: its watermarks release the documents
+        _wait_committed(kafka_bootstrap, f"{topology.app}.prepare", topic, _ends(kafka_bootstrap, topic),
+                        stages.alive)
+        sets = [TopicPartition(topology.sets, p, OFFSET_END) for p in range(topology.shards)]
+        for future in admin.delete_records(sets).values():
+            future.result(30)
+        stages.start("shard")
+        stages.start("decide")
+        out = _outputs(kafka_bootstrap, topic, len(records) + 2, 120, stages.alive)
+        assert stages.alive(), stages.report()
+    finally:
+        stages.stop()
+    text = log.read_text()
+    keys = Counter(o.key for o in out)
+    assert len(keys) == len(records) + 2 and max(keys.values()) == 1, text[-3000:]
+    errors = {o.key: o.headers["neardup-error"].decode() for o in out if o.topic == f"{topic}.dlq"}
+    valid = set(keys) - {b"bad", b"empty"}
+    assert len(valid) == len(records)
+    assert all(re.fullmatch(rf"set record {re.escape(topology.sets)}\[\d+\]@\d+ is gone", errors.get(k, ""))
+               for k in valid), errors
+    assert "Traceback" not in text
+
+
 def test_records_too_large_for_a_topic_become_dead_letters(kafka_bootstrap, kafka_topic_factory, tmp_path):
     # a document record larger than the findings topic takes, one whose headers alone are,
     # and an output record larger than its output topic takes: all reach the dead-letter

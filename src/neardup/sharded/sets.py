@@ -106,6 +106,7 @@ class SetReader:
             consumer.incremental_assign([TopicPartition(self.topic, partition, offset)])
             self._next[partition] = offset
         deadline = time.monotonic() + WAIT_S
+        asked = time.monotonic()  # when the partition's offsets were last asked (once a second while waiting)
         while key not in self._cache:
             if self._next[partition] > offset:
                 raise SetRecordGoneError(self.topic, partition, offset)
@@ -114,7 +115,16 @@ class SetReader:
                                                 f"set record {self.topic}[{partition}]@{offset} not read in {WAIT_S:.0f} s"))
             # what has arrived, else the next record to arrive (``consume`` waits for all
             # the messages asked or the timeout)
-            for m in consumer.consume(512, timeout=0) or consumer.consume(1, timeout=0.5):
+            got = consumer.consume(512, timeout=0) or consumer.consume(1, timeout=0.5)
+            if not got and time.monotonic() - asked > 1.0:
+                # a set record is committed before the band record naming it: one below the
+                # partition's first offset, or at or past its end, was deleted (or the topic
+                # made anew), and no record will come to show it
+                asked = time.monotonic()
+                low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, partition), timeout=10)
+                if not low <= offset < high:
+                    raise SetRecordGoneError(self.topic, partition, offset)
+            for m in got:
                 err = m.error()
                 if err is not None:
                     if err.code() != KafkaError._PARTITION_EOF:
