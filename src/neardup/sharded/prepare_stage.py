@@ -675,11 +675,13 @@ class PrepareProcessor(StageHooks):
             for chunk in split_runs(entries, itemgetter(1), room):
                 out.append((t.findings, q, None, documents_value([entry for entry, _ in chunk]), headers))
         # one band record per shard partition (split if large), built as columns
-        if self.sets_once and include.any():  # the sets first, once each; ``write`` names them in the band records
+        if self.sets_once and include.any():
+            # the sets once each, first: ``write`` waits for the broker to take them alone,
+            # then names them in the band records (the header's empty value)
             self._set_partition = (self._set_partition + 1) % t.shards
             set_headers = [(KIND_HEADER, SETS_KIND), (ENGINE_HEADER, self.digest)]
-            out += [(t.sets, self._set_partition, None, value, set_headers)
-                    for value in sets_values(orders, p.fingerprints, p.fingerprint_offsets, include)]
+            out[:0] = [(t.sets, self._set_partition, None, value, set_headers)
+                       for value in sets_values(orders, p.fingerprints, p.fingerprint_offsets, include)]
             band_headers = [*band_headers, (SETS_HEADER, b"")]
         for q, values in enumerate(batch_bands(orders, ids, grouped, bounds, p.fingerprints,
                                                 p.fingerprint_offsets, include, with_sets=not self.sets_once)):
@@ -720,16 +722,18 @@ class PrepareProcessor(StageHooks):
         batch, records = work
         band_records = band_bytes = document_bytes = 0
         lead = self.lead
-        sets: list[int] = []  # the offsets of the batch's set records, as delivered
+        sets: list[int | KafkaError] = []  # the offsets of the batch's set records, as delivered
+        set_partition = -1
         ref: list[tuple[str, bytes]] | None = None  # the band records' headers naming them
         for topic, partition, key, value, headers in records:
             if topic == self.topology.sets:
                 produce(producer, topic, key, value, headers, partition, _on_set_delivered(sets))
+                set_partition = partition  # type: ignore[assignment]
                 band_bytes += len(value or b"")  # what the band records carried before
                 continue
             if headers and headers[-1] == (SETS_HEADER, b""):
                 if ref is None:
-                    ref = [*headers[:-1], (SETS_HEADER, sets_ref(self._set_partition, self._set_offsets(producer, sets)))]
+                    ref = [*headers[:-1], (SETS_HEADER, sets_ref(set_partition, self._set_offsets(producer, sets)))]
                 headers = ref
             if lead is not None and topic == self.topology.findings and headers[0] == _DOCUMENTS_HEADER:
                 produce(producer, topic, key, value, headers, partition, _on_delivered(lead, documents_count(value)))

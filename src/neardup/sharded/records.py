@@ -766,11 +766,11 @@ def parse_bands(value: bytes, offset: int = -1, sets: dict[bytes, np.ndarray] | 
     if sets is not None:
         if f_total:
             raise ValueError("band record with sets of its own and a set record's")
-        missing = next((order for order in orders if order not in sets), None)
-        if missing is not None:
-            raise ValueError(f"set of document {ORDER.unpack(missing)} in none of its set records")
-        return [BandRecord(order, doc_id, buckets[ka:kb], sets[order], offset, i)
-                for i, (order, doc_id, ka, kb) in enumerate(zip(orders, ids, k_at, k_at[1:]))]
+        try:
+            return [BandRecord(order, doc_id, buckets[ka:kb], sets[order], offset, i)
+                    for i, (order, doc_id, ka, kb) in enumerate(zip(orders, ids, k_at, k_at[1:]))]
+        except KeyError as exc:
+            raise ValueError(f"set of document {ORDER.unpack(exc.args[0])} in none of its set records") from None
     return [BandRecord(order, doc_id, buckets[ka:kb], fps[fa:fb], offset, i)
             for i, (order, doc_id, ka, kb, fa, fb) in enumerate(zip(orders, ids, k_at, k_at[1:], f_at, f_at[1:]))]
 
@@ -792,24 +792,13 @@ def sets_values(orders: Sequence[bytes], fingerprints: np.ndarray, offsets: np.n
         include: bool, shape (n,): the documents sent to the shards.
     """
     rows = np.flatnonzero(np.asarray(include, dtype=bool)).tolist()
-    if not rows:
-        return []
     offsets = np.asarray(offsets, dtype=np.int64)
     counts = (offsets[1:] - offsets[:-1])
     raw = le_bytes(fingerprints[offsets[0]:offsets[-1]], "<u4")
     cuts = (4 * (offsets - offsets[0])).tolist()
-    out: list[bytes] = []
-    chunk: list[int] = []
-    size = _COUNT.size
-    for i in rows:
-        grows = ORDER.size + 4 + 4 * int(counts[i])
-        if chunk and size + grows > max_bytes:
-            out.append(_sets_value(orders, counts, raw, cuts, chunk))
-            chunk, size = [], _COUNT.size
-        chunk.append(i)
-        size += grows
-    out.append(_sets_value(orders, counts, raw, cuts, chunk))
-    return out
+    entry = (ORDER.size + 4 + 4 * counts).tolist()  # a document's bytes in a set record
+    return [_sets_value(orders, counts, raw, cuts, run)
+            for run in split_runs(rows, entry.__getitem__, max_bytes - _COUNT.size)]
 
 
 def _sets_value(orders: Sequence[bytes], counts: np.ndarray, raw: bytes, cuts: list[int], rows: list[int]) -> bytes:

@@ -63,10 +63,9 @@ class SetReader:
         self.cache_bytes = cache_bytes
         self._consumer: Consumer | None = None
         self._next: dict[int, int] = {}  # partition -> the offset after the last record read
-        self._cache: OrderedDict[tuple[int, int], dict[bytes, np.ndarray]] = OrderedDict()
-        self._sizes: dict[tuple[int, int], int] = {}
+        # (partition, offset) -> (its sets by order key, its bytes), least recently used first
+        self._cache: OrderedDict[tuple[int, int], tuple[dict[bytes, np.ndarray], int]] = OrderedDict()
         self._held = 0
-        self.read = 0  # set records read
 
     def sets(self, ref: bytes) -> dict[bytes, np.ndarray]:
         """Order key -> uint32 shingle set of every document of the set records ``ref``
@@ -92,10 +91,10 @@ class SetReader:
 
     def _record(self, partition: int, offset: int) -> dict[bytes, np.ndarray]:
         key = (partition, offset)
-        got = self._cache.get(key)
-        if got is not None:
+        cached = self._cache.get(key)
+        if cached is not None:
             self._cache.move_to_end(key)
-            return got
+            return cached[0]
         consumer = self._reader()
         at = self._next.get(partition)
         if at is None:
@@ -143,16 +142,14 @@ class SetReader:
                     log.error("set topic %s[%d]@%d: not a set record (%s); skipped", self.topic, p, o, exc)
                     continue
                 self._put((p, o), sets, len(value))
-        self.read += 1
-        return self._cache[key]
+        return self._cache[key][0]
 
     def _put(self, key: tuple[int, int], sets: dict[bytes, np.ndarray], size: int) -> None:
-        self._cache[key] = sets
-        self._sizes[key] = size
+        self._cache[key] = (sets, size)
         self._held += size
         while self._held > self.cache_bytes and len(self._cache) > 1:
-            old, _ = self._cache.popitem(last=False)
-            self._held -= self._sizes.pop(old)
+            _, (_, gone) = self._cache.popitem(last=False)
+            self._held -= gone
 
     def _reader(self) -> Consumer:
         if self._consumer is None:
